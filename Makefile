@@ -1,0 +1,23 @@
+# The two set-up commands of the README: `make demo` and `make test`. Both create .venv when needed.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/mhf: pyproject.toml requirements/cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements/cpu.txt -e '.[dev]'
+	touch $(BIN)/mhf
+
+.PHONY: install demo test lint
+install: $(BIN)/mhf
+
+demo: install
+	$(BIN)/mhf demo
+
+test: install
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .

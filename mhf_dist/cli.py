@@ -1,0 +1,100 @@
+"""The `mhf` command: parses arguments, loads the config, calls the library.
+
+Every user mistake surfaces as one line `error: ...` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from mhf_dist.config import Config, load_config
+from mhf_dist.errors import MhfError
+
+
+def _add_config_args(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
+    parser.add_argument("--config", default=default, help=f"preset name or YAML file (default: {default})")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, e.g. --set train.steps=50 (repeatable)",
+    )
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return load_config(args.config, args.overrides)
+
+
+def cmd_config(args: argparse.Namespace) -> None:
+    print(yaml.safe_dump(_config(args).model_dump(mode="json"), sort_keys=False), end="")
+
+
+def cmd_count(args: argparse.Namespace) -> None:
+    from mhf_dist.models import FAMILIES, forward_flops_per_token, param_count
+    from mhf_dist.models.counting import matched_layers
+    from mhf_dist.tables import markdown_table
+
+    cfg = _config(args)
+    rows = []
+    for family in FAMILIES:
+        model_cfg = cfg.model.model_copy(update={"family": family})
+        layers = matched_layers(model_cfg)[0] if family == "qwen3_matched" else model_cfg.backbone.num_layers
+        rows.append(
+            {
+                "family": family,
+                "layers": layers,
+                "params": param_count(model_cfg),
+                "fwd GFLOP/token": forward_flops_per_token(model_cfg, cfg.train.seq_len) / 1e9,
+            }
+        )
+    print(
+        f"preset {cfg.preset or args.config}, V={cfg.model.vocab_size}, {cfg.model.hash.spec}, "
+        f"seq_len {cfg.train.seq_len}"
+    )
+    print(markdown_table(rows, ["family", "layers", "params", "fwd GFLOP/token"]))
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from mhf_dist.demo import run_demo
+
+    run_demo(_config(args), Path(args.workdir))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mhf", description="Train hash-based language models on Ray.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="train mhf and Qwen3 baselines small on the built-in corpus")
+    _add_config_args(demo)
+    demo.add_argument("--workdir", default="runs/demo", help="where results are written (default: runs/demo)")
+    demo.set_defaults(func=cmd_demo)
+
+    show = commands.add_parser("config", help="print the resolved config as YAML")
+    _add_config_args(show)
+    show.set_defaults(func=cmd_config)
+
+    count = commands.add_parser("count", help="analytic parameters and FLOPs of every family for a config")
+    _add_config_args(count)
+    count.set_defaults(func=cmd_count)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except MhfError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

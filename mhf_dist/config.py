@@ -1,0 +1,289 @@
+"""Typed run configuration: pydantic models, YAML presets and `--set a.b=c` overrides.
+
+A config is built in three layers: a preset (`mhf_dist/presets/<name>.yaml`) or a YAML file (which
+may itself name a `preset:` to start from), then `--set` overrides. Every mistake is a `ConfigError`
+whose one-line message names the bad key or value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from mhf_dist.errors import ConfigError
+
+PRESET_DIR = Path(__file__).parent / "presets"
+Family = Literal["mhf", "qwen3", "qwen3_matched"]
+HASH_SPEC = re.compile(r"^H(\d+)B(\d+)(K?)$")
+
+
+class StrictModel(BaseModel):
+    """Rejects unknown keys so that a typo is an error, never a silently ignored setting."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def parse_hash_spec(spec: str) -> tuple[int, int]:
+    """`H4B16K` -> (4, 16384): H hash functions, B buckets (a trailing K multiplies by 1024)."""
+    match = HASH_SPEC.match(spec.strip())
+    if match is None:
+        raise ConfigError(f"bad hash spec {spec!r}; write H<hashes>B<buckets>[K], e.g. H4B16K or H2B64")
+    num_hashes, num_buckets = int(match[1]), int(match[2]) * (1024 if match[3] else 1)
+    if num_hashes < 1:
+        raise ConfigError(f"hash spec {spec!r} has H={num_hashes}; use at least one hash (H>=1)")
+    if num_buckets < 2:
+        raise ConfigError(f"hash spec {spec!r} has B={num_buckets}; use at least two buckets (B>=2)")
+    return num_hashes, num_buckets
+
+
+def format_hash_spec(num_hashes: int, num_buckets: int) -> str:
+    """(4, 16384) -> `H4B16K`; the inverse of `parse_hash_spec`."""
+    if num_buckets % 1024 == 0:
+        return f"H{num_hashes}B{num_buckets // 1024}K"
+    return f"H{num_hashes}B{num_buckets}"
+
+
+class BackboneConfig(StrictModel):
+    """A Qwen3 decoder stack: QK-norm, grouped-query attention, RoPE, SwiGLU MLP."""
+
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    num_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    rope_theta: float = Field(1_000_000.0, gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    max_position_embeddings: int = Field(32768, gt=0)
+    tie_word_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _heads_group_evenly(self) -> BackboneConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
+                "pick num_kv_heads that divides num_heads"
+            )
+        return self
+
+
+class HashConfig(StrictModel):
+    """Signature shape (`spec`, e.g. H4B16K) and the widths of the hash encoder and decoder."""
+
+    spec: str = "H4B16K"
+    seed: int = Field(0, ge=0)
+    d_hash: int | None = Field(None, gt=0, description="bucket-embedding width; default: hidden_size")
+    gate_hidden: int = Field(64, gt=0, description="bottleneck of the encoder's gate")
+    d_casc: int | None = Field(None, gt=0, description="cascade width of the decoder; default hidden/4")
+    mixer_hidden: int | None = Field(
+        None, gt=0, description="bottleneck of the cascade mixer; default d_casc"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_spec_string(cls, value: Any) -> Any:
+        return {"spec": value} if isinstance(value, str) else value
+
+    @field_validator("spec")
+    @classmethod
+    def _valid_spec(cls, spec: str) -> str:
+        try:
+            parse_hash_spec(spec)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        return spec.strip()
+
+    @property
+    def num_hashes(self) -> int:
+        return parse_hash_spec(self.spec)[0]
+
+    @property
+    def num_buckets(self) -> int:
+        return parse_hash_spec(self.spec)[1]
+
+
+class ModelConfig(StrictModel):
+    family: Family = "mhf"
+    vocab_size: int = Field(32000, gt=0)
+    backbone: BackboneConfig
+    hash: HashConfig = HashConfig()
+
+    def hash_widths(self) -> tuple[int, int, int]:
+        """(d_hash, d_casc, mixer_hidden) with the defaults resolved against the backbone width."""
+        d_model = self.backbone.hidden_size
+        d_hash = self.hash.d_hash or d_model
+        d_casc = self.hash.d_casc or max(1, d_model // 4)
+        return d_hash, d_casc, self.hash.mixer_hidden or d_casc
+
+
+class TrainConfig(StrictModel):
+    seed: int = 0
+    steps: int = Field(100, gt=0)
+    batch_size: int = Field(8, gt=0)
+    seq_len: int = Field(128, ge=2)
+    lr: float = Field(3e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+    log_every: int = Field(10, gt=0)
+
+
+class Config(StrictModel):
+    preset: str | None = None
+    model: ModelConfig
+    train: TrainConfig = TrainConfig()
+
+    def flat(self) -> dict[str, Any]:
+        """`{"model.backbone.hidden_size": 64, ...}`: the form MLflow params and `--set` use."""
+        return dict(_flatten(self.model_dump(mode="json")))
+
+
+def available_presets() -> list[str]:
+    return sorted(path.stem for path in PRESET_DIR.glob("*.yaml"))
+
+
+def load_config(source: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Resolve a preset name or YAML path plus `a.b=c` overrides into a validated `Config`."""
+    raw = _load_source(source if source is not None else "tiny")
+    for override in overrides:
+        _apply_override(raw, override)
+    return validate_config(raw)
+
+
+def validate_config(raw: Mapping[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def _load_source(source: str | Path) -> dict[str, Any]:
+    path = Path(source)
+    if path.suffix not in (".yaml", ".yml"):
+        preset = PRESET_DIR / f"{source}.yaml"
+        if not preset.is_file():
+            raise ConfigError(
+                f"unknown preset {str(source)!r}; choose one of {', '.join(available_presets())} "
+                "or pass a path to a .yaml file"
+            )
+        path = preset
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; check the path")
+    raw = _read_yaml(path)
+    base = raw.pop("preset", None)
+    if base is None:
+        return raw if path.parent != PRESET_DIR else {**raw, "preset": path.stem}
+    if path.parent == PRESET_DIR:
+        raise ConfigError(f"preset {path.stem!r} names another preset; presets must be self-contained")
+    merged = _load_source(str(base))
+    _deep_merge(merged, raw)
+    return merged
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise ConfigError(f"cannot parse {path}{where}: {problem}; fix the YAML syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config sections, not a {type(data).__name__}")
+    return data
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"bad override {override!r}; write --set section.key=value, e.g. train.steps=50")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    parts = key.strip().split(".")
+    model_cls: type[BaseModel] = Config
+    node = raw
+    for depth, part in enumerate(parts):
+        fields = model_cls.model_fields
+        if part not in fields:
+            where = ".".join(parts[:depth]) or "the top level"
+            raise ConfigError(
+                f"unknown key {key!r} in --set {override}; keys under {where}: {', '.join(fields)}"
+            )
+        annotation = _submodel(fields[part].annotation)
+        path = ".".join(parts[: depth + 1])
+        if depth == len(parts) - 1:
+            if annotation is HashConfig and isinstance(value, str) and isinstance(node.get(part), dict):
+                node[part] = {**node[part], "spec": value}  # `model.hash=H2B64` keeps the widths
+            elif annotation is not None and not isinstance(value, dict | str):
+                first = next(iter(annotation.model_fields))
+                raise ConfigError(f"{path} is a section; set one of its keys, e.g. --set {path}.{first}=...")
+            else:
+                node[part] = value
+            return
+        if annotation is None:
+            raise ConfigError(f"{path} is a value, not a section; use --set {path}=...")
+        child = node.get(part)
+        if isinstance(child, str) and annotation is HashConfig:
+            child = {"spec": child}
+        node[part] = child if isinstance(child, dict) else {}
+        node, model_cls = node[part], annotation
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    candidates = getattr(annotation, "__args__", (annotation,))
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _deep_merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _describe(err: ValidationError) -> str:
+    first = err.errors()[0]
+    location = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "extra_forbidden":
+        parent = _model_at(first["loc"][:-1])
+        allowed = ", ".join(parent.model_fields) if parent else "see the preset files"
+        return f"unknown key {location!r}; allowed keys there: {allowed}"
+    if first["type"] == "missing":
+        return f"missing key {location!r}; add it to the config or pass --set {location}=..."
+    message = first["msg"].removeprefix("Value error, ")
+    value = first.get("input")
+    shown = f" (got {value!r})" if location and not isinstance(value, dict) else ""
+    return f"{location or 'config'}: {message}{shown}"
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model_cls: type[BaseModel] | None = Config
+    for part in loc:
+        if model_cls is None or part not in model_cls.model_fields:
+            return None
+        model_cls = _submodel(model_cls.model_fields[part].annotation)
+    return model_cls

@@ -1,0 +1,1 @@
+"""Corpora, tokenizers and packing of token streams into training rows."""

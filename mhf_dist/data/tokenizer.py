@@ -1,0 +1,77 @@
+"""Tokenizers: any Hugging Face `tokenizer.json`, or a byte-level BPE trained on a corpus."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from mhf_dist.errors import DataError
+
+EOS = "<|endoftext|>"
+
+
+class TextTokenizer:
+    """A `tokenizers.Tokenizer` plus what mhf-dist needs: id-ordered vocabulary strings and EOS."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_token: str = EOS) -> None:
+        self.tokenizer = tokenizer
+        eos_id = tokenizer.token_to_id(eos_token)
+        if eos_id is None:
+            raise DataError(f"tokenizer has no end-of-text token {eos_token!r}; add it as a special token")
+        self.eos_id = eos_id
+
+    @classmethod
+    def load(cls, path: str | Path, eos_token: str = EOS) -> TextTokenizer:
+        try:
+            return cls(Tokenizer.from_file(str(path)), eos_token)
+        except Exception as err:  # tokenizers raises a bare Exception for unreadable files
+            raise DataError(
+                f"cannot read tokenizer {str(path)!r}: {err}; pass a tokenizer.json file"
+            ) from None
+
+    @classmethod
+    def train_bpe(cls, texts: Iterable[str], vocab_size: int) -> TextTokenizer:
+        """A byte-level BPE (GPT-2 style pre-tokenisation) with EOS as its first special token."""
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator(texts, trainer=trainer)
+        return cls(tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def vocabulary(self) -> list[str]:
+        """Token strings in id order (special tokens included): the keys of the signature table."""
+        by_id = {index: token for token, index in self.tokenizer.get_vocab(with_added_tokens=True).items()}
+        missing = [index for index in range(len(by_id)) if index not in by_id]
+        if missing:
+            raise DataError(
+                f"tokenizer ids are not contiguous (id {missing[0]} missing); renumber the vocabulary"
+            )
+        return [by_id[index] for index in range(len(by_id))]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [
+            encoding.ids for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        ]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, path: str | Path) -> None:
+        self.tokenizer.save(str(path))
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()

@@ -1,0 +1,1 @@
+"""Evaluation: exact likelihood metrics over the real vocabulary."""

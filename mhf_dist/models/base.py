@@ -1,0 +1,54 @@
+"""What every model family offers the trainer, the evaluator and the sampler.
+
+A batch row holds seq_len + 1 token ids: the model reads the first seq_len and predicts the last
+seq_len. Families differ in how they score a next token; they agree on this interface, so training,
+exact evaluation and generation are written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LMOutput:
+    """Training-path result: the loss to minimise and detached metrics to log."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class CausalLM(nn.Module):
+    """Base class of the families. Subclasses implement the four methods below."""
+
+    vocab_size: int
+
+    def forward(self, tokens: torch.Tensor, signatures: torch.Tensor | None = None) -> LMOutput:
+        """Training loss on rows of seq_len+1 ids; `signatures` are precomputed [B, T+1, H] (mhf only)."""
+        raise NotImplementedError
+
+    def token_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Exact negative log-likelihood (nats) of each target given its prefix, [B, T]."""
+        raise NotImplementedError
+
+    def next_token_logprobs(self, new_ids: torch.Tensor, cache: Any | None) -> tuple[torch.Tensor, Any]:
+        """Feed `new_ids` [B, t] after whatever `cache` holds; log p over the vocabulary at the last position.
+
+        `cache=None` starts from an empty context and uses no cache at all: the caller passes the whole
+        sequence every step. `self.new_cache()` starts an incremental decode.
+        """
+        raise NotImplementedError
+
+    def new_cache(self) -> Any:
+        raise NotImplementedError
+
+
+def split_rows(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of seq_len+1 ids (or signatures, [B, T+1, H]) -> (inputs, targets), each [B, seq_len, ...]."""
+    if tokens.dim() < 2 or tokens.shape[1] < 2:
+        raise ValueError(f"expected token rows of shape [batch, seq_len + 1], got {tuple(tokens.shape)}")
+    return tokens[:, :-1], tokens[:, 1:]

@@ -1,0 +1,152 @@
+"""The hash interface that replaces a language model's embedding matrix and LM head.
+
+`HashEncoder` turns a token's signature into a vector of the backbone's width; `CascadedHashDecoder`
+turns a hidden state into H per-coordinate bucket distributions; `vocab_logprobs` / `vocab_logsumexp`
+score real tokens exactly, renormalised over the vocabulary V_actl. Nothing here knows which backbone
+sits between encoder and decoder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TABLE_INIT_STD = 0.02  # bucket tables, coordinate vectors and heads, as transformers inits embeddings
+
+
+def init_hash_params(module: nn.Module) -> None:
+    """Tables N(0, 0.02); projections N(0, 1/fan_in) so the encoder's output starts at the scale of a
+    token embedding (a 0.02-std adapter would shrink it ~50x and the backbone learns context slowly)."""
+    for name, param in module.named_parameters():
+        if "norm" in name:
+            continue
+        if isinstance(module.get_submodule(name.rpartition(".")[0]), nn.Linear):
+            nn.init.normal_(param, std=param.shape[1] ** -0.5)
+        else:
+            nn.init.normal_(param, std=TABLE_INIT_STD)
+
+
+# Elements of one [positions, vocab-chunk] score block: bounds memory of exact scoring (256 MiB fp32).
+SCORE_BLOCK_ELEMENTS = 1 << 26
+
+
+class HashEncoder(nn.Module):
+    """Gated compositional embedding of a signature.
+
+    The H bucket vectors come from one table E_in shared by all coordinates, plus a learned vector per
+    coordinate so that [a, b] and [b, a] embed differently. A feed-forward bottleneck scores each
+    bucket vector, the scores are softmax-normalised over the H coordinates, and a linear adapter
+    projects the weighted combination to the backbone's width. The gate lets a token lean on its
+    least-shared buckets, since every bucket is shared by many unrelated tokens.
+    """
+
+    def __init__(
+        self, num_hashes: int, num_buckets: int, d_hash: int, gate_hidden: int, d_model: int
+    ) -> None:
+        super().__init__()
+        self.bucket_embed = nn.Embedding(num_buckets, d_hash)
+        self.coord_embed = nn.Parameter(torch.empty(num_hashes, d_hash))
+        self.gate = nn.Sequential(
+            nn.Linear(d_hash, gate_hidden, bias=False), nn.SiLU(), nn.Linear(gate_hidden, 1, bias=False)
+        )
+        self.adapter = nn.Linear(d_hash, d_model, bias=False)
+        init_hash_params(self)
+
+    def forward(self, signatures: torch.Tensor) -> torch.Tensor:
+        buckets = self.bucket_embed(signatures) + self.coord_embed  # [..., H, d_hash]
+        weights = torch.softmax(self.gate(buckets), dim=-2)  # [..., H, 1]
+        return self.adapter((weights * buckets).sum(dim=-2))
+
+
+class CascadeMixer(nn.Module):
+    """state' = state + W_up silu(W_down [state; soft]): the recursive step between coordinates."""
+
+    def __init__(self, d_casc: int, hidden: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(2 * d_casc, hidden, bias=False)
+        self.up = nn.Linear(hidden, d_casc, bias=False)
+
+    def forward(self, state: torch.Tensor, soft_bucket: torch.Tensor) -> torch.Tensor:
+        return state + self.up(F.silu(self.down(torch.cat([state, soft_bucket], dim=-1))))
+
+
+class CascadedHashDecoder(nn.Module):
+    """Predicts the next token's signature coordinate by coordinate.
+
+    state_0 = W_r h (reduced width d_casc). For coordinate j: B-way logits from a per-coordinate head;
+    the soft bucket embedding p_j @ E_out (the expectation of E_out under that distribution, so the
+    cascade stays differentiable); and the mixer forms state_{j+1} from [state_j; soft_j]. The last
+    coordinate needs no soft embedding, so the mixer runs H-1 times.
+    """
+
+    def __init__(
+        self, d_model: int, num_hashes: int, num_buckets: int, d_casc: int, mixer_hidden: int
+    ) -> None:
+        super().__init__()
+        self.num_hashes = num_hashes
+        self.reduce = nn.Linear(d_model, d_casc, bias=False)
+        self.norm = nn.RMSNorm(d_casc, eps=1e-6)
+        self.heads = nn.Parameter(torch.empty(num_hashes, num_buckets, d_casc))
+        self.bucket_embed = nn.Embedding(num_buckets, d_casc)
+        self.mixer = CascadeMixer(d_casc, mixer_hidden)
+        init_hash_params(self)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [..., d_model] -> coordinate logits [..., H, B]."""
+        state = self.reduce(hidden)
+        logits = []
+        for j in range(self.num_hashes):
+            logits_j = F.linear(self.norm(state), self.heads[j])
+            logits.append(logits_j)
+            if j + 1 < self.num_hashes:
+                soft_bucket = torch.softmax(logits_j, dim=-1) @ self.bucket_embed.weight
+                state = self.mixer(state, soft_bucket)
+        return torch.stack(logits, dim=-2)
+
+
+def signature_loss(
+    coord_logits: torch.Tensor, target_sigs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over coordinates of the mean cross-entropy, and per-coordinate accuracy [H]."""
+    num_buckets = coord_logits.shape[-1]
+    per_coord = F.cross_entropy(
+        coord_logits.reshape(-1, num_buckets).float(), target_sigs.reshape(-1), reduction="none"
+    ).view(*target_sigs.shape)
+    loss = per_coord.flatten(0, -2).mean(0).sum()
+    with torch.no_grad():
+        accuracy = (coord_logits.argmax(-1) == target_sigs).float().flatten(0, -2).mean(0)
+    return loss, accuracy
+
+
+def _score_chunks(coord_logp: torch.Tensor, vocab_sigs: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Yields [N, C] blocks of sum_j log P_j(H_j(w)) over the vocabulary in id order."""
+    by_coord = coord_logp.transpose(0, 1).contiguous()  # [H, N, B]
+    num_positions = by_coord.shape[1]
+    chunk = max(1, SCORE_BLOCK_ELEMENTS // max(1, num_positions))
+    for start in range(0, vocab_sigs.shape[0], chunk):
+        sigs = vocab_sigs[start : start + chunk]
+        scores = by_coord[0].index_select(1, sigs[:, 0])
+        for j in range(1, by_coord.shape[0]):
+            scores += by_coord[j].index_select(1, sigs[:, j])
+        yield scores
+
+
+def vocab_logsumexp(coord_logp: torch.Tensor, vocab_sigs: torch.Tensor) -> torch.Tensor:
+    """log of the signature-model mass on real tokens, [N]; never builds a B^H or [N, V] tensor."""
+    return torch.logsumexp(
+        torch.stack([chunk.logsumexp(-1) for chunk in _score_chunks(coord_logp, vocab_sigs)], -1), -1
+    )
+
+
+def vocab_logprobs(coord_logp: torch.Tensor, vocab_sigs: torch.Tensor) -> torch.Tensor:
+    """Exact log p(w) over the real vocabulary, [N, V]: signature scores renormalised over V_actl."""
+    scores = torch.cat(list(_score_chunks(coord_logp, vocab_sigs)), dim=-1)
+    return scores - scores.logsumexp(-1, keepdim=True)
+
+
+def target_scores(coord_logp: torch.Tensor, target_sigs: torch.Tensor) -> torch.Tensor:
+    """sum_j log P_j(target_j) for each position, [N]."""
+    return coord_logp.gather(-1, target_sigs.unsqueeze(-1)).squeeze(-1).sum(-1)

@@ -1,0 +1,63 @@
+"""Qwen3 baselines: transformers' `Qwen3ForCausalLM` on the same backbone config as the MHF model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+
+from mhf_dist.config import BackboneConfig, ModelConfig
+from mhf_dist.models.base import CausalLM, LMOutput, split_rows
+
+
+def qwen3_config(backbone: BackboneConfig, vocab_size: int) -> Qwen3Config:
+    """Our backbone section as a transformers `Qwen3Config`."""
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=backbone.hidden_size,
+        num_hidden_layers=backbone.num_layers,
+        num_attention_heads=backbone.num_heads,
+        num_key_value_heads=backbone.num_kv_heads,
+        head_dim=backbone.head_dim,
+        intermediate_size=backbone.intermediate_size,
+        rope_parameters={"rope_type": "default", "rope_theta": backbone.rope_theta},
+        rms_norm_eps=backbone.rms_norm_eps,
+        max_position_embeddings=backbone.max_position_embeddings,
+        tie_word_embeddings=backbone.tie_word_embeddings,
+        attention_bias=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+
+
+class Qwen3LM(CausalLM):
+    """A standard V x d embedding and V-way LM head around the Qwen3 stack."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.vocab_size = cfg.vocab_size
+        self.model = Qwen3ForCausalLM(qwen3_config(cfg.backbone, cfg.vocab_size))
+
+    def logits(self, inputs: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+        return self.model(input_ids=inputs, cache=cache, use_cache=cache is not None).logits
+
+    def forward(self, tokens: torch.Tensor, signatures: torch.Tensor | None = None) -> LMOutput:
+        inputs, targets = split_rows(tokens)
+        logits = self.logits(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        with torch.no_grad():
+            accuracy = (logits.argmax(-1) == targets).float().mean()
+        return LMOutput(loss, {"loss": loss.item(), "token_acc": accuracy.item()})
+
+    def token_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(inputs).float()
+        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+
+    def next_token_logprobs(self, new_ids: torch.Tensor, cache: Any | None) -> tuple[torch.Tensor, Any]:
+        logits = self.logits(new_ids, cache)[:, -1].float()
+        return torch.log_softmax(logits, dim=-1), cache
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)

@@ -1,0 +1,84 @@
+"""The model registry: a family name maps to its builder and its analytic counts.
+
+New families plug in with `register(...)`; the trainer, evaluator and CLI only call `build_model`,
+`param_count` and `forward_flops_per_token`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mhf_dist.config import ModelConfig
+from mhf_dist.errors import ConfigError, SignatureError
+from mhf_dist.models import counting
+from mhf_dist.models.base import CausalLM
+from mhf_dist.models.multihashformer import MultiHashFormer
+from mhf_dist.models.qwen3 import Qwen3LM
+from mhf_dist.signatures import SignatureTable
+
+
+@dataclass(frozen=True)
+class Family:
+    build: Callable[[ModelConfig, SignatureTable | None], CausalLM]
+    params: Callable[[ModelConfig], int]
+    forward_flops: Callable[[ModelConfig, int], int]
+    uses_signatures: bool = False
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(name: str, family: Family) -> None:
+    FAMILIES[name] = family
+
+
+def _family(cfg: ModelConfig) -> Family:
+    if cfg.family not in FAMILIES:
+        raise ConfigError(f"unknown model family {cfg.family!r}; choose one of {', '.join(FAMILIES)}")
+    return FAMILIES[cfg.family]
+
+
+def build_model(cfg: ModelConfig, signatures: SignatureTable | None = None) -> CausalLM:
+    """Build the family named by `cfg.family`; `mhf` needs the vocabulary's signature table."""
+    return _family(cfg).build(cfg, signatures)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    return _family(cfg).params(cfg)
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    return _family(cfg).forward_flops(cfg, seq_len)
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Forward plus backward (twice the forward), the numerator of MFU."""
+    return 3 * forward_flops_per_token(cfg, seq_len)
+
+
+def _build_mhf(cfg: ModelConfig, signatures: SignatureTable | None) -> CausalLM:
+    if signatures is None:
+        raise SignatureError("the mhf family needs a signature table; build one with SignatureTable.build")
+    if (signatures.num_hashes, signatures.num_buckets, signatures.seed) != (
+        cfg.hash.num_hashes,
+        cfg.hash.num_buckets,
+        cfg.hash.seed,
+    ):
+        raise SignatureError(
+            f"signature table is {signatures.spec} seed {signatures.seed} but the model config says "
+            f"{cfg.hash.spec} seed {cfg.hash.seed}; rebuild the table or change model.hash"
+        )
+    return MultiHashFormer(cfg, signatures.as_tensor())
+
+
+register("mhf", Family(_build_mhf, counting.mhf_params, counting.mhf_forward_flops, uses_signatures=True))
+register("qwen3", Family(lambda cfg, _: Qwen3LM(cfg), counting.qwen3_params, counting.qwen3_forward_flops))
+register(
+    "qwen3_matched",
+    Family(
+        lambda cfg, _: Qwen3LM(counting.matched_config(cfg)),
+        lambda cfg: counting.qwen3_params(counting.matched_config(cfg)),
+        lambda cfg, seq_len: counting.qwen3_forward_flops(counting.matched_config(cfg), seq_len),
+    ),
+)

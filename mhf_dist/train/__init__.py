@@ -1,0 +1,1 @@
+"""Training: one step loop shared by local runs and Ray Train workers."""

@@ -1,0 +1,124 @@
+"""The training loop, written once.
+
+`run_training` drives any `Stepper` over a stream of batches: `TorchStepper` here for a plain local
+model, a DeepSpeed engine stepper inside Ray Train workers. Progress, throughput and the non-finite
+loss check live in the loop, so every way of training reports the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from mhf_dist.config import TrainConfig
+from mhf_dist.errors import TrainingError
+from mhf_dist.models.base import CausalLM
+from mhf_dist.train.optim import build_optimizer
+
+Batch = dict[str, torch.Tensor]
+
+
+class Stepper(Protocol):
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on `batch`; returns its metrics (loss, lr, grad_norm, ...)."""
+        ...
+
+
+class TorchStepper:
+    """forward, backward, clip, AdamW step and LR schedule on one process."""
+
+    def __init__(self, model: CausalLM, cfg: TrainConfig) -> None:
+        self.model = model
+        self.grad_clip = cfg.grad_clip
+        self.optimizer, self.scheduler = build_optimizer(model, cfg)
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        self.model.train()
+        output = self.model(**batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        output.loss.backward()
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        return {**output.metrics, "lr": lr, "grad_norm": float(grad_norm)}
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What one step processes, for tokens/s and the MFU estimate."""
+
+    tokens_per_step: int
+    flops_per_token: int = 0
+    peak_flops: float = 0.0  # per process; 0 leaves MFU out (needs flops_per_token)
+
+
+def run_training(
+    stepper: Stepper,
+    batches: Iterable[Batch],
+    steps: int,
+    throughput: Throughput,
+    start_step: int = 0,
+    log_every: int = 10,
+    on_log: Callable[[dict[str, float]], None] | None = None,
+) -> list[dict[str, float]]:
+    """Run steps start_step+1 .. steps; returns one metrics dict per step."""
+    history: list[dict[str, float]] = []
+    batch_iter: Iterator[Batch] = iter(batches)
+    started = time.perf_counter()
+    for step in range(start_step + 1, steps + 1):
+        try:
+            batch = next(batch_iter)
+        except StopIteration:
+            raise TrainingError(
+                f"the data ran out at step {step} of {steps}; give more data or fewer steps"
+            ) from None
+        step_start = time.perf_counter()
+        metrics = stepper.step(batch)
+        seconds = time.perf_counter() - step_start
+        if not math.isfinite(metrics["loss"]):
+            raise TrainingError(
+                f"loss is {metrics['loss']} at step {step}; lower train.lr or raise train.warmup_steps"
+            )
+        tokens_per_s = throughput.tokens_per_step / seconds
+        metrics.update(step=step, step_time=seconds, tokens_per_s=tokens_per_s)
+        if throughput.flops_per_token:
+            metrics["flops_per_s"] = tokens_per_s * throughput.flops_per_token
+        if throughput.peak_flops:
+            metrics["mfu"] = metrics["flops_per_s"] / throughput.peak_flops
+        history.append(metrics)
+        if on_log is not None and (step % log_every == 0 or step == steps):
+            elapsed = time.perf_counter() - started
+            metrics["eta_s"] = elapsed / (step - start_step) * (steps - step)
+            on_log(metrics)
+    return history
+
+
+def format_progress(metrics: dict[str, float], steps: int) -> str:
+    """`step 20/200 | loss 3.2100 | lr 2.90e-03 | 12,345 tok/s | eta 0:01:10`."""
+    eta = int(metrics.get("eta_s", 0))
+    return (
+        f"step {int(metrics['step'])}/{steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
+        f"{metrics['tokens_per_s']:,.0f} tok/s | eta {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}"
+    )
+
+
+def train_local(
+    model: CausalLM,
+    batches: Iterable[Batch],
+    cfg: TrainConfig,
+    flops_per_token: int = 0,
+    log: Callable[[str], None] | None = print,
+) -> list[dict[str, float]]:
+    """Train `model` in this process for `cfg.steps` steps: the code path every runner shares."""
+    throughput = Throughput(tokens_per_step=cfg.batch_size * cfg.seq_len, flops_per_token=flops_per_token)
+    on_log = (lambda metrics: log(format_progress(metrics, cfg.steps))) if log else None
+    return run_training(
+        TorchStepper(model, cfg), batches, cfg.steps, throughput, log_every=cfg.log_every, on_log=on_log
+    )

@@ -1,0 +1,17 @@
+import pytest
+
+from mhf_dist.config import Config, load_config
+from mhf_dist.signatures import SignatureTable
+
+SMALL_VOCAB = 300
+
+
+@pytest.fixture(scope="session")
+def small_cfg() -> Config:
+    """The tiny preset at a 300-token vocabulary with H2B64 (frequent collisions, fast scoring)."""
+    return load_config("tiny", [f"model.vocab_size={SMALL_VOCAB}", "model.hash.spec=H2B64"])
+
+
+@pytest.fixture(scope="session")
+def small_table(small_cfg) -> SignatureTable:
+    return SignatureTable.build([f"tok{i}" for i in range(SMALL_VOCAB)], 2, 64)

@@ -1,0 +1,131 @@
+"""The signature contract: MurmurHash3 coordinates, collision-free redraws, stable expansion, storage."""
+
+import mmh3
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mhf_dist.errors import SignatureError
+from mhf_dist.signatures import SignatureTable, token_signature
+
+vocabularies = st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=200, unique=True)
+
+
+def test_murmurhash3_x86_32_reference_vectors_through_the_table_code_path():
+    assert mmh3.hash("hello", 0) == 613153351
+    assert token_signature(b"hello", 1, 2**32, 0) == (613153351,)
+    assert token_signature(b"", 1, 2**32, 0) == (0,)
+    assert token_signature(b"hello", 2, 2**32, 0) == (613153351, mmh3.hash(b"hello", 1, signed=False))
+
+
+def test_unsalted_coordinate_is_mmh3_of_the_token_string_mod_b():
+    tokens = ["the", "Ġcat", "<|endoftext|>", "日本"]
+    table = SignatureTable.build(tokens, num_hashes=4, num_buckets=16384, seed=7)
+    for token_id, token in enumerate(tokens):
+        assert table.salts[token_id] == 0
+        expected = [mmh3.hash(token, 7 + j, signed=False) % 16384 for j in range(4)]
+        assert table.rows[token_id].tolist() == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(vocabularies, st.integers(1, 2), st.integers(0, 3))
+def test_every_token_gets_a_distinct_signature_even_when_collisions_are_frequent(tokens, num_hashes, seed):
+    num_buckets = 64 if num_hashes == 2 else 256
+    table = SignatureTable.build(tokens, num_hashes, num_buckets, seed)
+    assert len({tuple(row) for row in table.rows.tolist()}) == len(tokens)
+    assert table.rows.max() < num_buckets
+
+
+def test_collisions_are_redrawn_with_a_recorded_salt():
+    tokens = [f"token{i}" for i in range(3000)]
+    table = SignatureTable.build(tokens, num_hashes=2, num_buckets=64)
+    salted = np.flatnonzero(table.salts)
+    assert len(salted) > 0, "3000 tokens in 4096 signatures must collide"
+    for token_id in salted[:20]:
+        key = tokens[token_id].encode() + b"\x00" + str(table.salts[token_id]).encode()
+        assert tuple(table.rows[token_id]) == token_signature(key, 2, 64, 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(vocabularies, vocabularies)
+def test_expansion_keeps_old_rows_and_stays_collision_free(old, new):
+    new = [token for token in new if token not in set(old)]
+    table = SignatureTable.build(old, 2, 64)
+    expanded = table.expand(new)
+    assert np.array_equal(expanded.rows[: len(old)], table.rows)
+    assert expanded.tokens[: len(old)] == table.tokens
+    assert len({tuple(row) for row in expanded.rows.tolist()}) == len(old) + len(new)
+    assert expanded.fingerprint != table.fingerprint or not new
+
+
+def test_expansion_equals_building_the_whole_vocabulary_at_once():
+    tokens = [f"w{i}" for i in range(500)]
+    grown = SignatureTable.build(tokens[:300], 2, 64).expand(tokens[300:])
+    assert grown.fingerprint == SignatureTable.build(tokens, 2, 64).fingerprint
+
+
+def test_save_load_round_trip_is_exact(tmp_path):
+    table = SignatureTable.build(["a", "b", "ü", "<|endoftext|>", "Ġ"], 3, 100, seed=5)
+    table.save(tmp_path / "sig.safetensors")
+    loaded = SignatureTable.load(tmp_path / "sig.safetensors")
+    assert loaded.tokens == table.tokens
+    assert np.array_equal(loaded.rows, table.rows) and loaded.rows.dtype == table.rows.dtype
+    assert (loaded.num_hashes, loaded.num_buckets, loaded.seed) == (3, 100, 5)
+    assert loaded.fingerprint == table.fingerprint
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_saved_file_is_safetensors_not_pickle(tmp_path):
+    SignatureTable.build(["a", "b"], 2, 8).save(tmp_path / "sig.safetensors")
+    assert not (tmp_path / "sig.safetensors").read_bytes().startswith(b"\x80")
+
+
+@pytest.mark.parametrize("change", ["num_hashes", "num_buckets", "seed", "row"])
+def test_fingerprint_changes_when_any_ingredient_changes(change):
+    tokens = [f"t{i}" for i in range(50)]
+    base = SignatureTable.build(tokens, 2, 64, 0)
+    if change == "row":
+        other = SignatureTable.build([*tokens[:-1], "different"], 2, 64, 0)
+    else:
+        kwargs = {"num_hashes": 2, "num_buckets": 64, "seed": 0}
+        kwargs[change] += 1
+        other = SignatureTable.build(tokens, **kwargs)
+    assert other.fingerprint != base.fingerprint
+
+
+@pytest.mark.parametrize(("num_buckets", "dtype"), [(256, np.uint8), (257, np.uint16), (65536, np.uint16)])
+def test_rows_use_the_smallest_unsigned_dtype_that_holds_b(num_buckets, dtype):
+    assert SignatureTable.build(["a", "b"], 2, num_buckets).rows.dtype == dtype
+
+
+def test_lookup_is_vectorised_for_numpy_and_torch():
+    table = SignatureTable.build([f"t{i}" for i in range(10)], 3, 64)
+    ids = np.array([[0, 9, 3], [1, 1, 2]])
+    looked_up = table.lookup(ids)
+    assert looked_up.shape == (2, 3, 3)
+    assert np.array_equal(looked_up[0, 1], table.rows[9])
+    as_torch = table.lookup(torch.from_numpy(ids))
+    assert as_torch.dtype == torch.int64 and torch.equal(as_torch, torch.from_numpy(looked_up.astype(np.int64)))
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path):
+    with pytest.raises(SignatureError, match="exceeds the 4 signatures"):
+        SignatureTable.build(["a", "b", "c", "d", "e"], 2, 2)
+    with pytest.raises(SignatureError, match=r"H>=1"):
+        SignatureTable.build(["a"], 0, 8)
+    with pytest.raises(SignatureError, match=r"B>=2"):
+        SignatureTable.build(["a"], 2, 1)
+    table = SignatureTable.build(["a", "b"], 2, 8)
+    with pytest.raises(SignatureError, match=r"token id 2 is outside the signature table \(ids 0..1\)"):
+        table.lookup(np.array([0, 2]))
+    with pytest.raises(SignatureError, match="token id -1"):
+        table.lookup(torch.tensor([-1]))
+    with pytest.raises(SignatureError, match="already in the table"):
+        table.expand(["c", "a"])
+    with pytest.raises(SignatureError, match="does not exist"):
+        SignatureTable.load(tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a table")
+    with pytest.raises(SignatureError, match="cannot read signature table"):
+        SignatureTable.load(tmp_path / "junk.safetensors")
