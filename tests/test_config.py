@@ -13,14 +13,16 @@ def test_every_preset_loads_with_qwen3_backbone_settings(preset):
     assert cfg.preset == preset
     assert cfg.model.backbone.rope_theta == 1_000_000.0
     assert cfg.model.backbone.num_heads % cfg.model.backbone.num_kv_heads == 0
-    assert cfg.model.hash.num_buckets ** cfg.model.hash.num_hashes >= cfg.model.vocab_size
+    assert cfg.model.hash.num_buckets**cfg.model.hash.num_hashes >= cfg.model.vocab_size
 
 
 def test_presets_exist():
     assert {"tiny", "100m", "1b", "3b"} <= set(available_presets())
 
 
-@pytest.mark.parametrize(("spec", "shape"), [("H4B16K", (4, 16384)), ("H2B64", (2, 64)), ("H3B1K", (3, 1024))])
+@pytest.mark.parametrize(
+    ("spec", "shape"), [("H4B16K", (4, 16384)), ("H2B64", (2, 64)), ("H3B1K", (3, 1024))]
+)
 def test_hash_spec_parses_both_ways(spec, shape):
     assert parse_hash_spec(spec) == shape
     assert format_hash_spec(*shape) == spec

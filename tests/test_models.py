@@ -9,8 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mhf_dist.config import load_config
 from mhf_dist.errors import SignatureError, TrainingError
-from mhf_dist.models import FAMILIES, build_model, forward_flops_per_token, param_count
-from mhf_dist.models import hash_io
+from mhf_dist.models import FAMILIES, build_model, forward_flops_per_token, hash_io, param_count
 from mhf_dist.models.counting import matched_layers, mhf_params, qwen3_params, with_layers
 from mhf_dist.models.generation import Sampling, generate
 from mhf_dist.signatures import SignatureTable
@@ -37,15 +36,18 @@ def test_encoder_gives_distinct_vectors_for_distinct_signatures_including_permut
     assert not torch.allclose(ab, ba)
 
 
-@pytest.mark.parametrize("block", [hash_io.SCORE_BLOCK_ELEMENTS, 97])
+@pytest.mark.parametrize("block", [hash_io.POSITION_BLOCK, 3])
 def test_exact_logprobs_sum_to_one_over_the_real_vocabulary(small_cfg, small_table, monkeypatch, block):
-    monkeypatch.setattr(hash_io, "SCORE_BLOCK_ELEMENTS", block)  # also check chunking over V
+    monkeypatch.setattr(hash_io, "POSITION_BLOCK", block)  # also check blocks that split the positions
     model = model_of(small_cfg, small_table).eval()
     rows = random_rows(small_cfg.model.vocab_size)
     with torch.no_grad():
+        every_position = hash_io.vocab_logprobs(
+            model.coord_logits(rows).flatten(0, 1), model.vocab_signatures
+        )
+        assert torch.allclose(every_position.logsumexp(-1), torch.zeros(rows.numel()), atol=1e-5)
         logprobs, _ = model.next_token_logprobs(rows[:, :-1], None)
         assert logprobs.shape == (2, small_cfg.model.vocab_size)
-        assert torch.allclose(logprobs.logsumexp(-1), torch.zeros(2), atol=1e-5)
         nll = model.token_nll(rows[:, :-1], rows[:, 1:])
         assert torch.allclose(nll[:, -1], -logprobs.gather(1, rows[:, -1:]).squeeze(1), atol=1e-4)
 
@@ -163,7 +165,9 @@ def test_same_seed_same_curve_and_another_seed_another(small_cfg, small_table):
 
     def curve(seed):
         model = model_of(small_cfg, small_table, seed=seed)
-        return [h["loss"] for h in train_local(model, itertools.repeat({"tokens": rows}), train_cfg, log=None)]
+        return [
+            h["loss"] for h in train_local(model, itertools.repeat({"tokens": rows}), train_cfg, log=None)
+        ]
 
     assert curve(0) == curve(0)
     assert curve(0) != curve(1)
@@ -185,7 +189,7 @@ def test_token_ids_outside_the_vocabulary_are_a_one_line_error(small_cfg, small_
 
 
 def test_mhf_refuses_a_table_that_does_not_fit_the_config(small_cfg):
-    with pytest.raises(SignatureError, match="model.vocab_size=300"):
+    with pytest.raises(SignatureError, match=r"model\.vocab_size=300"):
         build_model(small_cfg.model, SignatureTable.build(["a", "b"], 2, 64))
-    with pytest.raises(SignatureError, match="rebuild the table or change model.hash"):
+    with pytest.raises(SignatureError, match=r"rebuild the table or change model\.hash"):
         build_model(small_cfg.model, SignatureTable.build([f"t{i}" for i in range(300)], 3, 64))

@@ -107,7 +107,9 @@ def test_lookup_is_vectorised_for_numpy_and_torch():
     assert looked_up.shape == (2, 3, 3)
     assert np.array_equal(looked_up[0, 1], table.rows[9])
     as_torch = table.lookup(torch.from_numpy(ids))
-    assert as_torch.dtype == torch.int64 and torch.equal(as_torch, torch.from_numpy(looked_up.astype(np.int64)))
+    assert as_torch.dtype == torch.int64 and torch.equal(
+        as_torch, torch.from_numpy(looked_up.astype(np.int64))
+    )
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path):
