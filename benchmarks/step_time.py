@@ -34,8 +34,8 @@ RESULTS = Path(__file__).parent / "results" / "step_time.json"
 
 def full_logprobs(model, inputs: torch.Tensor) -> torch.Tensor:
     """log p(w | prefix) over the whole vocabulary at every position, [N, V]."""
-    if hasattr(model, "coord_logits"):
-        return vocab_logprobs(model.coord_logits(inputs).flatten(0, 1), model.vocab_signatures)
+    if hasattr(model, "coord_logprobs"):
+        return vocab_logprobs(model.coord_logprobs(inputs).flatten(0, 1), model.vocab_signatures)
     return torch.log_softmax(model.logits(inputs).float().flatten(0, 1), dim=-1)
 
 

@@ -43,7 +43,7 @@ def test_exact_logprobs_sum_to_one_over_the_real_vocabulary(small_cfg, small_tab
     rows = random_rows(small_cfg.model.vocab_size)
     with torch.no_grad():
         every_position = hash_io.vocab_logprobs(
-            model.coord_logits(rows).flatten(0, 1), model.vocab_signatures
+            model.coord_logprobs(rows).flatten(0, 1), model.vocab_signatures
         )
         assert torch.allclose(every_position.logsumexp(-1), torch.zeros(rows.numel()), atol=1e-5)
         logprobs, _ = model.next_token_logprobs(rows[:, :-1], None)

@@ -55,31 +55,27 @@ class MultiHashFormer(CausalLM):
         embeds = self.encoder(input_sigs)
         return self.backbone(inputs_embeds=embeds, cache=cache, use_cache=cache is not None).last_hidden_state
 
-    def coord_logits(self, inputs: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
-        """Unnormalised coordinate scores for every position, coordinate and bucket: [B, T, H, B].
-
-        Exact scoring needs no log_softmax over buckets: it shifts every token's score at a position by
-        the same constant, which the renormalisation over V_actl cancels.
-        """
+    def coord_logprobs(self, inputs: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+        """log P_j(b | prefix) for every position, coordinate and bucket: [B, T, H, B]."""
         hidden = self.hidden_states(self.signatures_of(inputs), cache)
-        return self.decoder(hidden).float()
+        return torch.stack(self.decoder(hidden), dim=-2)
 
     def forward(self, tokens: torch.Tensor, signatures: torch.Tensor | None = None) -> LMOutput:
         sigs = self.signatures_of(tokens) if signatures is None else signatures.long()
         input_sigs, target_sigs = split_rows(sigs)
-        coord_logits = self.decoder(self.hidden_states(input_sigs))
-        loss, accuracy = signature_loss(coord_logits, target_sigs)
+        coord_logps = self.decoder(self.hidden_states(input_sigs))
+        loss, accuracy = signature_loss(coord_logps, target_sigs)
         metrics = {"loss": loss.item(), **{f"acc_{j}": acc.item() for j, acc in enumerate(accuracy)}}
         return LMOutput(loss, metrics)
 
     def token_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        coord_logits = self.coord_logits(inputs).flatten(0, 1)  # [N, H, B]
-        target = target_scores(coord_logits, self.signatures_of(targets.flatten()))
-        return (vocab_logsumexp(coord_logits, self.vocab_signatures) - target).view_as(targets)
+        coord_logp = self.coord_logprobs(inputs).flatten(0, 1)  # [N, H, B]
+        target = target_scores(coord_logp, self.signatures_of(targets.flatten()))
+        return (vocab_logsumexp(coord_logp, self.vocab_signatures) - target).view_as(targets)
 
     def next_token_logprobs(self, new_ids: torch.Tensor, cache: Any | None) -> tuple[torch.Tensor, Any]:
-        coord_logits = self.coord_logits(new_ids, cache)[:, -1]
-        return vocab_logprobs(coord_logits, self.vocab_signatures), cache
+        coord_logp = self.coord_logprobs(new_ids, cache)[:, -1]
+        return vocab_logprobs(coord_logp, self.vocab_signatures), cache
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.backbone.config)
