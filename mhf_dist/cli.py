@@ -61,6 +61,15 @@ def cmd_count(args: argparse.Namespace) -> None:
     print(markdown_table(rows, ["family", "layers", "params", "fwd GFLOP/token"]))
 
 
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from mhf_dist.data.prepare import prepare
+
+    flags = {"data.corpus": args.corpus, "data.tokenizer": args.tokenizer, "data.path": args.out}
+    overrides = [f"{key}={value}" for key, value in flags.items() if value is not None]
+    cfg = load_config(args.config, [*overrides, *args.overrides])
+    prepare(cfg, cfg.data.path, overwrite=args.overwrite, num_cpus=args.num_cpus)
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from mhf_dist.demo import run_demo
 
@@ -75,6 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(demo)
     demo.add_argument("--workdir", default="runs/demo", help="where results are written (default: runs/demo)")
     demo.set_defaults(func=cmd_demo)
+
+    prep = commands.add_parser(
+        "prepare", help="tokenize, pack and sign a corpus into parquet shards on Ray Data"
+    )
+    _add_config_args(prep)
+    prep.add_argument(
+        "--corpus", help="builtin | file, directory or glob of .txt/.raw/.jsonl/.parquet | hf:NAME"
+    )
+    prep.add_argument("--tokenizer", help="bpe | bytes | path to tokenizer.json (default: data.tokenizer)")
+    prep.add_argument("--out", help="output directory (default: data.path)")
+    prep.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    prep.add_argument("--num-cpus", type=int, help="CPUs of a local Ray instance (default: all)")
+    prep.set_defaults(func=cmd_prepare)
 
     show = commands.add_parser("config", help="print the resolved config as YAML")
     _add_config_args(show)

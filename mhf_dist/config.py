@@ -136,10 +136,26 @@ class TrainConfig(StrictModel):
     log_every: int = Field(10, gt=0)
 
 
+class DataConfig(StrictModel):
+    """Where text comes from, how it is tokenized and split, and where prepared shards live."""
+
+    corpus: str = Field(
+        "builtin", description="builtin | file, directory or glob of .txt/.raw/.jsonl/.parquet | hf:NAME"
+    )
+    text_field: str = Field("text", description="the .jsonl field or .parquet column holding the text")
+    tokenizer: str = Field(
+        "bpe", description="bpe (trained to model.vocab_size) | bytes | path to tokenizer.json"
+    )
+    val_percent: float = Field(5.0, ge=0, lt=100, description="share of documents held out for validation")
+    rows_per_shard: int = Field(2048, gt=0)
+    path: str = Field("runs/data", description="the prepared shard directory (prepare output, train input)")
+
+
 class Config(StrictModel):
     preset: str | None = None
     model: ModelConfig
     train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
 
     def flat(self) -> dict[str, Any]:
         """`{"model.backbone.hidden_size": 64, ...}`: the form MLflow params and `--set` use."""

@@ -1,7 +1,8 @@
-"""`mhf demo`: the whole flow, small, on the built-in corpus, in this process.
+"""`mhf demo`: the whole flow, small, on the built-in corpus.
 
-Trains a BPE on the corpus, packs it into rows, builds the signature table, then trains `mhf`, `qwen3`
-and `qwen3_matched` on identical batches and compares their exact validation NLL.
+Prepares the corpus on Ray Data (BPE, packing, signatures, parquet shards), then trains `mhf`, `qwen3`
+and `qwen3_matched` in this process on identical batches read from the shards, and compares their exact
+validation NLL.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import mmh3
 import torch
 
 from mhf_dist.config import Config
-from mhf_dist.data.corpus import builtin_documents
-from mhf_dist.data.packing import pack_documents, shuffled_batches
+from mhf_dist.data.packing import shuffled_batches
+from mhf_dist.data.prepare import prepare
+from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE, read_rows
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.eval.perplexity import evaluate_rows
 from mhf_dist.models import build_model, param_count, train_flops_per_token
@@ -28,37 +29,24 @@ from mhf_dist.tables import markdown_table
 from mhf_dist.train.loop import train_local
 
 DEMO_FAMILIES = ("mhf", "qwen3", "qwen3_matched")
-VALIDATION_PERCENT = 10
 COLUMNS = ("family", "params", "layers", "train_loss", "val_nll", "val_ppl", "tokens_per_s")
-
-
-def is_validation(document: str) -> bool:
-    """Stable split by document content: the same document always lands in the same split."""
-    return mmh3.hash(document.encode(), 0, signed=False) % 100 < VALIDATION_PERCENT
 
 
 def run_demo(
     cfg: Config,
     workdir: Path,
     families: Sequence[str] = DEMO_FAMILIES,
+    num_cpus: int | None = None,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
-    documents = builtin_documents()
-    train_docs = [doc for doc in documents if not is_validation(doc)]
-    val_docs = [doc for doc in documents if is_validation(doc)]
-    log(f"corpus: built-in Python docs, {len(train_docs)} train / {len(val_docs)} validation documents")
-
-    tokenizer = TextTokenizer.train_bpe(train_docs, cfg.model.vocab_size)
-    model_cfg = cfg.model.model_copy(update={"vocab_size": tokenizer.vocab_size})
-    train_rows, _ = pack_documents(tokenizer.encode_batch(train_docs), cfg.train.seq_len, tokenizer.eos_id)
-    val_rows, _ = pack_documents(tokenizer.encode_batch(val_docs), cfg.train.seq_len, tokenizer.eos_id)
-    table = SignatureTable.build(
-        tokenizer.vocabulary(), model_cfg.hash.num_hashes, model_cfg.hash.num_buckets, model_cfg.hash.seed
-    )
-    log(
-        f"tokenizer: BPE, {tokenizer.vocab_size} tokens; {len(train_rows)} train / {len(val_rows)} val rows "
-        f"of {cfg.train.seq_len + 1}; signatures {table.spec} fingerprint {table.fingerprint[:12]}"
-    )
+    data_dir = workdir / "data"
+    log(f"preparing corpus {cfg.data.corpus!r} on Ray Data -> {data_dir}")
+    prepare(cfg, data_dir, overwrite=True, num_cpus=num_cpus, log=log)
+    tokenizer = TextTokenizer.resolve(str(data_dir / TOKENIZER_FILE), cfg.model.vocab_size, [])
+    table = SignatureTable.load(data_dir / SIGNATURES_FILE)
+    train_rows, train_signatures = read_rows(data_dir, "train")
+    val_rows, _ = read_rows(data_dir, "validation")
+    model_cfg = cfg.model
 
     prompt = tokenizer.encode_batch(["The for statement"])[0]
     results = []
@@ -68,7 +56,7 @@ def run_demo(
         log(f"--- {family}: {param_count(family_cfg):,} parameters, {layers} layers")
         torch.manual_seed(cfg.train.seed)
         model = build_model(family_cfg, table)
-        batches = shuffled_batches(train_rows, cfg.train.batch_size, cfg.train.seed)
+        batches = shuffled_batches(train_rows, cfg.train.batch_size, cfg.train.seed, train_signatures)
         history = train_local(
             model, batches, cfg.train, train_flops_per_token(family_cfg, cfg.train.seq_len), log
         )
@@ -90,7 +78,7 @@ def run_demo(
             f"greedy sample: {results[-1]['sample']!r}"
         )
 
-    _write_outputs(workdir, results, tokenizer, table, cfg)
+    _write_outputs(workdir, results, cfg)
     log("\n" + markdown_table(results, COLUMNS))
     log(
         "val_nll: exact NLL per token over the real vocabulary (mhf renormalised over V_actl); "
@@ -100,12 +88,7 @@ def run_demo(
     return results
 
 
-def _write_outputs(
-    workdir: Path, results: list[dict], tokenizer: TextTokenizer, table: SignatureTable, cfg: Config
-) -> None:
-    workdir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(workdir / "tokenizer.json")
-    table.save(workdir / "signatures.safetensors")
+def _write_outputs(workdir: Path, results: list[dict], cfg: Config) -> None:
     payload = {"config": cfg.model_dump(mode="json"), "results": results}
     fd, tmp = tempfile.mkstemp(dir=workdir, suffix=".tmp")
     with os.fdopen(fd, "w") as handle:

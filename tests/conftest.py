@@ -15,3 +15,14 @@ def small_cfg() -> Config:
 @pytest.fixture(scope="session")
 def small_table(small_cfg) -> SignatureTable:
     return SignatureTable.build([f"tok{i}" for i in range(SMALL_VOCAB)], 2, 64)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test session (start-up costs seconds)."""
+    import ray
+
+    # More logical CPUs than the 2 cores: Ray Data's read tasks need slots beside the tokenizer actors.
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -8,7 +8,7 @@ import pytest
 
 from mhf_dist.config import load_config
 from mhf_dist.data.corpus import builtin_documents
-from mhf_dist.data.packing import pack_documents, shuffled_batches
+from mhf_dist.data.packing import Packer, shuffled_batches
 from mhf_dist.demo import run_demo
 from mhf_dist.errors import DataError
 from mhf_dist.signatures import SignatureTable
@@ -22,17 +22,25 @@ def test_builtin_corpus_needs_no_network_and_is_english_text():
 
 def test_packing_reproduces_the_token_stream_with_every_eos():
     documents = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]
-    rows, dropped = pack_documents(documents, seq_len=3, eos_id=0)
     stream = [token for doc in documents for token in (*doc, 0)]
-    assert rows.shape == (len(stream) // 4, 4) and dropped == len(stream) % 4
-    assert rows.reshape(-1).tolist() == stream[: rows.size]
+    packer = Packer(3)
+    rows = packer.add(np.array(stream))
+    rebuilt = [token for row in rows.tolist() for token in row[:3]] + [rows[-1, -1]]
+    assert rebuilt == stream[: len(rebuilt)] and len(rebuilt) + packer.dropped_tokens == len(stream)
+    assert rows.shape == ((len(stream) - 1) // 3, 4)
 
 
-def test_packing_rejects_a_corpus_shorter_than_one_row_and_a_tiny_seq_len():
-    with pytest.raises(DataError, match="fewer than one row"):
-        pack_documents([[1, 2]], seq_len=8, eos_id=0)
+def test_streaming_packer_gives_the_same_rows_however_the_stream_is_cut():
+    stream = np.arange(100)
+    whole = Packer(7).add(stream)
+    packer = Packer(7)
+    pieces = np.concatenate([packer.add(part) for part in np.split(stream, [1, 2, 30, 31, 64])])
+    assert np.array_equal(whole, pieces) and packer.dropped_tokens == (100 - 1) % 7
+
+
+def test_packer_rejects_a_seq_len_below_two():
     with pytest.raises(DataError, match="seq_len >= 2"):
-        pack_documents([[1, 2, 3]], seq_len=1, eos_id=0)
+        Packer(1)
 
 
 def test_batches_are_reproducible_per_seed():
@@ -42,7 +50,7 @@ def test_batches_are_reproducible_per_seed():
     assert first == again
 
 
-def test_demo_trains_all_three_families_and_writes_results(tmp_path):
+def test_demo_trains_all_three_families_and_writes_results(ray_session, tmp_path):
     cfg = load_config("tiny", ["train.steps=3", "train.log_every=1"])
     lines = []
     results = run_demo(cfg, tmp_path, log=lines.append)
@@ -52,6 +60,6 @@ def test_demo_trains_all_three_families_and_writes_results(tmp_path):
     )
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [r["val_nll"] for r in saved["results"]] == [r["val_nll"] for r in results]
-    table = SignatureTable.load(tmp_path / "signatures.safetensors")
+    table = SignatureTable.load(tmp_path / "data" / "signatures.safetensors")
     assert len(table) == cfg.model.vocab_size and table.spec == "H2B1K"
     assert any(line.startswith("step 3/3 | loss") for line in lines)

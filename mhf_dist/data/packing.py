@@ -1,8 +1,12 @@
-"""Packing documents back to back into rows of seq_len + 1 tokens, without padding."""
+"""Packing documents back to back into rows of seq_len + 1 tokens, without padding.
+
+Consecutive rows overlap by one token: row i is stream[i*seq_len : i*seq_len + seq_len + 1], so every
+token after the first is a training target exactly once. Only the tail shorter than a row is dropped.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -10,32 +14,49 @@ import torch
 from mhf_dist.errors import DataError
 
 
-def pack_documents(documents: Sequence[Sequence[int]], seq_len: int, eos_id: int) -> tuple[np.ndarray, int]:
-    """Concatenate documents, each followed by EOS, and cut into rows of seq_len + 1 tokens.
+class Packer:
+    """Streaming packer: feed token arrays in order, take full rows as they form."""
 
-    Returns (rows [N, seq_len+1] int64, dropped): the remainder shorter than a row is dropped and
-    counted. Row i covers stream[i*(seq_len+1) : (i+1)*(seq_len+1)]; input and target are the row
-    shifted by one.
-    """
-    if seq_len < 2:
-        raise DataError(f"seq_len={seq_len}; use seq_len >= 2")
-    stream = np.fromiter((token for doc in documents for token in (*doc, eos_id)), dtype=np.int64)
-    width = seq_len + 1
-    num_rows = len(stream) // width
-    if num_rows == 0:
-        raise DataError(
-            f"the corpus has {len(stream)} tokens, fewer than one row of seq_len+1={width}; "
-            "use more text or a smaller seq_len"
-        )
-    return stream[: num_rows * width].reshape(num_rows, width), len(stream) - num_rows * width
+    def __init__(self, seq_len: int) -> None:
+        if seq_len < 2:
+            raise DataError(f"seq_len={seq_len}; use seq_len >= 2")
+        self.seq_len = seq_len
+        self._carry = np.zeros(0, dtype=np.int64)
+        self.rows_emitted = 0
+
+    def add(self, tokens: np.ndarray) -> np.ndarray:
+        """Append `tokens` to the stream; return the rows completed by them, [n, seq_len + 1]."""
+        buffer = np.concatenate([self._carry, np.asarray(tokens, dtype=np.int64)])
+        count = max(0, (len(buffer) - 1) // self.seq_len)
+        rows = np.zeros((0, self.seq_len + 1), dtype=np.int64)
+        if count:
+            windows = np.lib.stride_tricks.sliding_window_view(buffer, self.seq_len + 1)
+            rows = windows[: count * self.seq_len : self.seq_len].copy()
+        self._carry = buffer[count * self.seq_len :]
+        self.rows_emitted += count
+        return rows
+
+    @property
+    def dropped_tokens(self) -> int:
+        """Tokens never used as a target: the tail after the last full row (the whole stream if no row)."""
+        if self.rows_emitted == 0:
+            return len(self._carry)
+        return max(0, len(self._carry) - 1)
 
 
-def shuffled_batches(rows: np.ndarray, batch_size: int, seed: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless batches of rows, reshuffled every epoch by a seeded generator (same seed, same order)."""
+def shuffled_batches(
+    rows: np.ndarray, batch_size: int, seed: int, signatures: np.ndarray | None = None
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless batches of rows (and their precomputed signatures), reshuffled every epoch by a seeded
+    generator: the same seed gives the same order."""
     if len(rows) < batch_size:
         raise DataError(f"{len(rows)} rows cannot fill a batch of {batch_size}; lower train.batch_size")
     generator = np.random.default_rng(seed)
     while True:
         order = generator.permutation(len(rows))
         for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield {"tokens": torch.from_numpy(rows[order[start : start + batch_size]])}
+            picked = order[start : start + batch_size]
+            batch = {"tokens": torch.from_numpy(rows[picked])}
+            if signatures is not None:
+                batch["signatures"] = torch.from_numpy(signatures[picked].astype(np.int64))
+            yield batch

@@ -1,4 +1,8 @@
-"""Tokenizers: any Hugging Face `tokenizer.json`, or a byte-level BPE trained on a corpus."""
+"""Tokenizers: any Hugging Face `tokenizer.json`, a byte-level BPE trained on a corpus, or raw bytes.
+
+All three are `tokenizers.Tokenizer` objects underneath, so every one saves as a `tokenizer.json` that
+shards, checkpoints and exported models carry.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,27 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from mhf_dist.errors import DataError
 
 EOS = "<|endoftext|>"
+BYTE_SPECIALS = ("<bos>", "<eos>", "<pad>")
+
+
+def byte_level_alphabet() -> list[str]:
+    """The GPT-2 byte-to-character table in byte order: character i stands for byte value i.
+
+    `tokenizers` exposes the alphabet only as an unordered set; byte-level models need the order.
+    """
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return [table[byte] for byte in range(256)]
 
 
 class TextTokenizer:
@@ -46,6 +71,36 @@ class TextTokenizer:
         )
         tokenizer.train_from_iterator(texts, trainer=trainer)
         return cls(tokenizer)
+
+    @classmethod
+    def bytes(cls) -> TextTokenizer:
+        """259 ids: byte value b is id b, then <bos>, <eos>, <pad> (the byte-level benchmarks' vocabulary)."""
+        vocab = {char: byte for byte, char in enumerate(byte_level_alphabet())}
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens(list(BYTE_SPECIALS))
+        return cls(tokenizer, eos_token="<eos>")
+
+    @classmethod
+    def resolve(cls, spec: str, vocab_size: int, training_texts: Iterable[str]) -> TextTokenizer:
+        """`bytes`, `bpe` (trained on `training_texts` to `vocab_size`) or a path to a tokenizer.json."""
+        if spec == "bytes":
+            return cls.bytes()
+        if spec == "bpe":
+            return cls.train_bpe(training_texts, vocab_size)
+        path = Path(spec)
+        if not path.is_file():
+            raise DataError(
+                f"tokenizer {spec!r} is neither 'bpe', 'bytes' nor an existing tokenizer.json file"
+            )
+        for eos in (EOS, "</s>", "<eos>"):
+            try:
+                return cls.load(path, eos)
+            except DataError as err:
+                if "no end-of-text token" not in str(err):
+                    raise
+        raise DataError(f"tokenizer {spec!r} has none of the EOS tokens {EOS!r}, '</s>', '<eos>'; add one")
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,236 @@
+"""`mhf prepare`: corpus -> tokenize -> pack -> signatures -> parquet shards + manifest, on Ray Data.
+
+Ray Data reads the corpus and tokenizes documents in parallel actors (order preserved); the driver
+streams the token ids of each split through a `Packer` into `ShardWriter`s, which add the signatures.
+Packing runs in one place on purpose: it makes the rows independent of how Ray cut the data into
+blocks, so the same inputs give byte-identical shards on any number of workers.
+
+Everything is written to a hidden staging directory beside the output; `manifest.json` is written last
+and the directory is renamed into place only when complete, so an interrupted run never leaves a
+directory that looks prepared.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mmh3
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mhf_dist.config import Config
+from mhf_dist.data.corpus import read_corpus
+from mhf_dist.data.packing import Packer
+from mhf_dist.data.shards import (
+    FORMAT,
+    MANIFEST,
+    SIGNATURES_FILE,
+    SPLITS,
+    TOKENIZER_FILE,
+    ShardWriter,
+    content_hash,
+    write_json_atomic,
+)
+from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.errors import DataError
+from mhf_dist.ray_utils import ensure_ray
+from mhf_dist.signatures import SignatureTable
+
+TOKENIZE_BATCH = 256
+
+
+def is_validation(text: str, val_percent: float) -> bool:
+    """Stable split by document content: the same document lands in the same split on any cluster."""
+    return mmh3.hash(text.encode(), 0, signed=False) % 10_000 < round(val_percent * 100)
+
+
+def assign_split(batch: pa.Table, val_percent: float) -> pa.Table:
+    splits = [
+        "validation" if is_validation(text, val_percent) else "train" for text in batch["text"].to_pylist()
+    ]
+    return batch.append_column("split", pa.array(splits, type=pa.string()))
+
+
+class TokenizeBatch:
+    """Ray Data actor: token ids of each document with EOS appended."""
+
+    def __init__(self, tokenizer_json: str, eos_id: int) -> None:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per actor; Ray runs the actors in parallel
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        self.eos_id = eos_id
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        encodings = self.tokenizer.encode_batch(batch["text"].to_pylist(), add_special_tokens=False)
+        ids = [[*encoding.ids, self.eos_id] for encoding in encodings]
+        return pa.table(
+            {
+                "split": batch["split"],
+                "replaced": batch["replaced"],
+                "ids": pa.array(ids, type=pa.list_(pa.int32())),
+            }
+        )
+
+
+def prepare(
+    cfg: Config,
+    out: str | Path,
+    overwrite: bool = False,
+    num_cpus: int | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Prepare `cfg.data.corpus` into shards at `out`; returns the manifest."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise DataError(
+            f"output {str(out)!r} exists and is not empty; pass --overwrite or choose another --out"
+        )
+    ensure_ray(num_cpus)
+    import ray.data
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    data = cfg.data
+    documents = read_corpus(data.corpus, data.text_field).map_batches(
+        assign_split, batch_format="pyarrow", fn_kwargs={"val_percent": data.val_percent}
+    )
+    tokenizer = _resolve_tokenizer(cfg, documents)
+    num_hashes, num_buckets, seed = cfg.model.hash.num_hashes, cfg.model.hash.num_buckets, cfg.model.hash.seed
+    table = SignatureTable.build(tokenizer.vocabulary(), num_hashes, num_buckets, seed)
+    log(
+        f"tokenizer: {tokenizer.vocab_size} tokens (sha256 {tokenizer.sha256[:12]}); "
+        f"signatures {table.spec} seed {seed}, fingerprint {table.fingerprint[:12]}"
+    )
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        splits = _write_shards(cfg, tokenizer, table, documents, staging, num_cpus)
+        tokenizer.save(staging / TOKENIZER_FILE)
+        table.save(staging / SIGNATURES_FILE)
+        manifest = {
+            "format": FORMAT,
+            "version": 1,
+            "seq_len": cfg.train.seq_len,
+            "splits": splits,
+            "content_sha256": content_hash(splits),
+            "tokenizer": {
+                "file": TOKENIZER_FILE,
+                "sha256": tokenizer.sha256,
+                "vocab_size": tokenizer.vocab_size,
+                "eos_id": tokenizer.eos_id,
+            },
+            "signatures": {
+                "file": SIGNATURES_FILE,
+                "spec": table.spec,
+                "num_hashes": num_hashes,
+                "num_buckets": num_buckets,
+                "seed": seed,
+                "fingerprint": table.fingerprint,
+                "dtype": str(table.rows.dtype),
+            },
+            "config": {
+                "data": data.model_dump(exclude={"path"}),
+                "seq_len": cfg.train.seq_len,
+                "model_hash": cfg.model.hash.model_dump(),
+            },
+        }
+        write_json_atomic(staging / MANIFEST, manifest)
+        _move_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    for split in SPLITS:
+        info = splits[split]
+        log(
+            f"{split}: {info['documents']:,} documents -> {info['rows']:,} rows of {cfg.train.seq_len + 1} "
+            f"({info['target_tokens']:,} target tokens, {info['dropped_tokens']:,} dropped), "
+            f"{len(info['shards'])} shards"
+        )
+    log(f"wrote {out} (content sha256 {manifest['content_sha256'][:12]})")
+    return manifest
+
+
+def _resolve_tokenizer(cfg: Config, documents: Any) -> TextTokenizer:
+    from ray.data.expressions import col
+
+    training_texts = (row["text"] for row in documents.filter(expr=col("split") == "train").iter_rows())
+    tokenizer = TextTokenizer.resolve(cfg.data.tokenizer, cfg.model.vocab_size, training_texts)
+    if tokenizer.vocab_size != cfg.model.vocab_size:
+        raise DataError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}; "
+            f"set --set model.vocab_size={tokenizer.vocab_size}"
+        )
+    return tokenizer
+
+
+def _write_shards(
+    cfg: Config,
+    tokenizer: TextTokenizer,
+    table: SignatureTable,
+    documents: Any,
+    staging: Path,
+    num_cpus: int | None,
+) -> dict[str, dict[str, Any]]:
+    import ray
+    import ray.data
+
+    # Leave one CPU to the read tasks: a pool holding every CPU starves them and the pipeline stalls.
+    cpus = int(num_cpus or ray.cluster_resources().get("CPU", 1))
+    tokenized = documents.map_batches(
+        TokenizeBatch,
+        fn_constructor_args=(tokenizer.tokenizer.to_str(), tokenizer.eos_id),
+        batch_format="pyarrow",
+        batch_size=TOKENIZE_BATCH,
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cpus - 1)),
+    )
+    packers = {split: Packer(cfg.train.seq_len) for split in SPLITS}
+    writers = {
+        split: ShardWriter(staging, split, table, cfg.train.seq_len, cfg.data.rows_per_shard)
+        for split in SPLITS
+    }
+    counts = {split: {"documents": 0, "replaced": 0} for split in SPLITS}
+    for batch in tokenized.iter_batches(batch_format="pyarrow", batch_size=None):
+        for split in SPLITS:
+            selected = batch.filter(pc.equal(batch["split"], split))
+            if selected.num_rows == 0:
+                continue
+            ids = selected["ids"].combine_chunks().flatten().to_numpy()
+            writers[split].add(packers[split].add(ids))
+            counts[split]["documents"] += selected.num_rows
+            counts[split]["replaced"] += int(pc.sum(selected["replaced"]).as_py() or 0)
+    splits = {
+        split: {**writers[split].close(), **counts[split], "dropped_tokens": packers[split].dropped_tokens}
+        for split in SPLITS
+    }
+    total_docs = sum(counts[split]["documents"] for split in SPLITS)
+    if total_docs == 0:
+        raise DataError(f"corpus {cfg.data.corpus!r} holds no text; pass a corpus with at least one document")
+    if splits["train"]["rows"] == 0:
+        raise DataError(
+            f"the training split has {splits['train']['dropped_tokens']} tokens, fewer than one row of "
+            f"seq_len+1={cfg.train.seq_len + 1}; use more text or a smaller train.seq_len"
+        )
+    replaced = sum(counts[split]["replaced"] for split in SPLITS)
+    if replaced:
+        print(
+            f"warning: {replaced} invalid UTF-8 sequences in {cfg.data.corpus!r} were replaced by U+FFFD",
+            file=sys.stderr,
+        )
+    return splits
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    if not out.exists():
+        staging.rename(out)
+        return
+    retired = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    out.rename(retired)
+    staging.rename(out)
+    shutil.rmtree(retired, ignore_errors=True)

@@ -1,0 +1,219 @@
+"""`mhf prepare` on Ray Data: packing, signatures, split stability, determinism, bad input."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from mhf_dist.cli import main
+from mhf_dist.config import load_config
+from mhf_dist.data.prepare import is_validation, prepare
+from mhf_dist.data.shards import check_compatible, load_shards, read_manifest, read_rows
+from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.errors import DataError
+from mhf_dist.signatures import SignatureTable
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent on this machine")
+
+PARAGRAPHS = [
+    f"Paragraph {i} talks about {topic} and how {topic} relates to item number {i * 7}."
+    for i, topic in enumerate(["trains", "hashes", "buckets", "rivers", "ships", "clouds", "glass"] * 12)
+]
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("corpus")
+    (directory / "a.txt").write_text("\n\n".join(PARAGRAPHS[:40]) + "\n")
+    (directory / "b.txt").write_text("\n \n".join(PARAGRAPHS[40:]) + "\n")
+    return directory
+
+
+def byte_cfg(corpus, out, *extra):
+    return load_config(
+        "tiny",
+        [
+            f"data.corpus={corpus}",
+            "data.tokenizer=bytes",
+            "model.vocab_size=259",
+            "model.hash.spec=H2B64",
+            "train.seq_len=32",
+            "data.rows_per_shard=16",
+            "data.val_percent=20",
+            f"data.path={out}",
+            *extra,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def prepared(ray_session, corpus_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared") / "shards"
+    cfg = byte_cfg(corpus_dir, out)
+    manifest = prepare(cfg, out, num_cpus=2, log=lambda line: None)
+    return cfg, out, manifest
+
+
+def corpus_stream(split: str, val_percent: float = 20) -> list[int]:
+    tokenizer = TextTokenizer.bytes()
+    documents = [p for p in PARAGRAPHS if (split == "validation") == is_validation(p, val_percent)]
+    return [token for ids in tokenizer.encode_batch(documents) for token in (*ids, tokenizer.eos_id)]
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_rows_reproduce_the_token_stream_in_order_with_every_eos(prepared, split):
+    _, out, manifest = prepared
+    rows, _ = read_rows(out, split)
+    rebuilt = [token for row in rows.tolist() for token in row[:-1]] + [int(rows[-1, -1])]
+    stream = corpus_stream(split)
+    assert rebuilt == stream[: len(rebuilt)]
+    assert len(stream) - len(rebuilt) == manifest["splits"][split]["dropped_tokens"] < 32
+    assert manifest["splits"][split]["rows"] == len(rows)
+
+
+def test_signature_column_equals_the_table_lookup_for_every_row(prepared):
+    _, out, manifest = prepared
+    table = SignatureTable.load(out / "signatures.safetensors")
+    for split in ("train", "validation"):
+        ids, signatures = read_rows(out, split)
+        assert np.array_equal(signatures, table.lookup(ids))
+    assert signatures.dtype == np.uint8 and manifest["signatures"]["dtype"] == "uint8"
+    assert manifest["signatures"]["fingerprint"] == table.fingerprint
+
+
+def test_split_is_disjoint_by_document_and_matches_the_stable_hash(prepared):
+    _, _, manifest = prepared
+    validation_docs = sum(is_validation(p, 20) for p in PARAGRAPHS)
+    assert manifest["splits"]["validation"]["documents"] == validation_docs
+    assert manifest["splits"]["train"]["documents"] == len(PARAGRAPHS) - validation_docs
+    assert 0 < validation_docs < len(PARAGRAPHS)
+
+
+def test_same_inputs_give_byte_identical_shards_on_a_different_worker_count(prepared, tmp_path):
+    cfg, out, manifest = prepared
+    again = prepare(
+        byte_cfg(cfg.data.corpus, tmp_path / "again"), tmp_path / "again", num_cpus=1, log=lambda _: None
+    )
+    assert again["content_sha256"] == manifest["content_sha256"]
+    assert (tmp_path / "again" / "manifest.json").read_bytes() == (out / "manifest.json").read_bytes()
+
+
+def test_load_shards_gives_a_ray_dataset_and_refuses_a_mismatched_model(prepared):
+    cfg, out, manifest = prepared
+    dataset = load_shards(out, "train", cfg)
+    assert dataset.count() == manifest["splits"]["train"]["rows"]
+    with pytest.raises(
+        DataError, match=r"shards have seq_len 32 but the model has 64; set --set train\.seq_len=32"
+    ):
+        load_shards(out, "train", load_config("tiny", ["model.vocab_size=259", "model.hash.spec=H2B64"]))
+    other = cfg.model_copy(
+        update={
+            "model": cfg.model.model_copy(
+                update={"hash": cfg.model.hash.model_copy(update={"spec": "H3B64"})}
+            )
+        }
+    )
+    with pytest.raises(DataError, match="shards have hash spec H2B64 but the model has H3B64"):
+        check_compatible(read_manifest(out), other)
+    with pytest.raises(DataError, match="signature fingerprint"):
+        check_compatible(read_manifest(out), cfg, fingerprint="0" * 64)
+
+
+def test_shard_files_hold_fixed_size_rows(prepared):
+    _, out, manifest = prepared
+    first = pq.read_table(out / manifest["splits"]["train"]["shards"][0]["file"])
+    assert first.num_rows == 16
+    assert first.schema.field("input_ids").type.list_size == 33
+    assert first.schema.field("signatures").type.list_size == 33 * 2
+
+
+def test_existing_output_needs_overwrite_and_is_replaced_whole(prepared, tmp_path):
+    cfg, _, _ = prepared
+    target = tmp_path / "shards"
+    target.mkdir()
+    (target / "old.txt").write_text("x")
+    with pytest.raises(DataError, match="pass --overwrite"):
+        prepare(byte_cfg(cfg.data.corpus, target), target, log=lambda _: None)
+    prepare(byte_cfg(cfg.data.corpus, target), target, overwrite=True, log=lambda _: None)
+    assert not (target / "old.txt").exists() and (target / "manifest.json").is_file()
+    assert not list(tmp_path.glob(".shards.*"))
+
+
+def test_a_failed_run_leaves_nothing_that_looks_prepared(ray_session, tmp_path):
+    (tmp_path / "short.txt").write_text("too short")
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match="fewer than one row of seq_len\\+1=33"):
+        prepare(byte_cfg(tmp_path / "short.txt", out), out, log=lambda _: None)
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+    with pytest.raises(DataError, match=r"no manifest\.json"):
+        out.mkdir() or read_manifest(out)
+
+
+def test_invalid_utf8_is_replaced_counted_and_warned(ray_session, tmp_path, capsys):
+    (tmp_path / "bad.txt").write_bytes(
+        ("\n\n".join(PARAGRAPHS[:30]) + "\n\nbroken \xff\xfe bytes here").encode("latin-1")
+    )
+    manifest = prepare(byte_cfg(tmp_path / "bad.txt", tmp_path / "o"), tmp_path / "o", log=lambda _: None)
+    replaced = sum(manifest["splits"][split]["replaced"] for split in ("train", "validation"))
+    assert replaced == 2
+    assert "warning: 2 invalid UTF-8 sequences" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("corpus", "extra", "message"),
+    [
+        ("{tmp}/missing-dir/*.txt", [], "matches no file"),
+        ("{tmp}/empty.txt", [], "holds no text"),
+        ("{tmp}/notes.md", [], "is not .jsonl, .parquet, .raw, .txt"),
+        ("{tmp}/docs.jsonl", ["data.text_field=body"], "has no field 'body'"),
+        ("{tmp}/docs.jsonl", ["data.tokenizer={tmp}/broken.json"], "cannot read tokenizer"),
+        ("{tmp}/docs.jsonl", ["data.tokenizer=bpe", "model.vocab_size=100"], "model.vocab_size"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(ray_session, tmp_path, corpus, extra, message):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "notes.md").write_text("# notes")
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": p}) for p in PARAGRAPHS) + "\n")
+    cfg = byte_cfg(corpus.format(tmp=tmp_path), tmp_path / "out", *[e.format(tmp=tmp_path) for e in extra])
+    with pytest.raises(DataError, match=message) as info:
+        prepare(cfg, tmp_path / "out", log=lambda _: None)
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
+
+
+def test_jsonl_and_parquet_corpora_give_the_same_rows(ray_session, tmp_path):
+    import pyarrow as pa
+
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"body": p}) for p in PARAGRAPHS) + "\n")
+    pq.write_table(pa.table({"body": PARAGRAPHS}), tmp_path / "docs.parquet")
+    hashes = []
+    for name in ("docs.jsonl", "docs.parquet"):
+        cfg = byte_cfg(tmp_path / name, tmp_path / name, "data.text_field=body")
+        hashes.append(prepare(cfg, tmp_path / f"out-{name}", log=lambda _: None)["content_sha256"])
+    assert hashes[0] == hashes[1]
+
+
+def test_cli_prepare_reports_errors_in_one_line(ray_session, tmp_path, capsys):
+    code = main(["prepare", "--corpus", str(tmp_path / "nothing.txt"), "--out", str(tmp_path / "o")])
+    assert code == 2 and capsys.readouterr().err.startswith("error: corpus")
+
+
+@needs_shared
+def test_minimind_tokenizer_loads_and_prepares_wikitext(ray_session, tmp_path):
+    tokenizer = TextTokenizer.resolve(str(SHARED / "minimind" / "tokenizer.json"), 6400, [])
+    assert tokenizer.vocab_size == 6400
+    cfg = load_config(
+        "tiny",
+        [
+            f"data.corpus={SHARED / 'wikitext-2-raw' / 'wiki.valid.raw'}",
+            f"data.tokenizer={SHARED / 'minimind' / 'tokenizer.json'}",
+            "model.vocab_size=6400",
+            "model.hash.spec=H2B4K",
+            "train.seq_len=128",
+        ],
+    )
+    manifest = prepare(cfg, tmp_path / "wiki", log=lambda _: None)
+    assert manifest["splits"]["train"]["rows"] > 1000 and manifest["tokenizer"]["vocab_size"] == 6400
