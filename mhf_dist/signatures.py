@@ -68,6 +68,9 @@ class SignatureTable:
         self._rows.setflags(write=False)
         self._salts.setflags(write=False)
         self._torch_rows: torch.Tensor | None = None
+        # A row of H small ints viewed as one 1/2/4/8-byte integer: 1-D `take` gathers ~3x faster.
+        row_bytes = num_hashes * rows.dtype.itemsize
+        self._packed = rows.view(f"<u{row_bytes}").reshape(-1) if row_bytes in (1, 2, 4, 8) else None
         self._fingerprint: str | None = None
 
     # --- construction -------------------------------------------------------------------------
@@ -175,7 +178,9 @@ class SignatureTable:
         ids = np.asarray(ids)
         if ids.size:
             self._check_ids(int(ids.min()), int(ids.max()), ids.size)
-        return self._rows[ids]
+        if self._packed is None:
+            return self._rows[ids]
+        return self._packed.take(ids, mode="clip").view(self._rows.dtype).reshape(*ids.shape, self.num_hashes)
 
     def as_tensor(self) -> torch.Tensor:
         """The table as an int64 [V, H] tensor, as models hold it."""

@@ -9,6 +9,7 @@ import pytest
 
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
+from mhf_dist.data.corpus import read_corpus
 from mhf_dist.data.prepare import is_validation, prepare
 from mhf_dist.data.shards import check_compatible, load_shards, read_manifest, read_rows
 from mhf_dist.data.tokenizer import TextTokenizer
@@ -194,6 +195,13 @@ def test_jsonl_and_parquet_corpora_give_the_same_rows(ray_session, tmp_path):
         cfg = byte_cfg(tmp_path / name, tmp_path / name, "data.text_field=body")
         hashes.append(prepare(cfg, tmp_path / f"out-{name}", log=lambda _: None)["content_sha256"])
     assert hashes[0] == hashes[1]
+
+
+def test_a_hugging_face_name_without_network_says_to_pass_a_local_path(ray_session, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match="pass a local path"):
+        read_corpus("hf:Salesforce/wikitext")
 
 
 def test_cli_prepare_reports_errors_in_one_line(ray_session, tmp_path, capsys):

@@ -1,6 +1,6 @@
 """`mhf prepare`: corpus -> tokenize -> pack -> signatures -> parquet shards + manifest, on Ray Data.
 
-Ray Data reads the corpus and tokenizes documents in parallel actors (order preserved); the driver
+Ray Data reads the corpus and tokenizes documents in parallel tasks (order preserved); the driver
 streams the token ids of each split through a `Packer` into `ShardWriter`s, which add the signatures.
 Packing runs in one place on purpose: it makes the rows independent of how Ray cut the data into
 blocks, so the same inputs give byte-identical shards on any number of workers.
@@ -12,6 +12,7 @@ directory that looks prepared.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -23,6 +24,7 @@ from typing import Any
 import mmh3
 import pyarrow as pa
 import pyarrow.compute as pc
+from tokenizers import Tokenizer
 
 from mhf_dist.config import Config
 from mhf_dist.data.corpus import read_corpus
@@ -42,7 +44,7 @@ from mhf_dist.errors import DataError
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.signatures import SignatureTable
 
-TOKENIZE_BATCH = 256
+TOKENIZE_BATCH = 1024
 
 
 def is_validation(text: str, val_percent: float) -> bool:
@@ -57,26 +59,26 @@ def assign_split(batch: pa.Table, val_percent: float) -> pa.Table:
     return batch.append_column("split", pa.array(splits, type=pa.string()))
 
 
-class TokenizeBatch:
-    """Ray Data actor: token ids of each document with EOS appended."""
+@functools.lru_cache(maxsize=2)
+def _worker_tokenizer(tokenizer_json: str) -> Tokenizer:
+    """Parsed once per Ray worker process (workers are reused across tasks), not once per batch."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per task; Ray runs the tasks in parallel
+    return Tokenizer.from_str(tokenizer_json)
 
-    def __init__(self, tokenizer_json: str, eos_id: int) -> None:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per actor; Ray runs the actors in parallel
-        from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_str(tokenizer_json)
-        self.eos_id = eos_id
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        encodings = self.tokenizer.encode_batch(batch["text"].to_pylist(), add_special_tokens=False)
-        ids = [[*encoding.ids, self.eos_id] for encoding in encodings]
-        return pa.table(
-            {
-                "split": batch["split"],
-                "replaced": batch["replaced"],
-                "ids": pa.array(ids, type=pa.list_(pa.int32())),
-            }
-        )
+def tokenize_batch(batch: pa.Table, tokenizer_json: str, eos_id: int) -> pa.Table:
+    """Ray Data task: token ids of each document with EOS appended."""
+    encodings = _worker_tokenizer(tokenizer_json).encode_batch(
+        batch["text"].to_pylist(), add_special_tokens=False
+    )
+    ids = [[*encoding.ids, eos_id] for encoding in encodings]
+    return pa.table(
+        {
+            "split": batch["split"],
+            "replaced": batch["replaced"],
+            "ids": pa.array(ids, type=pa.list_(pa.int32())),
+        }
+    )
 
 
 def prepare(
@@ -112,7 +114,7 @@ def prepare(
     staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        splits = _write_shards(cfg, tokenizer, table, documents, staging, num_cpus)
+        splits = _write_shards(cfg, tokenizer, table, documents, staging)
         tokenizer.save(staging / TOKENIZER_FILE)
         table.save(staging / SIGNATURES_FILE)
         manifest = {
@@ -176,19 +178,12 @@ def _write_shards(
     table: SignatureTable,
     documents: Any,
     staging: Path,
-    num_cpus: int | None,
 ) -> dict[str, dict[str, Any]]:
-    import ray
-    import ray.data
-
-    # Leave one CPU to the read tasks: a pool holding every CPU starves them and the pipeline stalls.
-    cpus = int(num_cpus or ray.cluster_resources().get("CPU", 1))
     tokenized = documents.map_batches(
-        TokenizeBatch,
-        fn_constructor_args=(tokenizer.tokenizer.to_str(), tokenizer.eos_id),
+        tokenize_batch,
+        fn_kwargs={"tokenizer_json": tokenizer.tokenizer.to_str(), "eos_id": tokenizer.eos_id},
         batch_format="pyarrow",
         batch_size=TOKENIZE_BATCH,
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cpus - 1)),
     )
     packers = {split: Packer(cfg.train.seq_len) for split in SPLITS}
     writers = {
