@@ -42,6 +42,7 @@ def cmd_count(args: argparse.Namespace) -> None:
     from mhf_dist.tables import markdown_table
 
     cfg = _config(args)
+    mhf_total = param_count(cfg.model.model_copy(update={"family": "mhf"}))
     rows = []
     for family in FAMILIES:
         model_cfg = cfg.model.model_copy(update={"family": family})
@@ -51,6 +52,7 @@ def cmd_count(args: argparse.Namespace) -> None:
                 "family": family,
                 "layers": layers,
                 "params": param_count(model_cfg),
+                "vs mhf": param_count(model_cfg) - mhf_total,
                 "fwd GFLOP/token": forward_flops_per_token(model_cfg, cfg.train.seq_len) / 1e9,
             }
         )
@@ -58,7 +60,7 @@ def cmd_count(args: argparse.Namespace) -> None:
         f"preset {cfg.preset or args.config}, V={cfg.model.vocab_size}, {cfg.model.hash.spec}, "
         f"seq_len {cfg.train.seq_len}"
     )
-    print(markdown_table(rows, ["family", "layers", "params", "fwd GFLOP/token"]))
+    print(markdown_table(rows, ["family", "layers", "params", "vs mhf", "fwd GFLOP/token"]))
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:

@@ -29,7 +29,7 @@ from mhf_dist.tables import markdown_table
 from mhf_dist.train.loop import train_local
 
 DEMO_FAMILIES = ("mhf", "qwen3", "qwen3_matched")
-COLUMNS = ("family", "params", "layers", "train_loss", "val_nll", "val_ppl", "tokens_per_s")
+COLUMNS = ("family", "params", "params_vs_mhf", "layers", "train_loss", "val_nll", "val_ppl", "tokens_per_s")
 
 
 def run_demo(
@@ -66,6 +66,8 @@ def run_demo(
             {
                 "family": family,
                 "params": param_count(family_cfg),
+                "params_vs_mhf": param_count(family_cfg)
+                - param_count(model_cfg.model_copy(update={"family": "mhf"})),
                 "layers": layers,
                 "train_loss": sum(h["loss"] for h in history[-10:]) / len(history[-10:]),
                 **evaluation,

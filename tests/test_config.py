@@ -64,6 +64,7 @@ def test_flat_keys_match_override_paths():
         ("tiny", ["model.hash.spec=X9"], "write H<hashes>B<buckets>"),
         ("tiny", ["model.family=gpt"], "Input should be 'mhf', 'qwen3' or 'qwen3_matched'"),
         ("tiny", ["train.steps=-1"], "train.steps: Input should be greater than 0"),
+        ("tiny", ["train.seq_len=1"], "train.seq_len: Input should be greater than or equal to 2"),
         ("tiny", ["model.backbone=3"], "is a section; set one of its keys"),
         ("tiny", ["train.steps.x=1"], "train.steps is a value, not a section"),
         ("tiny", ["model.backbone.num_kv_heads=3"], "not a multiple of num_kv_heads"),
