@@ -11,9 +11,7 @@ trained on it; H4B16K signatures. The baseline does the same work in one process
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 os.environ.setdefault("RAYON_NUM_THREADS", "1")  # the baseline is one core; must precede tokenizers' pool
 
 import numpy as np
+from common import write_results
 
 from mhf_dist.config import load_config
 from mhf_dist.data.corpus import split_text_file
@@ -127,17 +126,12 @@ def main() -> None:
         "vocab_size": tokenizer.vocab_size,
         "hash": "H4B16K",
         "seq_len": args.seq_len,
-        "machine": platform.processor() or platform.machine(),
         "prepare_tokens": prep_tokens,
         "baseline_seconds": base_seconds,
         "prepare_seconds": prep_seconds,
         "result": row,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = args.out.with_suffix(".tmp")
-    tmp_out.write_text(json.dumps(payload, indent=2))
-    tmp_out.replace(args.out)
-    print(f"wrote {args.out}")
+    write_results(args.out, payload)
 
 
 if __name__ == "__main__":

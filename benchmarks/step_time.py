@@ -12,13 +12,12 @@ chunked) vs the baseline's forward + log_softmax. Prints a table of ratios and w
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from common import write_results
 
 from mhf_dist.config import load_config
 from mhf_dist.models import build_model, param_count
@@ -124,16 +123,9 @@ def main() -> None:
         "batch": args.batch,
         "seq_len": args.seq_len,
         "rounds": args.rounds,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(args.out)
-    print(f"wrote {args.out}")
+    write_results(args.out, payload)
 
 
 if __name__ == "__main__":
