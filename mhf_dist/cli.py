@@ -72,6 +72,26 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     prepare(cfg, cfg.data.path, overwrite=args.overwrite, num_cpus=args.num_cpus)
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    from mhf_dist.tables import markdown_table
+    from mhf_dist.train.ray_trainer import TrainOptions, read_history, train
+
+    cfg = _config(args)
+    options = TrainOptions(
+        workers=args.workers,
+        gpus_per_worker=args.gpus_per_worker,
+        zero_stage=args.zero_stage,
+        storage=args.storage,
+        name=args.name,
+        resume=args.resume,
+        stop_at_step=args.stop_at_step,
+        max_failures=args.max_failures,
+    )
+    checkpoint = train(cfg, options)
+    print(markdown_table(read_history(checkpoint)[-1:], ["step", "loss", "lr", "grad_norm", "tokens_per_s"]))
+    print(f"last checkpoint: {checkpoint}")
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from mhf_dist.demo import run_demo
 
@@ -99,6 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     prep.add_argument("--num-cpus", type=int, help="CPUs of a local Ray instance (default: all)")
     prep.set_defaults(func=cmd_prepare)
+
+    fit = commands.add_parser("train", help="train on prepared shards with Ray Train + DeepSpeed ZeRO")
+    _add_config_args(fit)
+    fit.add_argument("--workers", type=int, default=2, help="Ray Train workers (default: 2)")
+    fit.add_argument(
+        "--gpus-per-worker", type=int, default=0, help="GPUs per worker; 0 trains on CPU in fp32"
+    )
+    fit.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
+    fit.add_argument("--storage", default="runs/train", help="Ray Train storage path (default: runs/train)")
+    fit.add_argument("--name", default="mhf-train", help="run name under the storage path")
+    fit.add_argument("--resume", help="a checkpoint directory of an earlier run to continue exactly")
+    fit.add_argument("--stop-at-step", type=int, help="end this run at this step, with a checkpoint")
+    fit.add_argument(
+        "--max-failures", type=int, default=0, help="worker-group restarts from the last checkpoint"
+    )
+    fit.set_defaults(func=cmd_train)
 
     show = commands.add_parser("config", help="print the resolved config as YAML")
     _add_config_args(show)

@@ -134,6 +134,8 @@ class TrainConfig(StrictModel):
     beta2: float = Field(0.95, ge=0, lt=1)
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
     log_every: int = Field(10, gt=0)
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
+    keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (the newest)")
 
 
 class DataConfig(StrictModel):

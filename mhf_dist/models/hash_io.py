@@ -93,7 +93,9 @@ class CascadedHashDecoder(nn.Module):
         self.reduce = nn.Linear(d_model, d_casc, bias=False)
         self.norm = nn.RMSNorm(d_casc, eps=1e-6)
         self.heads = nn.Parameter(torch.empty(num_hashes, num_buckets, d_casc))
-        self.bucket_embed = nn.Embedding(num_buckets, d_casc)
+        # E_out is a parameter of the decoder itself (not an nn.Embedding read through `.weight`), so
+        # ZeRO-3 gathers it with the decoder's own parameters when the decoder runs.
+        self.bucket_table = nn.Parameter(torch.empty(num_buckets, d_casc))
         self.mixer = CascadeMixer(d_casc, mixer_hidden)
         init_hash_params(self)
 
@@ -109,7 +111,7 @@ class CascadedHashDecoder(nn.Module):
             logp_j = torch.log_softmax(F.linear(self.norm(state), self.heads[j]).float(), dim=-1)
             coord_logps.append(logp_j)
             if j + 1 < self.num_hashes:
-                soft_bucket = logp_j.exp().to(state.dtype) @ self.bucket_embed.weight
+                soft_bucket = logp_j.exp().to(state.dtype) @ self.bucket_table
                 state = self.mixer(state, soft_bucket)
         return coord_logps
 

@@ -65,14 +65,18 @@ def run_training(
     steps: int,
     throughput: Throughput,
     start_step: int = 0,
-    log_every: int = 10,
-    on_log: Callable[[dict[str, float]], None] | None = None,
+    stop_step: int | None = None,
+    on_step: Callable[[dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
-    """Run steps start_step+1 .. steps; returns one metrics dict per step."""
+    """Run steps start_step+1 .. stop_step (default: steps) of a `steps`-step run.
+
+    Returns one metrics dict per step; `on_step` sees each (with `eta_s`) for logging and checkpoints.
+    """
     history: list[dict[str, float]] = []
     batch_iter: Iterator[Batch] = iter(batches)
     started = time.perf_counter()
-    for step in range(start_step + 1, steps + 1):
+    last = steps if stop_step is None else min(stop_step, steps)
+    for step in range(start_step + 1, last + 1):
         try:
             batch = next(batch_iter)
         except StopIteration:
@@ -92,11 +96,10 @@ def run_training(
             metrics["flops_per_s"] = tokens_per_s * throughput.flops_per_token
         if throughput.peak_flops:
             metrics["mfu"] = metrics["flops_per_s"] / throughput.peak_flops
+        metrics["eta_s"] = (time.perf_counter() - started) / (step - start_step) * (steps - step)
         history.append(metrics)
-        if on_log is not None and (step % log_every == 0 or step == steps):
-            elapsed = time.perf_counter() - started
-            metrics["eta_s"] = elapsed / (step - start_step) * (steps - step)
-            on_log(metrics)
+        if on_step is not None:
+            on_step(metrics)
     return history
 
 
@@ -118,7 +121,13 @@ def train_local(
 ) -> list[dict[str, float]]:
     """Train `model` in this process for `cfg.steps` steps: the code path every runner shares."""
     throughput = Throughput(tokens_per_step=cfg.batch_size * cfg.seq_len, flops_per_token=flops_per_token)
-    on_log = (lambda metrics: log(format_progress(metrics, cfg.steps))) if log else None
-    return run_training(
-        TorchStepper(model, cfg), batches, cfg.steps, throughput, log_every=cfg.log_every, on_log=on_log
-    )
+
+    def on_step(metrics: dict[str, float]) -> None:
+        if log is not None and is_log_step(int(metrics["step"]), cfg):
+            log(format_progress(metrics, cfg.steps))
+
+    return run_training(TorchStepper(model, cfg), batches, cfg.steps, throughput, on_step=on_step)
+
+
+def is_log_step(step: int, cfg: TrainConfig) -> bool:
+    return step % cfg.log_every == 0 or step == cfg.steps
