@@ -136,6 +136,9 @@ class TrainConfig(StrictModel):
     log_every: int = Field(10, gt=0)
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
     keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (the newest)")
+    fail_at_step: int = Field(
+        0, ge=0, description="fault injection for tests: worker 1 dies once at this step"
+    )
 
 
 class DataConfig(StrictModel):

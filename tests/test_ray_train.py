@@ -54,7 +54,7 @@ def test_each_zero_stage_on_two_cpu_workers_lowers_the_loss(shards, tmp_path, ze
     assert last < first - 0.5
 
 
-def test_resumed_run_reproduces_the_uninterrupted_loss_curve(shards, tmp_path):
+def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(shards, tmp_path):
     cfg = run_cfg(shards, "train.steps=10", "train.checkpoint_every=5")
     whole = read_history(train(cfg, TrainOptions(zero_stage=1, storage=str(tmp_path), name="whole")))
     half = train(cfg, TrainOptions(zero_stage=1, storage=str(tmp_path), name="half", stop_at_step=5))
@@ -67,6 +67,13 @@ def test_resumed_run_reproduces_the_uninterrupted_loss_curve(shards, tmp_path):
     for expected, got in zip(whole, resumed, strict=True):
         assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
         assert got["lr"] == pytest.approx(expected["lr"], rel=1e-9)
+
+    faulty = run_cfg(shards, "train.steps=10", "train.checkpoint_every=5", "train.fail_at_step=7")
+    survived = train(faulty, TrainOptions(zero_stage=1, storage=str(tmp_path), name="faulty", max_failures=1))
+    assert (tmp_path / "faulty" / "fault-injected").is_file()
+    recovered = read_history(survived)
+    assert [h["step"] for h in recovered] == list(range(1, 11))  # every step once, none repeated
+    assert recovered[-1]["loss"] == pytest.approx(whole[-1]["loss"], abs=1e-5)
 
     other = run_cfg(shards, "train.steps=10", "model.backbone.num_layers=3")
     with pytest.raises(TrainingError, match=r"different model config \(backbone\)"):

@@ -13,6 +13,7 @@ Checkpoints (every `train.checkpoint_every` steps and at the end) hold the DeepS
 from __future__ import annotations
 
 import json
+import os
 import random
 import tempfile
 from collections.abc import Iterator
@@ -121,6 +122,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     def on_step(metrics: dict[str, float]) -> None:
         step = int(metrics["step"])
+        _maybe_inject_fault(step, cfg.train.fail_at_step, rank, Path(loop_config["fault_marker"]))
         history.append(metrics)
         if rank == 0 and is_log_step(step, cfg.train):
             print(format_progress(metrics, cfg.train.steps), flush=True)
@@ -131,6 +133,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             ray.train.report(metrics)
 
     run_training(stepper, batches, cfg.train.steps, throughput, start_step, last_step, on_step)
+
+
+def _maybe_inject_fault(step: int, fail_at_step: int, rank: int, marker: Path) -> None:
+    """Kill this worker process once (train.fail_at_step), as a crashed node would; the marker file in
+    the run's storage keeps the restarted worker group from failing again."""
+    if fail_at_step and step == fail_at_step and rank == 1 and not marker.exists():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"worker 1 killed at step {step}\n")
+        os._exit(1)
 
 
 def _report_checkpoint(
@@ -210,6 +221,7 @@ def train(cfg: Config, options: TrainOptions) -> Path:
             "gpus_per_worker": options.gpus_per_worker,
             "stop_at_step": options.stop_at_step,
             "resume_from": resume,
+            "fault_marker": str(Path(options.storage).resolve() / options.name / "fault-injected"),
         },
         scaling_config=ScalingConfig(
             num_workers=options.workers,
