@@ -86,10 +86,16 @@ def cmd_train(args: argparse.Namespace) -> None:
         resume=args.resume,
         stop_at_step=args.stop_at_step,
         max_failures=args.max_failures,
+        experiment=args.experiment,
     )
-    checkpoint = train(cfg, options)
-    print(markdown_table(read_history(checkpoint)[-1:], ["step", "loss", "lr", "grad_norm", "tokens_per_s"]))
-    print(f"last checkpoint: {checkpoint}")
+    result = train(cfg, options)
+    print(
+        markdown_table(
+            read_history(result.checkpoint)[-1:], ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
+        )
+    )
+    print(f"last checkpoint: {result.checkpoint}")
+    print(f"MLflow run {result.run_id} at {result.tracking_uri}")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -129,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
     fit.add_argument("--storage", default="runs/train", help="Ray Train storage path (default: runs/train)")
     fit.add_argument("--name", default="mhf-train", help="run name under the storage path")
+    fit.add_argument("--experiment", default="mhf", help="MLflow experiment (default: mhf)")
     fit.add_argument("--resume", help="a checkpoint directory of an earlier run to continue exactly")
     fit.add_argument("--stop-at-step", type=int, help="end this run at this step, with a checkpoint")
     fit.add_argument(

@@ -28,10 +28,18 @@ from mhf_dist.config import Config, validate_config
 from mhf_dist.data.shards import SIGNATURES_FILE, arrow_to_arrays, load_shards, read_manifest
 from mhf_dist.errors import TrainingError
 from mhf_dist.ray_utils import ensure_ray
+from mhf_dist.tracking import end_run, log_artifact, log_steps, start_run, tracking_uri
 
 HISTORY_FILE = "history.jsonl"
 RUN_FILE = "run.json"  # the model config and signature fingerprint the checkpoint belongs to
 STATE_TAG = "state"  # DeepSpeed's checkpoint tag inside each Ray Train checkpoint
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    checkpoint: Path  # the last checkpoint directory
+    run_id: str  # the MLflow run
+    tracking_uri: str
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class TrainOptions:
     zero_stage: int = 0
     storage: str = "runs/train"
     name: str = "mhf-train"
+    experiment: str = "mhf"  # the MLflow experiment
     resume: str | None = None  # a checkpoint directory written by an earlier run
     stop_at_step: int | None = None  # end this run early (with a checkpoint), e.g. to fit a time slot
     max_failures: int = 0
@@ -96,8 +105,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     stepper = DeepSpeedStepper(model, cfg.train, loop_config["zero_stage"], world_size, bf16=use_gpu)
 
     start_step, history = 0, []
-    # The run's own latest checkpoint (after a worker failure) wins over the one --resume named.
+    # After a worker failure the run continues from its own newest checkpoint, else from --resume.
     checkpoint = ray.train.get_checkpoint()
+    newest = newest_checkpoint(Path(loop_config["run_dir"]))
+    if checkpoint is None and newest is not None:
+        checkpoint = ray.train.Checkpoint.from_directory(str(newest))
     if checkpoint is None and loop_config["resume_from"]:
         checkpoint = ray.train.Checkpoint.from_directory(loop_config["resume_from"])
     if checkpoint is not None:
@@ -106,6 +118,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             history = [json.loads(line) for line in (Path(directory) / HISTORY_FILE).read_text().splitlines()]
         start_step = client_state["step"]
         _set_rng_state(client_state["rng"][rank])
+        if rank == 0:
+            print(f"resumed from {checkpoint.path} at step {start_step}", flush=True)
 
     micro = micro_batch_size(cfg.train, world_size)
     batches = global_batches(
@@ -119,6 +133,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     last_step = min(cfg.train.steps, loop_config["stop_at_step"] or cfg.train.steps)
 
     run_info = {"model": cfg.model.model_dump(mode="json"), "fingerprint": table.fingerprint}
+    tracking = {"uri": loop_config["tracking_uri"], "run_id": loop_config["run_id"], "logged": start_step}
 
     def on_step(metrics: dict[str, float]) -> None:
         step = int(metrics["step"])
@@ -128,11 +143,28 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             print(format_progress(metrics, cfg.train.steps), flush=True)
         every = cfg.train.checkpoint_every
         if step == last_step or (every and step % every == 0):
+            if rank == 0:
+                log_steps(
+                    tracking["uri"],
+                    tracking["run_id"],
+                    (h for h in history if h["step"] > tracking["logged"]),
+                )
+                tracking["logged"] = step
             _report_checkpoint(stepper, step, metrics, history, run_info, rank, world_size)
         elif is_log_step(step, cfg.train):
             ray.train.report(metrics)
 
     run_training(stepper, batches, cfg.train.steps, throughput, start_step, last_step, on_step)
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The run's newest checkpoint on storage.
+
+    Ray Train registers a checkpoint only when its controller next polls the workers; a worker that dies
+    in between would otherwise restart from scratch although the files were already uploaded.
+    """
+    complete = [path for path in sorted(run_dir.glob("checkpoint-*")) if (path / RUN_FILE).is_file()]
+    return complete[-1] if complete else None
 
 
 def _maybe_inject_fault(step: int, fail_at_step: int, rank: int, marker: Path) -> None:
@@ -198,19 +230,27 @@ def read_history(checkpoint_path: str | Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in lines]
 
 
-def train(cfg: Config, options: TrainOptions) -> Path:
-    """Train `cfg` on the shards at `cfg.data.path`; returns the directory of the last checkpoint."""
+def train(cfg: Config, options: TrainOptions) -> TrainResult:
+    """Train `cfg` on the shards at `cfg.data.path`, tracked in MLflow; returns where the results are."""
     ensure_ray()
     import ray.data
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     manifest = read_manifest(cfg.data.path)
+    run_dir = Path(options.storage).resolve() / options.name
+    if newest_checkpoint(run_dir) is not None:
+        raise TrainingError(
+            f"run directory {str(run_dir)!r} already holds checkpoints; continue it with --resume "
+            f"{newest_checkpoint(run_dir)} --name <new name>, or pick another --name"
+        )
     resume = None
     if options.resume is not None:
         _check_resumable(Path(options.resume), cfg, manifest["signatures"]["fingerprint"])
         resume = str(Path(options.resume).resolve())
     dataset = load_shards(cfg.data.path, "train", cfg, fingerprint=manifest["signatures"]["fingerprint"])
+    uri = tracking_uri(options.storage)
+    run_id = start_run(uri, options.experiment, options.name, cfg.flat(), _tags(cfg, options, manifest))
     in_order = ray.data.ExecutionOptions(preserve_order=True)
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -221,7 +261,10 @@ def train(cfg: Config, options: TrainOptions) -> Path:
             "gpus_per_worker": options.gpus_per_worker,
             "stop_at_step": options.stop_at_step,
             "resume_from": resume,
+            "run_dir": str(run_dir),
             "fault_marker": str(Path(options.storage).resolve() / options.name / "fault-injected"),
+            "tracking_uri": uri,
+            "run_id": run_id,
         },
         scaling_config=ScalingConfig(
             num_workers=options.workers,
@@ -240,7 +283,30 @@ def train(cfg: Config, options: TrainOptions) -> Path:
         datasets={"train": dataset},
         dataset_config=DataConfig(datasets_to_split=[], execution_options=in_order),
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except BaseException:
+        end_run(uri, run_id, "FAILED")
+        raise
     if result.checkpoint is None:
+        end_run(uri, run_id, "FAILED")
         raise TrainingError(f"run {options.name!r} ended without a checkpoint; see the worker errors above")
-    return Path(result.checkpoint.path)
+    checkpoint = Path(result.checkpoint.path)
+    log_artifact(uri, run_id, Path(cfg.data.path) / SIGNATURES_FILE)
+    log_artifact(uri, run_id, checkpoint / RUN_FILE)
+    end_run(uri, run_id, "FINISHED")
+    return TrainResult(checkpoint, run_id, uri)
+
+
+def _tags(cfg: Config, options: TrainOptions, manifest: dict[str, Any]) -> dict[str, Any]:
+    from mhf_dist.models import param_count
+
+    return {
+        "family": cfg.model.family,
+        "preset": cfg.preset or "custom",
+        "seed": cfg.train.seed,
+        "param_count": param_count(cfg.model),
+        "signature_fingerprint": manifest["signatures"]["fingerprint"],
+        "zero_stage": options.zero_stage,
+        "workers": options.workers,
+    }
