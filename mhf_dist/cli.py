@@ -6,6 +6,7 @@ Every user mistake surfaces as one line `error: ...` and exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,15 +79,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     cfg = _config(args)
     options = TrainOptions(
-        workers=args.workers,
-        gpus_per_worker=args.gpus_per_worker,
-        zero_stage=args.zero_stage,
-        storage=args.storage,
-        name=args.name,
-        resume=args.resume,
-        stop_at_step=args.stop_at_step,
-        max_failures=args.max_failures,
-        experiment=args.experiment,
+        **{field.name: getattr(args, field.name) for field in dataclasses.fields(TrainOptions)}
     )
     result = train(cfg, options)
     print(

@@ -5,6 +5,10 @@ from __future__ import annotations
 import logging
 import os
 
+# Logical CPUs a local instance adds beyond the physical cores: Ray Train's workers each hold one CPU
+# for the whole run, and the Ray Data tasks that feed them need slots of their own, or they wait forever.
+LOCAL_CPU_HEADROOM = 2
+
 
 def ensure_ray(num_cpus: int | None = None) -> None:
     """Start or join Ray once per process; `num_cpus` sizes a local instance (ignored on a cluster)."""
@@ -13,5 +17,6 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
-    local = {} if address else {"num_cpus": num_cpus, "include_dashboard": False}
+    cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1) + LOCAL_CPU_HEADROOM
+    local = {} if address else {"num_cpus": cpus, "include_dashboard": False}
     ray.init(address=address, logging_level=logging.WARNING, **local)

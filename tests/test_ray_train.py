@@ -46,10 +46,8 @@ def test_deepspeed_config_follows_ours():
 @pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_each_zero_stage_on_two_cpu_workers_lowers_the_loss(shards, tmp_path, zero_stage):
     cfg = run_cfg(shards, "train.steps=20")
-    checkpoint = train(
-        cfg, TrainOptions(workers=2, zero_stage=zero_stage, storage=str(tmp_path), name="zero")
-    )
-    history = read_history(checkpoint)
+    result = train(cfg, TrainOptions(workers=2, zero_stage=zero_stage, storage=str(tmp_path), name="zero"))
+    history = read_history(result.checkpoint)
     assert [metrics["step"] for metrics in history] == list(range(1, 21))
     first, last = sum(h["loss"] for h in history[:3]) / 3, sum(h["loss"] for h in history[-3:]) / 3
     assert last < first - 0.5
