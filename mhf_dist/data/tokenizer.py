@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from mhf_dist.errors import DataError
 
 EOS = "<|endoftext|>"
+EOS_CANDIDATES = (EOS, "</s>", "<eos>")
 BYTE_SPECIALS = ("<bos>", "<eos>", "<pad>")
 
 
@@ -49,13 +50,20 @@ class TextTokenizer:
         self.eos_id = eos_id
 
     @classmethod
-    def load(cls, path: str | Path, eos_token: str = EOS) -> TextTokenizer:
+    def load(cls, path: str | Path) -> TextTokenizer:
+        """A tokenizer.json file; EOS is the first of EOS_CANDIDATES in its vocabulary."""
         try:
-            return cls(Tokenizer.from_file(str(path)), eos_token)
+            tokenizer = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception for unreadable files
             raise DataError(
                 f"cannot read tokenizer {str(path)!r}: {err}; pass a tokenizer.json file"
             ) from None
+        eos = next((token for token in EOS_CANDIDATES if tokenizer.token_to_id(token) is not None), None)
+        if eos is None:
+            raise DataError(
+                f"tokenizer {str(path)!r} has none of the EOS tokens {', '.join(EOS_CANDIDATES)}; add one"
+            )
+        return cls(tokenizer, eos)
 
     @classmethod
     def train_bpe(cls, texts: Iterable[str], vocab_size: int) -> TextTokenizer:
@@ -94,13 +102,7 @@ class TextTokenizer:
             raise DataError(
                 f"tokenizer {spec!r} is neither 'bpe', 'bytes' nor an existing tokenizer.json file"
             )
-        for eos in (EOS, "</s>", "<eos>"):
-            try:
-                return cls.load(path, eos)
-            except DataError as err:
-                if "no end-of-text token" not in str(err):
-                    raise
-        raise DataError(f"tokenizer {spec!r} has none of the EOS tokens {EOS!r}, '</s>', '<eos>'; add one")
+        return cls.load(path)
 
     @property
     def vocab_size(self) -> int:

@@ -115,7 +115,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             _, client_state = stepper.engine.load_checkpoint(directory, tag=STATE_TAG)
-            history = [json.loads(line) for line in (Path(directory) / HISTORY_FILE).read_text().splitlines()]
+            history = read_history(directory)
         start_step = client_state["step"]
         _set_rng_state(client_state["rng"][rank])
         if rank == 0:
