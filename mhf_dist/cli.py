@@ -75,26 +75,55 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from mhf_dist.tables import markdown_table
-    from mhf_dist.train.ray_trainer import TrainOptions, read_history, train
+    from mhf_dist.train.checkpoints import MODEL_DIR, read_history
+    from mhf_dist.train.ray_trainer import TrainOptions, train
 
     cfg = _config(args)
     options = TrainOptions(
         **{field.name: getattr(args, field.name) for field in dataclasses.fields(TrainOptions)}
     )
     result = train(cfg, options)
-    print(
-        markdown_table(
-            read_history(result.checkpoint)[-1:], ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
-        )
-    )
-    print(f"last checkpoint: {result.checkpoint}")
+    last = read_history(result.checkpoint)[-1:]
+    columns = ["step", "loss", "val_nll", "val_ppl", "tokens_per_s", "peak_mem_gb"]
+    print(markdown_table(last, [column for column in columns if column in last[0]]))
+    print(f"last checkpoint: {result.checkpoint} (exported model: {result.checkpoint / MODEL_DIR})")
     print(f"MLflow run {result.run_id} at {result.tracking_uri}")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
     from mhf_dist.demo import run_demo
 
-    run_demo(_config(args), Path(args.workdir))
+    run_demo(args.config, args.overrides, Path(args.workdir), seeds=args.seeds, workers=args.workers)
+
+
+def cmd_sweep(args: argparse.Namespace) -> None:
+    from mhf_dist.compare import compare_runs
+    from mhf_dist.sweep.runner import run_sweep
+    from mhf_dist.sweep.spec import load_sweep
+
+    spec = load_sweep(args.config)
+    result = run_sweep(spec, resume=args.resume)
+    comparison = compare_runs(
+        result.tracking_uri,
+        spec.experiment,
+        result.directory / "compare",
+        spec.metric,
+        result.parent_run_id,
+        spec.unstable_cv,
+    )
+    print(comparison.table)
+    print(f"tables and plots: {result.directory / 'compare'}; MLflow parent run {result.parent_run_id}")
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    from mhf_dist.compare import compare_runs
+    from mhf_dist.tracking import tracking_uri
+
+    uri = tracking_uri(args.storage)
+    out = Path(args.out or Path(args.storage) / "compare" / (args.sweep or args.experiment))
+    comparison = compare_runs(uri, args.experiment, out, args.metric, args.sweep, args.unstable_cv)
+    print(comparison.table)
+    print(f"written: {', '.join(str(path) for path in comparison.files)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +133,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train mhf and Qwen3 baselines small on the built-in corpus")
     _add_config_args(demo)
     demo.add_argument("--workdir", default="runs/demo", help="where results are written (default: runs/demo)")
+    demo.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds per family (default: 0 1)")
+    demo.add_argument("--workers", type=int, default=2, help="Ray Train workers per trial (default: 2)")
     demo.set_defaults(func=cmd_demo)
+
+    sweep = commands.add_parser("sweep", help="matched-baseline, seed or grid sweeps on Ray Tune")
+    sweep.add_argument("--config", required=True, help="the sweep YAML file (see README: Sweeps)")
+    sweep.add_argument(
+        "--resume", action="store_true", help="finish an interrupted sweep; keeps finished trials"
+    )
+    sweep.set_defaults(func=cmd_sweep)
+
+    compare = commands.add_parser("compare", help="compare runs across seeds from MLflow: table, CSV, plots")
+    compare.add_argument("--experiment", default="mhf-sweeps", help="MLflow experiment (default: mhf-sweeps)")
+    compare.add_argument("--sweep", help="a sweep's parent run id: only its trials, results logged to it")
+    compare.add_argument("--metric", default="val_nll", help="the metric compared (default: val_nll)")
+    compare.add_argument(
+        "--storage",
+        default="runs/sweeps",
+        help="where the embedded MLflow lives, unless MLFLOW_TRACKING_URI is set",
+    )
+    compare.add_argument("--out", help="output directory (default: <storage>/compare/<sweep or experiment>)")
+    compare.add_argument(
+        "--unstable-cv", type=float, default=0.05, help="coefficient of variation flagged unstable"
+    )
+    compare.set_defaults(func=cmd_compare)
 
     prep = commands.add_parser(
         "prepare", help="tokenize, pack and sign a corpus into parquet shards on Ray Data"
@@ -129,10 +182,24 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--storage", default="runs/train", help="Ray Train storage path (default: runs/train)")
     fit.add_argument("--name", default="mhf-train", help="run name under the storage path")
     fit.add_argument("--experiment", default="mhf", help="MLflow experiment (default: mhf)")
-    fit.add_argument("--resume", help="a checkpoint directory of an earlier run to continue exactly")
+    fit.add_argument(
+        "--resume", help="continue exactly from a checkpoint directory, or from a run name's newest"
+    )
     fit.add_argument("--stop-at-step", type=int, help="end this run at this step, with a checkpoint")
     fit.add_argument(
         "--max-failures", type=int, default=0, help="worker-group restarts from the last checkpoint"
+    )
+    fit.add_argument(
+        "--continue",
+        dest="continue_run",
+        action="store_true",
+        help="continue the run --name from its newest checkpoint, logging to the same MLflow run",
+    )
+    fit.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="peak TFLOP/s per worker for the MFU estimate (default: bf16 peak of known GPUs)",
     )
     fit.set_defaults(func=cmd_train)
 

@@ -136,8 +136,12 @@ class TrainConfig(StrictModel):
     log_every: int = Field(10, gt=0)
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
     keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (the newest)")
+    eval_every: int = Field(
+        0, ge=0, description="steps between validation passes (exact NLL); 0: only at the end"
+    )
+    eval_rows: int = Field(0, ge=0, description="validation rows per pass; 0: the whole split")
     fail_at_step: int = Field(
-        0, ge=0, description="fault injection for tests: worker 1 dies once at this step"
+        0, ge=0, description="fault injection for tests: the last worker dies once at this step"
     )
 
 

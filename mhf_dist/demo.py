@@ -1,98 +1,95 @@
-"""`mhf demo`: the whole flow, small, on the built-in corpus.
+"""`mhf demo`: the whole flow, small, on the built-in corpus and local Ray.
 
-Prepares the corpus on Ray Data (BPE, packing, signatures, parquet shards), then trains `mhf`, `qwen3`
-and `qwen3_matched` in this process on identical batches read from the shards, and compares their exact
-validation NLL.
+Prepares the corpus on Ray Data (BPE, packing, signatures, parquet shards), runs a `matched` sweep on
+Ray Tune (`mhf`, `qwen3`, `qwen3_matched` x seeds, each trial an `mhf train` run on 2 Ray Train
+workers with DeepSpeed), compares the runs from MLflow (table, CSV, plots), and samples a few tokens
+from each family's exported model.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
+import yaml
 
-from mhf_dist.config import Config
-from mhf_dist.data.packing import shuffled_batches
+from mhf_dist.compare import Comparison, compare_runs
+from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
-from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE, read_rows
-from mhf_dist.data.tokenizer import TextTokenizer
-from mhf_dist.eval.perplexity import evaluate_rows
-from mhf_dist.models import build_model, param_count, train_flops_per_token
-from mhf_dist.models.counting import matched_layers
+from mhf_dist.errors import ConfigError
+from mhf_dist.export import load_exported
 from mhf_dist.models.generation import generate
-from mhf_dist.signatures import SignatureTable
-from mhf_dist.tables import markdown_table
-from mhf_dist.train.loop import train_local
+from mhf_dist.sweep.runner import TRIALS_DIR, run_sweep
+from mhf_dist.sweep.spec import parse_sweep
+from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 
 DEMO_FAMILIES = ("mhf", "qwen3", "qwen3_matched")
-COLUMNS = ("family", "params", "params_vs_mhf", "layers", "train_loss", "val_nll", "val_ppl", "tokens_per_s")
+PROMPT = "The history of"
 
 
 def run_demo(
-    cfg: Config,
+    config: str,
+    overrides: Sequence[str],
     workdir: Path,
-    families: Sequence[str] = DEMO_FAMILIES,
-    num_cpus: int | None = None,
+    seeds: Sequence[int] = (0, 1),
+    workers: int = 2,
     log: Callable[[str], None] = print,
-) -> list[dict]:
+) -> Comparison:
+    workdir = workdir.resolve()
     data_dir = workdir / "data"
-    log(f"preparing corpus {cfg.data.corpus!r} on Ray Data -> {data_dir}")
-    prepare(cfg, data_dir, overwrite=True, num_cpus=num_cpus, log=log)
-    tokenizer = TextTokenizer.resolve(str(data_dir / TOKENIZER_FILE), cfg.model.vocab_size, [])
-    table = SignatureTable.load(data_dir / SIGNATURES_FILE)
-    train_rows, train_signatures = read_rows(data_dir, "train")
-    val_rows, _ = read_rows(data_dir, "validation")
-    model_cfg = cfg.model
+    settings = {**_as_dict(overrides), "data.path": str(data_dir)}
+    cfg = load_config(config, [*overrides, f"data.path={data_dir}"])
+    log(f"[1/3] preparing corpus {cfg.data.corpus!r} on Ray Data -> {data_dir}")
+    prepare(cfg, data_dir, overwrite=True, log=log)
 
-    prompt = tokenizer.encode_batch(["The for statement"])[0]
-    results = []
-    for family in families:
-        family_cfg = model_cfg.model_copy(update={"family": family})
-        layers = matched_layers(family_cfg)[0] if family == "qwen3_matched" else model_cfg.backbone.num_layers
-        log(f"--- {family}: {param_count(family_cfg):,} parameters, {layers} layers")
-        torch.manual_seed(cfg.train.seed)
-        model = build_model(family_cfg, table)
-        batches = shuffled_batches(train_rows, cfg.train.batch_size, cfg.train.seed, train_signatures)
-        history = train_local(
-            model, batches, cfg.train, train_flops_per_token(family_cfg, cfg.train.seq_len), log
-        )
-        evaluation = evaluate_rows(model, val_rows)
-        sample = list(generate(model, prompt, max_new_tokens=16))
-        results.append(
-            {
-                "family": family,
-                "params": param_count(family_cfg),
-                "params_vs_mhf": param_count(family_cfg)
-                - param_count(model_cfg.model_copy(update={"family": "mhf"})),
-                "layers": layers,
-                "train_loss": sum(h["loss"] for h in history[-10:]) / len(history[-10:]),
-                **evaluation,
-                "tokens_per_s": sum(h["tokens_per_s"] for h in history) / len(history),
-                "sample": tokenizer.decode(prompt + sample),
-            }
-        )
-        log(
-            f"{family}: val NLL {evaluation['val_nll']:.4f} (ppl {evaluation['val_ppl']:.1f}); "
-            f"greedy sample: {results[-1]['sample']!r}"
-        )
-
-    _write_outputs(workdir, results, cfg)
-    log("\n" + markdown_table(results, COLUMNS))
-    log(
-        "val_nll: exact NLL per token over the real vocabulary (mhf renormalised over V_actl); "
-        "train_loss: the family's own training loss (mhf: sum of signature-coordinate cross-entropies)"
+    spec = parse_sweep(
+        {
+            "name": time.strftime("demo-%Y%m%d-%H%M%S"),
+            "kind": "matched",
+            "config": config,
+            "set": settings,
+            "families": list(DEMO_FAMILIES),
+            "seeds": list(seeds),
+            "storage": str(workdir / "sweeps"),
+            "experiment": "mhf-demo",
+            "workers": workers,
+        },
+        "demo sweep",
     )
-    log(f"results: {workdir / 'results.json'}")
-    return results
+    log(
+        f"[2/3] matched sweep on Ray Tune: {len(DEMO_FAMILIES)} families x seeds {list(seeds)}, "
+        f"{workers} Ray Train workers per trial"
+    )
+    result = run_sweep(spec, log=log)
+
+    log("[3/3] comparing the runs from MLflow")
+    out_dir = result.directory / "compare"
+    comparison = compare_runs(
+        result.tracking_uri, spec.experiment, out_dir, spec.metric, result.parent_run_id, spec.unstable_cv
+    )
+    for family in DEMO_FAMILIES:
+        checkpoint = newest_checkpoint(result.directory / TRIALS_DIR / f"{family}-seed{seeds[0]}")
+        exported = load_exported(checkpoint / MODEL_DIR)
+        prompt = exported.tokenizer.encode_batch([PROMPT])[0]
+        sample = exported.tokenizer.decode(prompt + list(generate(exported.model, prompt, max_new_tokens=12)))
+        log(f"{family} (seed {seeds[0]}) greedy sample: {sample!r}")
+    log("\n" + comparison.table)
+    log(
+        f"{spec.metric}: exact validation NLL per token over the real vocabulary (mhf renormalised over "
+        "V_actl); mean/std/min/max over seeds; params_residual: parameters minus mhf's"
+    )
+    log(f"tables and plots: {out_dir}")
+    db = result.tracking_uri.removeprefix("sqlite:///")
+    log(f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{db}  (experiment {spec.experiment!r})")
+    return comparison
 
 
-def _write_outputs(workdir: Path, results: list[dict], cfg: Config) -> None:
-    payload = {"config": cfg.model_dump(mode="json"), "results": results}
-    fd, tmp = tempfile.mkstemp(dir=workdir, suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(payload, handle, indent=2)
-    os.replace(tmp, workdir / "results.json")
+def _as_dict(overrides: Sequence[str]) -> dict[str, object]:
+    settings = {}
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep:
+            raise ConfigError(f"bad override {override!r}; write key=value, e.g. train.steps=50")
+        settings[key.strip()] = yaml.safe_load(value)
+    return settings

@@ -7,6 +7,8 @@ from typing import Any
 
 
 def _cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
         if abs(value) >= 1e4:
             return f"{value:,.0f}"

@@ -93,5 +93,16 @@ def log_artifact(uri: str, run_id: str, path: str | Path) -> None:
     _client(uri).log_artifact(run_id, str(path))
 
 
+def reopen_run(uri: str, run_id: str) -> None:
+    """Mark a run RUNNING again: a continued training run, or a resumed sweep."""
+    _client(uri).update_run(run_id, status="RUNNING")
+
+
+def set_tags(uri: str, run_id: str, tags: dict[str, Any]) -> None:
+    client = _client(uri)
+    for key, value in tags.items():
+        client.set_tag(run_id, key, str(value))
+
+
 def end_run(uri: str, run_id: str, status: str) -> None:
     _client(uri).set_terminated(run_id, status=status)

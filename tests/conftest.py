@@ -22,7 +22,7 @@ def ray_session():
     """One local Ray instance for the whole test session (start-up costs seconds)."""
     import ray
 
-    # More logical CPUs than the 2 cores: Ray Data's read tasks need slots beside the tokenizer actors.
+    # More logical CPUs than the 2 cores: Ray Data's read tasks need slots beside the training workers.
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -1,17 +1,14 @@
-"""The demo flow end to end at a few steps: corpus -> BPE -> rows -> signatures -> three families."""
+"""The demo flow end to end at a few steps: corpus -> shards -> matched sweep on Ray Tune -> comparison."""
 
-import json
-import math
+import statistics
 
 import numpy as np
 import pytest
 
-from mhf_dist.config import load_config
 from mhf_dist.data.corpus import builtin_documents
-from mhf_dist.data.packing import Packer, shuffled_batches
+from mhf_dist.data.packing import Packer
 from mhf_dist.demo import run_demo
 from mhf_dist.errors import DataError
-from mhf_dist.signatures import SignatureTable
 
 
 def test_builtin_corpus_needs_no_network_and_is_english_text():
@@ -43,23 +40,60 @@ def test_packer_rejects_a_seq_len_below_two():
         Packer(1)
 
 
-def test_batches_are_reproducible_per_seed():
-    rows = np.arange(40).reshape(10, 4)
-    first = [b["tokens"].tolist() for _, b in zip(range(7), shuffled_batches(rows, 3, seed=1), strict=False)]
-    again = [b["tokens"].tolist() for _, b in zip(range(7), shuffled_batches(rows, 3, seed=1), strict=False)]
-    assert first == again
+def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_path):
+    """The README's first command, small: 3 families x 2 seeds on Ray Tune, compared from MLflow."""
+    from mlflow.tracking import MlflowClient
+    from PIL import Image
 
-
-def test_demo_trains_all_three_families_and_writes_results(ray_session, tmp_path):
-    cfg = load_config("tiny", ["train.steps=3", "train.log_every=1"])
     lines = []
-    results = run_demo(cfg, tmp_path, log=lines.append)
-    assert [r["family"] for r in results] == ["mhf", "qwen3", "qwen3_matched"]
-    assert all(
-        math.isfinite(r["val_nll"]) and r["val_ppl"] == pytest.approx(math.exp(r["val_nll"])) for r in results
+    overrides = [
+        "train.steps=8",
+        "train.log_every=4",
+        "train.eval_rows=16",
+        "data.tokenizer=bytes",
+        "model.vocab_size=259",
+    ]
+    # One worker per trial keeps six trials' start-up affordable on 2 cores; `mhf train` tests cover 2.
+    comparison = run_demo("tiny", overrides, tmp_path, seeds=(0, 1), workers=1, log=lines.append)
+    rows = {row["group"]: row for row in comparison.rows}
+    assert set(rows) == {"mhf", "qwen3", "qwen3_matched"} and all(r["n_seeds"] == 2 for r in rows.values())
+
+    # The table's numbers are the runs' own metrics, read straight from MLflow.
+    uri = f"sqlite:///{next(tmp_path.glob('sweeps/mlflow.db'))}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("mhf-demo")
+    (parent,) = client.search_runs([experiment.experiment_id], "tags.role = 'sweep'")
+    children = client.search_runs(
+        [experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
-    saved = json.loads((tmp_path / "results.json").read_text())
-    assert [r["val_nll"] for r in saved["results"]] == [r["val_nll"] for r in results]
-    table = SignatureTable.load(tmp_path / "data" / "signatures.safetensors")
-    assert len(table) == cfg.model.vocab_size and table.spec == "H2B1K"
-    assert any(line.startswith("step 3/3 | loss") for line in lines)
+    assert len(children) == 6 and parent.info.status == "FINISHED"
+    for family, row in rows.items():
+        finals = [
+            client.get_metric_history(run.info.run_id, "val_nll")[-1].value
+            for run in children
+            if run.data.tags["family"] == family
+        ]
+        assert row["mean"] == pytest.approx(statistics.fmean(finals), rel=1e-12)
+        assert row["std"] == pytest.approx(statistics.stdev(finals), rel=1e-12)
+        assert row["min"] == min(finals) and row["max"] == max(finals)
+    for run in children:
+        tags = run.data.tags
+        assert tags["sweep"] == parent.data.tags["sweep"] and tags["matched_to"] == "mhf"
+        assert int(tags["param_residual"]) == int(tags["param_count"]) - rows["mhf"]["params"]
+        assert {"seed", "param_count", "family"} <= set(tags)
+    assert "unstable.mhf" in client.get_run(parent.info.run_id).data.tags
+    seed_curves = [
+        [m.value for m in sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)]
+        for run in children
+        if run.data.tags["family"] == "mhf"
+    ]
+    assert all(abs(a - b) > 1e-4 for a, b in zip(*seed_curves, strict=True))  # another seed, another curve
+
+    artifacts = {entry.path for entry in client.list_artifacts(parent.info.run_id)}
+    assert {"compare.md", "compare.csv", "curves.png", "finals.png"} <= artifacts
+    for png in comparison.files[2:]:
+        with Image.open(png) as image:
+            image.verify()
+            assert image.format == "PNG"
+    assert any("greedy sample" in line for line in lines)
+    assert any(line.startswith("MLflow UI: mlflow ui --backend-store-uri sqlite:///") for line in lines)

@@ -4,10 +4,14 @@ import pytest
 
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
+from mhf_dist.data.shards import read_rows
 from mhf_dist.errors import ConfigError, TrainingError
+from mhf_dist.eval.perplexity import evaluate_rows
+from mhf_dist.export import load_exported
 from mhf_dist.tracking import TrackingError
+from mhf_dist.train.checkpoints import MODEL_DIR, read_history
 from mhf_dist.train.engine import deepspeed_config
-from mhf_dist.train.ray_trainer import TrainOptions, read_history, train
+from mhf_dist.train.ray_trainer import TrainOptions, train
 
 TINY_BYTES = [
     "data.tokenizer=bytes",
@@ -34,63 +38,84 @@ def run_cfg(shards, *extra):
 
 def test_deepspeed_config_follows_ours():
     cfg = load_config("tiny", ["train.batch_size=8", "train.grad_clip=0.5"]).train
-    ds = deepspeed_config(cfg, zero_stage=2, world_size=2, bf16=False)
+    ds = deepspeed_config(cfg, zero_stage=2, world_size=2, bf16=False, hidden_size=64)
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["train_batch_size"] == 8
     assert ds["zero_optimization"]["stage"] == 2 and ds["gradient_clipping"] == 0.5
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64
     with pytest.raises(ConfigError, match="does not split over 3 workers"):
-        deepspeed_config(cfg, zero_stage=0, world_size=3, bf16=False)
+        deepspeed_config(cfg, zero_stage=0, world_size=3, bf16=False, hidden_size=64)
     with pytest.raises(ConfigError, match="not a ZeRO stage"):
-        deepspeed_config(cfg, zero_stage=4, world_size=2, bf16=False)
+        deepspeed_config(cfg, zero_stage=4, world_size=2, bf16=False, hidden_size=64)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2, 3])
-def test_each_zero_stage_on_two_cpu_workers_lowers_the_loss(shards, tmp_path, zero_stage):
-    cfg = run_cfg(shards, "train.steps=20")
-    result = train(cfg, TrainOptions(workers=2, zero_stage=zero_stage, storage=str(tmp_path), name="zero"))
+def check_trained_and_exported(result, cfg, shards):
+    """20 steps: the loss fell, validation ran at 10 and 20, metrics exist, the exported model matches."""
     history = read_history(result.checkpoint)
     assert [metrics["step"] for metrics in history] == list(range(1, 21))
     first, last = sum(h["loss"] for h in history[:3]) / 3, sum(h["loss"] for h in history[-3:]) / 3
     assert last < first - 0.5
+    assert [h["step"] for h in history if "val_nll" in h] == [10, 20]
+    assert history[0]["model_state_gb"] > 0 and history[-1]["peak_mem_gb"] > 0
+    assert 0 < history[-1]["mfu"] < 1
+    assert history[-1]["tokens_per_s"] == pytest.approx(2 * history[-1]["tokens_per_s_per_worker"])
+    # The exported model (ZeRO-3 shards gathered) scores the validation rows exactly as training did:
+    # eval_rows=41 cut to 40, 20 per worker.
+    exported = load_exported(result.checkpoint / MODEL_DIR)
+    assert exported.config == cfg.model
+    val_rows, _ = read_rows(shards, "validation")
+    local = evaluate_rows(exported.model, val_rows[:40])
+    assert local["val_tokens"] == history[-1]["val_tokens"] == 40 * 32
+    assert local["val_nll"] == pytest.approx(history[-1]["val_nll"], rel=1e-5)
+    return history
+
+
+TRAIN_AND_EVAL = ("train.steps=20", "train.eval_every=10", "train.eval_rows=41", "train.checkpoint_every=10")
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])  # stage 0 runs in the MLflow server test, stage 1 in resume
+def test_each_zero_stage_on_two_cpu_workers_lowers_the_loss_and_exports_the_model(
+    shards, tmp_path, zero_stage
+):
+    cfg = run_cfg(shards, *TRAIN_AND_EVAL)
+    options = TrainOptions(zero_stage=zero_stage, storage=str(tmp_path), name="zero", peak_tflops=0.05)
+    check_trained_and_exported(train(cfg, options), cfg, shards)
 
 
 def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(shards, tmp_path):
+    """10 steps == 5 + resume + 5, where the resumed run also loses a worker at step 7 and restarts."""
     from mlflow.tracking import MlflowClient
 
     cfg = run_cfg(shards, "train.steps=10", "train.checkpoint_every=5")
     whole = read_history(
         train(cfg, TrainOptions(zero_stage=1, storage=str(tmp_path), name="whole")).checkpoint
     )
+    assert whole[-1]["loss"] < whole[0]["loss"]  # ZeRO-1 learns too
     half = train(
         cfg, TrainOptions(zero_stage=1, storage=str(tmp_path), name="half", stop_at_step=5)
     ).checkpoint
-    assert [h["step"] for h in read_history(half)] == [1, 2, 3, 4, 5]
-    resumed = read_history(
-        train(
-            cfg, TrainOptions(zero_stage=1, storage=str(tmp_path), name="rest", resume=str(half))
-        ).checkpoint
-    )
-    assert [h["step"] for h in resumed] == list(range(1, 11))
-    assert whole[-1]["loss"] < whole[0]["loss"]  # ZeRO-1 learns too
+    # The same seed gives the same curve, bit for bit.
+    assert [(h["step"], h["loss"]) for h in read_history(half)] == [(h["step"], h["loss"]) for h in whole[:5]]
+
+    # Resumed by run name (its newest checkpoint); worker 1 dies at step 7, after the step-6 checkpoint.
+    faulty = run_cfg(shards, "train.steps=10", "train.checkpoint_every=2", "train.fail_at_step=7")
+    options = TrainOptions(zero_stage=1, storage=str(tmp_path), name="rest", resume="half", max_failures=1)
+    rest = train(faulty, options)
+    assert (tmp_path / "rest" / "fault-injected").is_file()
+    resumed = read_history(rest.checkpoint)
+    assert [h["step"] for h in resumed] == list(range(1, 11))  # every step once, none repeated
     for expected, got in zip(whole, resumed, strict=True):
         assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
         assert got["lr"] == pytest.approx(expected["lr"], rel=1e-9)
-
-    faulty = run_cfg(shards, "train.steps=10", "train.checkpoint_every=5", "train.fail_at_step=7")
-    survived = train(faulty, TrainOptions(zero_stage=1, storage=str(tmp_path), name="faulty", max_failures=1))
-    logged = MlflowClient(tracking_uri=survived.tracking_uri).get_metric_history(survived.run_id, "loss")
-    assert sorted(metric.step for metric in logged) == list(range(1, 11))  # each step once, crash or not
-    assert (tmp_path / "faulty" / "fault-injected").is_file()
-    recovered = read_history(survived.checkpoint)
-    assert [h["step"] for h in recovered] == list(range(1, 11))  # every step once, none repeated
-    assert recovered[-1]["loss"] == pytest.approx(whole[-1]["loss"], abs=1e-5)
+    logged = MlflowClient(tracking_uri=rest.tracking_uri).get_metric_history(rest.run_id, "loss")
+    assert sorted(metric.step for metric in logged) == list(range(6, 11))  # each once, crash or not
 
     other = run_cfg(shards, "train.steps=10", "model.backbone.num_layers=3")
     with pytest.raises(TrainingError, match=r"different model config \(backbone\)"):
         train(other, TrainOptions(storage=str(tmp_path), name="bad", resume=str(half)))
     with pytest.raises(TrainingError, match="already holds checkpoints; continue it with --resume"):
         train(cfg, TrainOptions(storage=str(tmp_path), name="whole"))
-    with pytest.raises(TrainingError, match="is not a checkpoint directory"):
-        train(cfg, TrainOptions(storage=str(tmp_path), name="bad", resume=str(tmp_path / "nowhere")))
+    with pytest.raises(TrainingError, match="is neither a checkpoint directory nor a run"):
+        train(cfg, TrainOptions(storage=str(tmp_path), name="bad", resume="nowhere"))
 
 
 @pytest.fixture
@@ -142,17 +167,21 @@ def test_training_logs_every_step_once_to_a_real_mlflow_server(shards, tmp_path,
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
-    cfg = run_cfg(shards, "train.steps=6", "train.checkpoint_every=3")
-    result = train(
-        cfg, TrainOptions(zero_stage=0, storage=str(tmp_path), name="tracked", experiment="served")
+    cfg = run_cfg(shards, *TRAIN_AND_EVAL)
+    options = TrainOptions(
+        zero_stage=0, storage=str(tmp_path), name="tracked", experiment="served", peak_tflops=0.05
     )
+    result = train(cfg, options)
+    history = check_trained_and_exported(result, cfg, shards)
     client = MlflowClient(tracking_uri=mlflow_server)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["family"] == "mhf"
     assert run.data.params["model.hash.spec"] == "H2B64"
     losses = client.get_metric_history(result.run_id, "loss")
-    assert sorted(metric.step for metric in losses) == [1, 2, 3, 4, 5, 6]
-    history = read_history(result.checkpoint)
+    assert sorted(metric.step for metric in losses) == list(range(1, 21))
+    assert [m.step for m in client.get_metric_history(result.run_id, "val_nll")] == [10, 20]
+    artifacts = {entry.path for entry in client.list_artifacts(result.run_id)}
+    assert {"model", "run.json"} <= artifacts
     assert [metric.value for metric in sorted(losses, key=lambda m: m.step)] == pytest.approx(
         [h["loss"] for h in history]
     )

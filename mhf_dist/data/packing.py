@@ -6,10 +6,7 @@ token after the first is a training target exactly once. Only the tail shorter t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
-import torch
 
 from mhf_dist.errors import DataError
 
@@ -42,21 +39,3 @@ class Packer:
         if self.rows_emitted == 0:
             return len(self._carry)
         return max(0, len(self._carry) - 1)
-
-
-def shuffled_batches(
-    rows: np.ndarray, batch_size: int, seed: int, signatures: np.ndarray | None = None
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless batches of rows (and their precomputed signatures), reshuffled every epoch by a seeded
-    generator: the same seed gives the same order."""
-    if len(rows) < batch_size:
-        raise DataError(f"{len(rows)} rows cannot fill a batch of {batch_size}; lower train.batch_size")
-    generator = np.random.default_rng(seed)
-    while True:
-        order = generator.permutation(len(rows))
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            picked = order[start : start + batch_size]
-            batch = {"tokens": torch.from_numpy(rows[picked])}
-            if signatures is not None:
-                batch["signatures"] = torch.from_numpy(signatures[picked].astype(np.int64))
-            yield batch

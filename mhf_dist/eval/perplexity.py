@@ -11,14 +11,27 @@ from mhf_dist.models.base import CausalLM, split_rows
 
 
 @torch.no_grad()
-def evaluate_rows(model: CausalLM, rows: np.ndarray, batch_size: int = 16) -> dict[str, float]:
-    """Mean exact NLL (nats per token) and perplexity over non-overlapping rows of seq_len+1 ids."""
+def nll_totals(
+    model: CausalLM, rows: np.ndarray, batch_size: int = 16, device: torch.device | None = None
+) -> tuple[float, int]:
+    """(summed exact NLL in nats, number of predicted tokens) over rows of seq_len+1 ids."""
+    was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for start in range(0, len(rows), batch_size):
-        inputs, targets = split_rows(torch.from_numpy(rows[start : start + batch_size]))
+        inputs, targets = split_rows(torch.from_numpy(rows[start : start + batch_size]).to(device))
         nll = model.token_nll(inputs, targets)
         total += float(nll.double().sum())
         count += nll.numel()
+    model.train(was_training)
+    return total, count
+
+
+def nll_summary(total: float, count: int) -> dict[str, float]:
     mean = total / count
     return {"val_nll": mean, "val_ppl": math.exp(mean), "val_tokens": count}
+
+
+def evaluate_rows(model: CausalLM, rows: np.ndarray, batch_size: int = 16) -> dict[str, float]:
+    """Mean exact NLL (nats per token) and perplexity over non-overlapping rows of seq_len+1 ids."""
+    return nll_summary(*nll_totals(model, rows, batch_size))

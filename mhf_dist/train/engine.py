@@ -6,6 +6,7 @@ LR schedule are the same AdamW and warm-up + cosine that local training uses.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -26,7 +27,29 @@ def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
     return cfg.batch_size // world_size
 
 
-def deepspeed_config(cfg: TrainConfig, zero_stage: int, world_size: int, bf16: bool) -> dict[str, Any]:
+def zero_config(stage: int, hidden_size: int) -> dict[str, Any]:
+    """ZeRO buffer sizes scaled to the model's width, as transformers' DeepSpeed integration does.
+
+    DeepSpeed's defaults (500M-element reduce buckets, 1e9 live and reuse-distance parameters) are
+    sized for billion-parameter models: on a 100M model they allocate more than the model and keep every
+    ZeRO-3 parameter gathered between steps. Here buckets hold about one d x d matrix and a gathered
+    parameter is released unless it is needed again within about one layer.
+    """
+    square, layer = hidden_size * hidden_size, 12 * hidden_size * hidden_size
+    return {
+        "stage": stage,
+        "reduce_bucket_size": square,
+        "allgather_bucket_size": square,
+        "stage3_prefetch_bucket_size": int(0.9 * square),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+        "stage3_max_live_parameters": 2 * layer,
+        "stage3_max_reuse_distance": layer,
+    }
+
+
+def deepspeed_config(
+    cfg: TrainConfig, zero_stage: int, world_size: int, bf16: bool, hidden_size: int
+) -> dict[str, Any]:
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--zero-stage {zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
     return {
@@ -34,7 +57,7 @@ def deepspeed_config(cfg: TrainConfig, zero_stage: int, world_size: int, bf16: b
         "train_micro_batch_size_per_gpu": micro_batch_size(cfg, world_size),
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": zero_stage},
+        "zero_optimization": zero_config(zero_stage, hidden_size),
         "zero_allow_untested_optimizer": True,  # torch AdamW: the same optimizer as local training
         "bf16": {"enabled": bf16},
         "steps_per_print": 2**31 - 1,  # the shared loop prints progress
@@ -46,7 +69,13 @@ class DeepSpeedStepper:
     """One optimizer step through a DeepSpeed engine: forward, engine.backward, engine.step."""
 
     def __init__(
-        self, model: CausalLM, cfg: TrainConfig, zero_stage: int, world_size: int, bf16: bool
+        self,
+        model: CausalLM,
+        cfg: TrainConfig,
+        zero_stage: int,
+        world_size: int,
+        bf16: bool,
+        hidden_size: int,
     ) -> None:
         import deepspeed
 
@@ -55,7 +84,7 @@ class DeepSpeedStepper:
             model=model,
             optimizer=optimizer,
             lr_scheduler=scheduler,
-            config=deepspeed_config(cfg, zero_stage, world_size, bf16),
+            config=deepspeed_config(cfg, zero_stage, world_size, bf16, hidden_size),
         )
 
     def step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -67,13 +96,19 @@ class DeepSpeedStepper:
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
         # The mean over workers, so every rank logs and checks the same number (a NaN stops all of them).
-        metrics = {key: torch.tensor(value, dtype=torch.float64) for key, value in output.metrics.items()}
+        names = list(output.metrics)
+        values = torch.tensor([output.metrics[name] for name in names], dtype=torch.float64)
         if torch.distributed.is_initialized():
-            for value in metrics.values():
-                torch.distributed.all_reduce(value)
-                value /= torch.distributed.get_world_size()
+            torch.distributed.all_reduce(values)
+            values /= torch.distributed.get_world_size()
         return {
-            **{key: float(value) for key, value in metrics.items()},
+            **dict(zip(names, values.tolist(), strict=True)),
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         }
+
+    def whole_parameters(self) -> AbstractContextManager:
+        """Inside this context every rank holds the full parameters (ZeRO-3 gathers its shards)."""
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)

@@ -54,9 +54,10 @@ class TorchStepper:
 class Throughput:
     """What one step processes, for tokens/s and the MFU estimate."""
 
-    tokens_per_step: int
-    flops_per_token: int = 0
-    peak_flops: float = 0.0  # per process; 0 leaves MFU out (needs flops_per_token)
+    tokens_per_step: int  # over all workers
+    flops_per_token: int = 0  # analytic training FLOPs (forward + backward)
+    workers: int = 1
+    peak_flops: float = 0.0  # per worker; 0 leaves MFU out (needs flops_per_token)
 
 
 def run_training(
@@ -91,11 +92,16 @@ def run_training(
                 f"loss is {metrics['loss']} at step {step}; lower train.lr or raise train.warmup_steps"
             )
         tokens_per_s = throughput.tokens_per_step / seconds
-        metrics.update(step=step, step_time=seconds, tokens_per_s=tokens_per_s)
+        metrics.update(
+            step=step,
+            step_time=seconds,
+            tokens_per_s=tokens_per_s,
+            tokens_per_s_per_worker=tokens_per_s / throughput.workers,
+        )
         if throughput.flops_per_token:
             metrics["flops_per_s"] = tokens_per_s * throughput.flops_per_token
-        if throughput.peak_flops:
-            metrics["mfu"] = metrics["flops_per_s"] / throughput.peak_flops
+            if throughput.peak_flops:
+                metrics["mfu"] = metrics["flops_per_s"] / (throughput.peak_flops * throughput.workers)
         metrics["eta_s"] = (time.perf_counter() - started) / (step - start_step) * (steps - step)
         history.append(metrics)
         if on_step is not None:
@@ -104,12 +110,23 @@ def run_training(
 
 
 def format_progress(metrics: dict[str, float], steps: int) -> str:
-    """`step 20/200 | loss 3.2100 | lr 2.90e-03 | 12,345 tok/s | eta 0:01:10`."""
+    """`step 20/200 | loss 3.2100 | lr 2.90e-03 | 12,345 tok/s | MFU 41.0% | val ppl 35.2 | eta 0:01:10`.
+
+    MFU and validation perplexity appear when the step has them.
+    """
     eta = int(metrics.get("eta_s", 0))
-    return (
-        f"step {int(metrics['step'])}/{steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
-        f"{metrics['tokens_per_s']:,.0f} tok/s | eta {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}"
-    )
+    parts = [
+        f"step {int(metrics['step'])}/{steps}",
+        f"loss {metrics['loss']:.4f}",
+        f"lr {metrics['lr']:.2e}",
+        f"{metrics['tokens_per_s']:,.0f} tok/s",
+    ]
+    if "mfu" in metrics:
+        parts.append(f"MFU {metrics['mfu']:.1%}")
+    if "val_ppl" in metrics:
+        parts.append(f"val ppl {metrics['val_ppl']:.2f}")
+    parts.append(f"eta {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}")
+    return " | ".join(parts)
 
 
 def train_local(

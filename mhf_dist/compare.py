@@ -1,0 +1,246 @@
+"""`mhf compare`: runs read back from MLflow, grouped across seeds, as tables, plots and tags.
+
+A group is a sweep's variant (tag `group`: the family in a matched sweep, the grid values in a grid
+sweep) or, for runs outside a sweep, the family. Per group: the final value of the metric over the
+seeds (mean, std, min, max, max - min, coefficient of variation), parameters and tokens seen; a group is
+`unstable` when its coefficient of variation passes the threshold.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import re
+import statistics
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mhf_dist.errors import MhfError
+from mhf_dist.tables import markdown_table
+
+COLUMNS = (
+    "group",
+    "family",
+    "n_seeds",
+    "mean",
+    "std",
+    "min",
+    "max",
+    "spread",
+    "cv",
+    "unstable",
+    "params",
+    "param_residual",
+    "tokens_seen",
+)
+
+
+class CompareError(MhfError):
+    """Nothing to compare, or the runs lack the metric."""
+
+
+@dataclass(frozen=True)
+class RunCurve:
+    run_id: str
+    group: str
+    family: str
+    seed: int
+    params: int
+    param_residual: int | None
+    tokens_seen: int
+    curve: list[tuple[int, float]]  # (step, value) of the metric
+
+    @property
+    def final(self) -> float:
+        return self.curve[-1][1]
+
+
+def read_runs(uri: str, experiment: str, metric: str, sweep_run_id: str | None = None) -> list[RunCurve]:
+    """Finished training runs of `experiment` (only the sweep's children with `sweep_run_id`)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise CompareError(f"no MLflow experiment {experiment!r} at {uri!r}; check --experiment and the URI")
+    query = "attributes.status = 'FINISHED'"
+    if sweep_run_id:
+        query += f" and tags.mlflow.parentRunId = '{sweep_run_id}'"
+    runs = client.search_runs([found.experiment_id], filter_string=query, max_results=10_000)
+    curves = []
+    for run in runs:
+        if "family" not in run.data.tags:  # a sweep's parent run
+            continue
+        history = sorted(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step)
+        if not history:
+            continue
+        tags, params = run.data.tags, run.data.params
+        tokens_per_step = int(params["train.batch_size"]) * int(params["train.seq_len"])
+        curves.append(
+            RunCurve(
+                run_id=run.info.run_id,
+                group=tags.get("group", tags["family"]),
+                family=tags["family"],
+                seed=int(tags["seed"]),
+                params=int(tags["param_count"]),
+                param_residual=int(tags["param_residual"]) if "param_residual" in tags else None,
+                tokens_seen=tokens_per_step * history[-1].step,
+                curve=[(m.step, m.value) for m in history],
+            )
+        )
+    if not curves:
+        where = f"sweep run {sweep_run_id}" if sweep_run_id else f"experiment {experiment!r}"
+        raise CompareError(
+            f"no finished runs with metric {metric!r} in {where}; pick another --metric (e.g. loss)"
+        )
+    return sorted(curves, key=lambda c: (c.group, c.seed))
+
+
+def summarize(curves: list[RunCurve], unstable_cv: float) -> list[dict[str, Any]]:
+    groups: dict[str, list[RunCurve]] = defaultdict(list)
+    for curve in curves:
+        groups[curve.group].append(curve)
+    rows = []
+    for group, members in groups.items():
+        finals = [member.final for member in members]
+        mean = statistics.fmean(finals)
+        std = statistics.stdev(finals) if len(finals) > 1 else 0.0
+        cv = std / abs(mean) if mean else math.inf
+        rows.append(
+            {
+                "group": group,
+                "family": members[0].family,
+                "n_seeds": len(members),
+                "mean": mean,
+                "std": std,
+                "min": min(finals),
+                "max": max(finals),
+                "spread": max(finals) - min(finals),
+                "cv": cv,
+                "unstable": cv > unstable_cv,
+                "params": members[0].params,
+                "param_residual": members[0].param_residual if members[0].param_residual is not None else "",
+                "tokens_seen": members[0].tokens_seen,
+            }
+        )
+    return rows
+
+
+def csv_text(rows: list[dict[str, Any]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def plot_curves(curves: list[RunCurve], metric: str, path: Path) -> None:
+    """The metric over steps per group: the mean line with a min-max band over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    groups: dict[str, list[RunCurve]] = defaultdict(list)
+    for curve in curves:
+        groups[curve.group].append(curve)
+    for group, members in groups.items():
+        steps = sorted(set.intersection(*(set(step for step, _ in m.curve) for m in members)))
+        values = [[dict(m.curve)[step] for m in members] for step in steps]
+        line = axes.plot(steps, [statistics.fmean(v) for v in values], label=f"{group} (n={len(members)})")
+        axes.fill_between(
+            steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2, color=line[0].get_color()
+        )
+    axes.set_xlabel("step")
+    axes.set_ylabel(metric)
+    axes.set_title(f"{metric}: mean over seeds, band = min..max")
+    axes.legend()
+    figure.tight_layout()
+    _save_figure(figure, path)
+
+
+def plot_finals(curves: list[RunCurve], metric: str, path: Path) -> None:
+    """The final metric of every seed as a point, one column per group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    groups = sorted({curve.group for curve in curves})
+    for index, group in enumerate(groups):
+        members = [curve for curve in curves if curve.group == group]
+        axes.scatter([index] * len(members), [m.final for m in members], zorder=3)
+        for member in members:
+            axes.annotate(
+                f"seed {member.seed}", (index, member.final), textcoords="offset points", xytext=(6, 0)
+            )
+    axes.set_xticks(range(len(groups)), groups, rotation=20)
+    axes.set_ylabel(f"final {metric}")
+    axes.set_title(f"final {metric} per seed")
+    figure.tight_layout()
+    _save_figure(figure, path)
+
+
+def _save_figure(figure: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
+    os.close(fd)
+    figure.savefig(tmp, dpi=110)
+    plt.close(figure)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    rows: list[dict[str, Any]]
+    table: str
+    files: list[Path]  # compare.md, compare.csv, curves.png, finals.png
+
+
+def compare_runs(
+    uri: str,
+    experiment: str,
+    out_dir: Path,
+    metric: str = "val_nll",
+    sweep_run_id: str | None = None,
+    unstable_cv: float = 0.05,
+) -> Comparison:
+    """Read, summarize, write Markdown/CSV/PNG to `out_dir`; with a sweep, log them to its parent run."""
+    curves = read_runs(uri, experiment, metric, sweep_run_id)
+    rows = summarize(curves, unstable_cv)
+    table = markdown_table(rows, COLUMNS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    heading = f"# {metric} by group ({experiment}{f', sweep {sweep_run_id}' if sweep_run_id else ''})\n\n"
+    files = [
+        _write_text(out_dir / "compare.md", heading + table + "\n"),
+        _write_text(out_dir / "compare.csv", csv_text(rows)),
+    ]
+    plot_curves(curves, metric, out_dir / "curves.png")
+    plot_finals(curves, metric, out_dir / "finals.png")
+    files += [out_dir / "curves.png", out_dir / "finals.png"]
+    if sweep_run_id:
+        from mhf_dist.tracking import log_artifact, set_tags
+
+        for path in files:
+            log_artifact(uri, sweep_run_id, path)
+        tags = {}
+        for row in rows:
+            group = re.sub(r"[^A-Za-z0-9_.\- /]", "_", row["group"])  # MLflow's allowed key characters
+            tags |= {f"cv.{group}": f"{row['cv']:.4g}", f"unstable.{group}": str(row["unstable"]).lower()}
+        set_tags(uri, sweep_run_id, tags)
+    return Comparison(rows, table, files)
+
+
+def _write_text(path: Path, text: str) -> Path:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,124 @@
+"""Exported model directories: what eval, generate, cpt and lm-eval load.
+
+An exported directory holds `config.json` (the model config and the signature fingerprint),
+`model.safetensors` (the weights), `signatures.safetensors` (the vocabulary's SignatureTable) and
+`tokenizer.json`. It is written to a temporary sibling and renamed, so a directory that exists is
+complete. Loading never unpickles: safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mhf_dist.config import ModelConfig
+from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
+from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.errors import MhfError, SignatureError
+from mhf_dist.models.base import CausalLM
+from mhf_dist.signatures import SignatureTable
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+FORMAT = "mhf-model"
+
+
+class ExportError(MhfError):
+    """An exported model directory is missing, incomplete or inconsistent."""
+
+
+@dataclass
+class ExportedModel:
+    model: CausalLM
+    config: ModelConfig
+    table: SignatureTable
+    tokenizer: TextTokenizer
+    path: Path
+
+
+def export_model(
+    model: CausalLM,
+    config: ModelConfig,
+    table: SignatureTable,
+    tokenizer_file: str | Path,
+    directory: str | Path,
+) -> Path:
+    """Write `model` (whole parameters: gather ZeRO-3 shards before calling) as an exported directory."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    if directory.exists():
+        raise ExportError(f"export directory {str(directory)!r} already exists; remove it or pick another")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
+    try:
+        description = {
+            "format": FORMAT,
+            "model": config.model_dump(mode="json"),
+            "signature_fingerprint": table.fingerprint,
+        }
+        (staging / CONFIG_FILE).write_text(json.dumps(description, indent=2))
+        save_file(_weights(model), str(staging / WEIGHTS_FILE))
+        table.save(staging / SIGNATURES_FILE)
+        shutil.copyfile(tokenizer_file, staging / TOKENIZER_FILE)
+        staging.rename(directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return directory
+
+
+def _weights(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The state dict, each tied tensor once (Qwen3's lm_head is its embedding), as standalone copies.
+
+    Copies because DeepSpeed's ZeRO-1/2 parameters are views into one flat buffer, which safetensors
+    refuses to save; `load_model` restores the tied names on load.
+    """
+    weights, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            weights[name] = tensor.detach().to("cpu", copy=True).contiguous()
+    return weights
+
+
+def read_export_config(directory: str | Path) -> dict:
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise ExportError(
+            f"{str(directory)!r} is not an exported model (no {CONFIG_FILE}); pass the `model` directory "
+            "of a checkpoint or of `mhf train` output"
+        )
+    description = json.loads(path.read_text())
+    if description.get("format") != FORMAT:
+        raise ExportError(f"{str(path)!r} is not an mhf-dist model config; pass an exported model directory")
+    return description
+
+
+def load_exported(directory: str | Path) -> ExportedModel:
+    """Build the model from config.json and load its weights; the signature table must match."""
+    from safetensors.torch import load_model
+
+    from mhf_dist.models import build_model
+
+    directory = Path(directory)
+    description = read_export_config(directory)
+    config = ModelConfig.model_validate(description["model"])
+    table = SignatureTable.load(directory / SIGNATURES_FILE)
+    if table.fingerprint != description["signature_fingerprint"]:
+        raise SignatureError(
+            f"{str(directory)!r}: the signature table's fingerprint {table.fingerprint[:12]} differs from "
+            f"the one the model was trained with ({description['signature_fingerprint'][:12]}); "
+            "restore the exported directory's signatures.safetensors"
+        )
+    model = build_model(config, table)
+    load_model(model, str(directory / WEIGHTS_FILE), strict=True)
+    model.eval()
+    tokenizer = TextTokenizer.load(directory / TOKENIZER_FILE)
+    return ExportedModel(model, config, table, tokenizer, directory)

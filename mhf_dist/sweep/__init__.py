@@ -1,0 +1,1 @@
+"""Sweeps on Ray Tune: matched baselines, seed stability and grids."""

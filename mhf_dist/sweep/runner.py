@@ -1,0 +1,217 @@
+"""`mhf sweep`: one Ray Tune trial per (variant, seed); each trial drives one `mhf train` TorchTrainer.
+
+The sweep is one MLflow parent run; every trial's training run is its child (tag `mlflow.parentRunId`)
+with tags `sweep`, `group`, `family`, `seed`, `param_count` and, in matched sweeps, `matched_to` and
+`param_residual`. Workers' reports reach Tune through Ray Train's `TuneReportCallback`, which is what
+ASHA stops trials on. Everything lives under `<storage>/<name>/`: `sweep.json` (the spec and the parent
+run), `tune/` (Tune's experiment state, for `--resume`) and `trials/<trial>/` (each run's checkpoints).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mhf_dist.config import load_config
+from mhf_dist.data.shards import read_manifest
+from mhf_dist.errors import MhfError
+from mhf_dist.ray_utils import ensure_ray
+from mhf_dist.sweep.spec import SweepConfig, Trial, expand_trials
+from mhf_dist.tracking import end_run, reopen_run, start_run, tracking_uri
+
+SWEEP_FILE = "sweep.json"
+TUNE_DIR = "tune"
+TRIALS_DIR = "trials"
+TRIAL_DRIVER_CPUS = 0.25  # a trial's own process only waits on its TorchTrainer
+
+
+class SweepError(MhfError):
+    """A sweep cannot start or resume, or some of its trials failed."""
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    name: str
+    experiment: str
+    parent_run_id: str
+    tracking_uri: str
+    directory: Path
+    trials: list[dict[str, Any]]  # name, group, family, seed, status
+
+
+def sweep_dir(spec: SweepConfig) -> Path:
+    return Path(spec.storage).resolve() / spec.name
+
+
+def run_sweep(spec: SweepConfig, resume: bool = False, log: Callable[[str], None] = print) -> SweepResult:
+    """Run (or with `resume`, finish) every trial of `spec`; finished trials are never rerun."""
+    trials = expand_trials(spec)
+    read_manifest(load_config(spec.config, trials[0].override_args()).data.path)  # the shards exist
+    ensure_ray()
+    from ray import tune
+
+    directory = sweep_dir(spec)
+    record = directory / SWEEP_FILE
+    uri = tracking_uri(Path(spec.storage))
+    if resume:
+        parent_run_id = _check_resume(spec, directory)
+        reopen_run(uri, parent_run_id)
+        log(f"resuming sweep {spec.name!r}: finished trials are kept, the others continue")
+        tuner = tune.Tuner.restore(
+            str(directory / TUNE_DIR),
+            trainable=_trainable(spec, parent_run_id, uri),
+            resume_unfinished=True,
+            resume_errored=True,
+        )
+    else:
+        if record.exists():
+            raise SweepError(
+                f"sweep {spec.name!r} already exists in {str(directory)!r}; finish it with --resume "
+                "or give the sweep another name"
+            )
+        parent_run_id = start_run(
+            uri,
+            spec.experiment,
+            spec.name,
+            _flat_spec(spec),
+            {"sweep": spec.name, "sweep_kind": spec.kind, "trials": len(trials), "role": "sweep"},
+        )
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_json(record, {"spec": spec.model_dump(mode="json"), "parent_run_id": parent_run_id})
+        log(f"sweep {spec.name!r}: {len(trials)} trials ({spec.kind}); MLflow parent run {parent_run_id}")
+        tuner = tune.Tuner(
+            _trainable(spec, parent_run_id, uri),
+            param_space={"trial": tune.grid_search([dataclasses.asdict(trial) for trial in trials])},
+            tune_config=tune.TuneConfig(
+                max_concurrent_trials=spec.max_concurrent or _concurrency(spec),
+                trial_name_creator=_trial_name,
+                trial_dirname_creator=_trial_name,
+                **_scheduler(spec),
+            ),
+            run_config=tune.RunConfig(name=TUNE_DIR, storage_path=str(directory), verbose=1),
+        )
+    grid = tuner.fit()
+    outcomes = []
+    for result in grid:
+        trial = result.config["trial"]
+        status = "ERROR" if result.error else "FINISHED"
+        outcomes.append({key: trial[key] for key in ("name", "group", "family", "seed")} | {"status": status})
+    failed = [outcome["name"] for outcome in outcomes if outcome["status"] == "ERROR"]
+    end_run(uri, parent_run_id, "FAILED" if failed else "FINISHED")
+    if failed:
+        raise SweepError(
+            f"{len(failed)} of {len(outcomes)} trials failed ({', '.join(sorted(failed))}); see their errors "
+            f"above, then finish the sweep with `mhf sweep --config ... --resume`"
+        )
+    return SweepResult(spec.name, spec.experiment, parent_run_id, uri, directory, outcomes)
+
+
+def run_trial(params: dict[str, Any], sweep: dict[str, Any], parent_run_id: str, uri: str) -> None:
+    """One Tune trial: one `mhf train` run, a child of the sweep's MLflow run.
+
+    A trial that errored before continues from its own newest checkpoint in the same MLflow run.
+    """
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from mhf_dist.train.ray_trainer import TrainOptions, train
+
+    spec = SweepConfig.model_validate(sweep)
+    trial = Trial(**params["trial"])
+    cfg = load_config(spec.config, trial.override_args())
+    os.environ["MLFLOW_TRACKING_URI"] = uri  # every trial logs beside the parent run
+    options = TrainOptions(
+        workers=spec.workers,
+        gpus_per_worker=spec.gpus_per_worker,
+        zero_stage=spec.zero_stage,
+        storage=str(sweep_dir(spec) / TRIALS_DIR),
+        name=trial.name,
+        experiment=spec.experiment,
+        continue_run=True,
+    )
+    train(cfg, options, tags=_trial_tags(spec, trial, cfg, parent_run_id), callbacks=[TuneReportCallback()])
+
+
+def _trial_tags(spec: SweepConfig, trial: Trial, cfg: Any, parent_run_id: str) -> dict[str, Any]:
+    from mhf_dist.models import param_count
+
+    tags = {
+        "mlflow.parentRunId": parent_run_id,
+        "sweep": spec.name,
+        "group": trial.group,
+        "trial": trial.name,
+    }
+    if spec.kind == "matched":
+        reference = param_count(cfg.model.model_copy(update={"family": "mhf"}))
+        tags |= {"matched_to": "mhf", "param_residual": param_count(cfg.model) - reference}
+    return tags
+
+
+def _trainable(spec: SweepConfig, parent_run_id: str, uri: str) -> Any:
+    from ray import tune
+
+    trainable = tune.with_parameters(
+        run_trial, sweep=spec.model_dump(mode="json"), parent_run_id=parent_run_id, uri=uri
+    )
+    return tune.with_resources(trainable, {"CPU": TRIAL_DRIVER_CPUS})
+
+
+def _trial_name(tune_trial: Any) -> str:
+    return tune_trial.config["trial"]["name"]
+
+
+def _concurrency(spec: SweepConfig) -> int:
+    """Trials whose workers fit in the cluster's CPUs, leaving one CPU for Ray Data's read tasks."""
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 1)
+    return max(1, int((cpus - 1) // (spec.workers + TRIAL_DRIVER_CPUS)))
+
+
+def _scheduler(spec: SweepConfig) -> dict[str, Any]:
+    if spec.asha is None:
+        return {}
+    from ray.tune.schedulers import ASHAScheduler
+
+    steps = max(load_config(spec.config, trial.override_args()).train.steps for trial in expand_trials(spec))
+    scheduler = ASHAScheduler(
+        time_attr="step",
+        max_t=steps,
+        grace_period=spec.asha.grace_period,
+        reduction_factor=spec.asha.reduction_factor,
+    )
+    return {"scheduler": scheduler, "metric": spec.asha.metric, "mode": spec.asha.mode}
+
+
+def _check_resume(spec: SweepConfig, directory: Path) -> str:
+    from ray import tune
+
+    record = directory / SWEEP_FILE
+    if not record.is_file() or not tune.Tuner.can_restore(str(directory / TUNE_DIR)):
+        raise SweepError(
+            f"there is no sweep {spec.name!r} to resume in {str(directory)!r}; start it without --resume"
+        )
+    saved = json.loads(record.read_text())
+    if saved["spec"] != spec.model_dump(mode="json"):
+        raise SweepError(
+            f"the sweep file differs from the one sweep {spec.name!r} started with; resume with the same "
+            "file, or start a new sweep under another name"
+        )
+    return saved["parent_run_id"]
+
+
+def _flat_spec(spec: SweepConfig) -> dict[str, Any]:
+    flat = spec.model_dump(mode="json", exclude={"set", "grid"})
+    flat |= {f"set.{key}": value for key, value in spec.set.items()}
+    flat |= {f"grid.{key}": value for key, value in spec.grid.items()}
+    return flat
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)

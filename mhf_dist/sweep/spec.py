@@ -1,0 +1,158 @@
+"""A sweep file and the trials it expands to.
+
+```yaml
+name: matched-tiny
+kind: matched                 # matched | seeds | grid
+config: tiny                  # preset name or config YAML every trial starts from
+set: {train.steps: 100}       # overrides for every trial
+families: [mhf, qwen3, qwen3_matched]   # matched: the families trained on the mhf config
+seeds: [0, 1]
+grid: {train.lr: [1.0e-3, 3.0e-3]}      # grid: config keys over value lists (x seeds)
+asha: {metric: loss, grace_period: 20}  # grid, optional: ASHA early stopping
+```
+A trial is one `mhf train` run: a name, a family, a seed and its config overrides; its group is the
+trial without the seed, which `mhf compare` aggregates over.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from mhf_dist.config import Config, StrictModel, load_config
+from mhf_dist.errors import ConfigError
+
+
+class AshaConfig(StrictModel):
+    metric: str = "loss"  # reported by the workers at every log step
+    mode: Literal["min", "max"] = "min"
+    grace_period: int = Field(10, gt=0, description="steps every trial runs before it can be stopped")
+    reduction_factor: float = Field(2.0, gt=1)
+
+
+class SweepConfig(StrictModel):
+    name: str = Field(min_length=1)
+    kind: Literal["matched", "seeds", "grid"]
+    config: str = "tiny"
+    set: dict[str, Any] = Field(default_factory=dict)
+    families: list[str] = Field(default_factory=lambda: ["mhf", "qwen3", "qwen3_matched"])
+    seeds: list[int] = Field([0], min_length=1)
+    grid: dict[str, list[Any]] = Field(default_factory=dict)
+    asha: AshaConfig | None = None
+    workers: int = Field(2, gt=0, description="Ray Train workers per trial")
+    gpus_per_worker: int = Field(0, ge=0)
+    zero_stage: int = Field(0, ge=0, le=3)
+    max_concurrent: int = Field(0, ge=0, description="trials at once; 0: as many as the CPUs allow")
+    storage: str = "runs/sweeps"
+    experiment: str = "mhf-sweeps"
+    metric: str = "val_nll"  # what `mhf compare` aggregates
+    unstable_cv: float = Field(0.05, gt=0, description="coefficient of variation over seeds flagged unstable")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            raise ValueError("use letters, digits, '.', '_' and '-' only (it names directories)")
+        return name
+
+    @field_validator("families")
+    @classmethod
+    def _known_families(cls, families: list[str]) -> list[str]:
+        from mhf_dist.models import FAMILIES
+
+        unknown = [family for family in families if family not in FAMILIES]
+        if unknown:
+            raise ValueError(f"unknown family {unknown[0]!r}; choose from {', '.join(FAMILIES)}")
+        if not families:
+            raise ValueError("list at least one family")
+        return families
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> SweepConfig:
+        if self.kind == "grid" and not self.grid:
+            raise ValueError("a grid sweep needs `grid: {key: [values, ...]}`")
+        if self.kind != "grid" and (self.grid or self.asha):
+            raise ValueError(f"`grid` and `asha` belong to grid sweeps, not {self.kind!r}")
+        empty = [key for key, values in self.grid.items() if not values]
+        if empty:
+            raise ValueError(f"grid key {empty[0]!r} has no values; list at least one")
+        return self
+
+
+@dataclass(frozen=True)
+class Trial:
+    name: str
+    group: str
+    family: str
+    seed: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def override_args(self) -> list[str]:
+        return [f"{key}={json.dumps(value)}" for key, value in self.overrides.items()]
+
+
+def load_sweep(path: str | Path) -> SweepConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sweep file {str(path)!r} does not exist; check the path")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(
+            f"sweep file {str(path)!r} is not valid YAML ({str(err).splitlines()[0]})"
+        ) from None
+    return parse_sweep(raw, str(path))
+
+
+def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{source} must be a YAML mapping with name, kind and seeds; see `mhf sweep --help`"
+        )
+    try:
+        spec = SweepConfig.model_validate(raw)
+    except ValidationError as err:
+        error = err.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "sweep"
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = f"unknown key; allowed: {', '.join(SweepConfig.model_fields)}"
+        raise ConfigError(f"{source}: {where}: {message}") from None
+    trial_configs(spec)  # every trial's config must resolve (unknown config keys, bad values)
+    return spec
+
+
+def expand_trials(spec: SweepConfig) -> list[Trial]:
+    if spec.kind == "matched":
+        variants = [({"model.family": family}, family) for family in spec.families]
+    elif spec.kind == "seeds":
+        variants = [({}, "")]  # one group: named after the family below
+    else:
+        keys = list(spec.grid)
+        variants = [
+            (
+                dict(zip(keys, values, strict=True)),
+                ",".join(f"{k}={v}" for k, v in zip(keys, values, strict=True)),
+            )
+            for values in itertools.product(*spec.grid.values())
+        ]
+    trials = []
+    for overrides, group in variants:
+        for seed in spec.seeds:
+            trial_overrides = {**spec.set, **overrides, "train.seed": seed}
+            family = trial_overrides.get("model.family") or load_config(spec.config).model.family
+            group = group or family
+            name = re.sub(r"[^A-Za-z0-9._=,-]+", "_", f"{group}-seed{seed}")
+            trials.append(Trial(name, group, family, seed, trial_overrides))
+    return trials
+
+
+def trial_configs(spec: SweepConfig) -> dict[str, Config]:
+    return {trial.name: load_config(spec.config, trial.override_args()) for trial in expand_trials(spec)}

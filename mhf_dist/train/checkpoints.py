@@ -1,0 +1,75 @@
+"""Training checkpoints on storage: one directory per saved step.
+
+`checkpoint-0000100/` holds `state/` (DeepSpeed: every rank's model and optimizer shards, the LR
+schedule, and a client state with the step and every rank's RNG states), `history.jsonl` (the metrics
+of every step so far), `run.json` (the model config and signature fingerprint it belongs to) and
+`model/`, the exported model (see `mhf_dist.export`). The step is the data position: batches are a pure
+function of the step, so a resumed run skips exactly the batches already trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mhf_dist.config import Config
+from mhf_dist.errors import TrainingError
+
+HISTORY_FILE = "history.jsonl"
+RUN_FILE = "run.json"
+STATE_TAG = "state"  # DeepSpeed's checkpoint tag
+MODEL_DIR = "model"  # the exported model inside each checkpoint
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step:07d}"
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The run's newest complete checkpoint on storage (run.json is written last by rank 0)."""
+    complete = [path for path in sorted(run_dir.glob("checkpoint-*")) if (path / RUN_FILE).is_file()]
+    return complete[-1] if complete else None
+
+
+def read_history(checkpoint: str | Path) -> list[dict[str, float]]:
+    """Per-step metrics of a run up to one of its checkpoints."""
+    lines = (Path(checkpoint) / HISTORY_FILE).read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def write_history(directory: Path, history: list[dict[str, float]], run_info: dict[str, Any]) -> None:
+    with open(directory / HISTORY_FILE, "w") as handle:
+        handle.writelines(json.dumps(entry) + "\n" for entry in history)
+    (directory / RUN_FILE).write_text(json.dumps(run_info, indent=2))
+
+
+def resolve_resume(target: str, storage: Path) -> Path:
+    """`--resume` takes a checkpoint directory or the name of a run under the storage path (its newest)."""
+    path = Path(target)
+    if (path / RUN_FILE).is_file():
+        return path.resolve()
+    for run_dir in (path, storage / target):
+        if run_dir.is_dir() and newest_checkpoint(run_dir) is not None:
+            return newest_checkpoint(run_dir).resolve()
+    raise TrainingError(
+        f"--resume {target!r} is neither a checkpoint directory nor a run with checkpoints under "
+        f"{str(storage)!r}; pass a checkpoint-* directory or a run name"
+    )
+
+
+def check_resumable(path: Path, cfg: Config, fingerprint: str) -> None:
+    """The checkpoint must belong to the same model and signature table as the run resuming it."""
+    run = json.loads((path / RUN_FILE).read_text())
+    if run["fingerprint"] != fingerprint:
+        raise TrainingError(
+            f"checkpoint {str(path)!r} has signature fingerprint {run['fingerprint'][:12]} but the data has "
+            f"{fingerprint[:12]}; resume with the shards the run was trained on"
+        )
+    model = cfg.model.model_dump(mode="json")
+    if run["model"] != model:
+        changed = sorted(key for key, value in model.items() if run["model"].get(key) != value)
+        raise TrainingError(
+            f"checkpoint {str(path)!r} was trained with a different model config ({', '.join(changed)}); "
+            "resume with the same model settings"
+        )

@@ -1,0 +1,48 @@
+"""What a training worker's hardware holds and can do: memory use and peak FLOP/s.
+
+`live_tensor_bytes` walks every tensor Python can reach and counts each underlying storage once. Called
+between steps (activations freed), it measures model-state memory: parameters (or their ZeRO shards),
+gradients, optimizer states and DeepSpeed's flat buffers. `peak_memory_bytes` is the process's peak:
+CUDA's peak allocation on GPU, the peak resident set size on CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import sys
+
+import torch
+
+
+def live_tensor_bytes(device_type: str = "cpu") -> int:
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.device.type != device_type:
+            continue
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # meta or sparse tensors hold no storage
+            continue
+        if storage.data_ptr():
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+# Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s), matched against the device name.
+GPU_PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def default_peak_flops(device: torch.device) -> float:
+    """The bf16 peak of a known GPU; 0 (MFU left out) for CPUs and GPUs not in the table."""
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_PEAK_BF16_FLOPS.items() if key in name), 0.0)

@@ -1,0 +1,237 @@
+"""What every Ray Train worker runs: a DeepSpeed ZeRO engine driven by the shared step loop.
+
+Each worker builds the model from the registry and runs `run_training` with a `DeepSpeedStepper`.
+Data: every worker iterates the training rows in the same fixed order (the dataset is not split;
+preserve_order is on) and keeps its own micro-batch slice of each global batch, so the batch of step s
+is a pure function of s. That is what makes resume exact: a resumed worker skips the first s global
+batches and continues with batch s + 1, none repeated, none skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mhf_dist.config import Config, validate_config
+from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE, arrow_to_arrays, read_rows
+from mhf_dist.errors import TrainingError
+from mhf_dist.eval.perplexity import nll_summary, nll_totals
+from mhf_dist.export import export_model
+from mhf_dist.signatures import SignatureTable
+from mhf_dist.tracking import log_steps
+from mhf_dist.train.checkpoints import (
+    MODEL_DIR,
+    STATE_TAG,
+    checkpoint_name,
+    newest_checkpoint,
+    read_history,
+    write_history,
+)
+from mhf_dist.train.engine import DeepSpeedStepper
+from mhf_dist.train.hardware import default_peak_flops, live_tensor_bytes, peak_memory_bytes
+
+GIB = 2**30
+
+
+def global_batches(
+    shard: Any, batch_size: int, micro: int, rank: int, seq_len: int, num_hashes: int, skip: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """This worker's slice of every global batch, epoch after epoch, after skipping `skip` batches."""
+    seen = 0
+    while True:
+        for table in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow", drop_last=True):
+            seen += 1
+            if seen <= skip:
+                continue
+            ids, signatures = arrow_to_arrays(table.slice(rank * micro, micro), seq_len, num_hashes)
+            yield {
+                "tokens": torch.from_numpy(ids),
+                "signatures": torch.from_numpy(signatures.astype(np.int64)),
+            }
+        if seen == 0:
+            raise TrainingError(f"the training split has fewer rows than one batch of {batch_size}")
+
+
+class Validator:
+    """Exact NLL on the validation split; each rank scores an equal share of the rows, then all-reduce.
+
+    Equal shares keep ZeRO-3's collective parameter gathers in step: the last len(rows) % world_size
+    rows are left out, and `val_tokens` says how many tokens were scored.
+    """
+
+    def __init__(self, cfg: Config, rank: int, world_size: int, batch_size: int) -> None:
+        rows, _ = read_rows(cfg.data.path, "validation")
+        if cfg.train.eval_rows:
+            rows = rows[: cfg.train.eval_rows]
+        share = len(rows) // world_size
+        self.rows = rows[rank * share : (rank + 1) * share]
+        self.batch_size = batch_size
+
+    def __bool__(self) -> bool:
+        return len(self.rows) > 0
+
+    def __call__(self, stepper: DeepSpeedStepper) -> dict[str, float]:
+        with stepper.whole_parameters():
+            total, count = nll_totals(
+                stepper.engine.module, self.rows, self.batch_size, stepper.engine.device
+            )
+        totals = torch.tensor([total, count], dtype=torch.float64)
+        torch.distributed.all_reduce(totals)
+        return nll_summary(float(totals[0]), int(totals[1]))
+
+
+def max_over_workers(values: dict[str, float]) -> dict[str, float]:
+    tensor = torch.tensor(list(values.values()), dtype=torch.float64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return dict(zip(values, tensor.tolist(), strict=True))
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Runs on every Ray Train worker (torch.distributed is already initialised by TorchTrainer)."""
+    import ray.train
+
+    from mhf_dist.models import build_model, train_flops_per_token
+    from mhf_dist.train.engine import micro_batch_size
+    from mhf_dist.train.loop import Throughput, format_progress, is_log_step, run_training
+
+    cfg = validate_config(loop_config["config"])
+    context = ray.train.get_context()
+    world_size, rank = context.get_world_size(), context.get_world_rank()
+    torch.manual_seed(cfg.train.seed)
+    data_path = Path(cfg.data.path)
+    table = SignatureTable.load(data_path / SIGNATURES_FILE)
+    model = build_model(cfg.model, table)
+    use_gpu = loop_config["gpus_per_worker"] > 0
+    if use_gpu:
+        model = model.to(ray.train.torch.get_device())
+    stepper = DeepSpeedStepper(
+        model, cfg.train, loop_config["zero_stage"], world_size, use_gpu, cfg.model.backbone.hidden_size
+    )
+    device = stepper.engine.device
+
+    start_step, history = 0, []
+    # After a worker failure the run continues from its own newest checkpoint, else from --resume.
+    # Ray Train registers a checkpoint only when its controller next polls the workers; one that dies
+    # in between would otherwise restart from scratch although the files were already stored.
+    checkpoint = ray.train.get_checkpoint()
+    newest = newest_checkpoint(Path(loop_config["run_dir"]))
+    if checkpoint is None and newest is not None:
+        checkpoint = ray.train.Checkpoint.from_directory(str(newest))
+    if checkpoint is None and loop_config["resume_from"]:
+        checkpoint = ray.train.Checkpoint.from_directory(loop_config["resume_from"])
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            _, client_state = stepper.engine.load_checkpoint(directory, tag=STATE_TAG)
+            history = read_history(directory)
+        start_step = client_state["step"]
+        _set_rng_state(client_state["rng"][rank])
+        if rank == 0:
+            print(f"resumed from {checkpoint.path} at step {start_step}", flush=True)
+
+    micro = micro_batch_size(cfg.train, world_size)
+    batches = global_batches(
+        ray.train.get_dataset_shard("train"), cfg.train.batch_size, micro, rank, cfg.train.seq_len,
+        table.num_hashes, skip=start_step,
+    )  # fmt: skip
+    peak_flops = loop_config["peak_tflops"] * 1e12 or default_peak_flops(device)
+    throughput = Throughput(
+        tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
+        flops_per_token=train_flops_per_token(cfg.model, cfg.train.seq_len),
+        workers=world_size,
+        peak_flops=peak_flops,
+    )
+    last_step = min(cfg.train.steps, loop_config["stop_at_step"] or cfg.train.steps)
+    validate = Validator(cfg, rank, world_size, micro)
+    if rank == 0 and not validate:
+        print("no validation rows: val_nll is not computed (prepare with data.val_percent > 0)", flush=True)
+
+    run_info = {"model": cfg.model.model_dump(mode="json"), "fingerprint": table.fingerprint}
+    tracking = {"uri": loop_config["tracking_uri"], "run_id": loop_config["run_id"], "logged": start_step}
+
+    def on_step(metrics: dict[str, float]) -> None:
+        step = int(metrics["step"])
+        _maybe_inject_fault(
+            step, cfg.train.fail_at_step, rank == world_size - 1, Path(loop_config["fault_marker"])
+        )
+        every = cfg.train.eval_every
+        if validate and (step == last_step or (every and step % every == 0)):
+            metrics.update(validate(stepper))
+        if step == start_step + 1:  # optimizer states exist from the first step on
+            metrics.update(max_over_workers({"model_state_gb": live_tensor_bytes(device.type) / GIB}))
+        if is_log_step(step, cfg.train) or step == last_step:
+            metrics.update(max_over_workers({"peak_mem_gb": peak_memory_bytes(device) / GIB}))
+        history.append(metrics)
+        if rank == 0 and is_log_step(step, cfg.train):
+            print(format_progress(metrics, cfg.train.steps), flush=True)
+        every = cfg.train.checkpoint_every
+        if step == last_step or (every and step % every == 0):
+            if rank == 0:
+                log_steps(
+                    tracking["uri"],
+                    tracking["run_id"],
+                    (h for h in history if h["step"] > tracking["logged"]),
+                )
+                tracking["logged"] = step
+            _report_checkpoint(stepper, cfg, table, step, metrics, history, run_info, rank, world_size)
+        elif is_log_step(step, cfg.train):
+            ray.train.report(metrics)
+
+    run_training(stepper, batches, cfg.train.steps, throughput, start_step, last_step, on_step)
+
+
+def _maybe_inject_fault(step: int, fail_at_step: int, last_rank: bool, marker: Path) -> None:
+    """Kill the last worker's process once (train.fail_at_step), as a crashed node would; the marker
+    file in the run's storage keeps the restarted worker group from failing again."""
+    if fail_at_step and step == fail_at_step and last_rank and not marker.exists():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"the last worker was killed at step {step}\n")
+        os._exit(1)
+
+
+def _report_checkpoint(
+    stepper: DeepSpeedStepper,
+    cfg: Config,
+    table: SignatureTable,
+    step: int,
+    metrics: dict[str, float],
+    history: list[dict],
+    run_info: dict[str, Any],
+    rank: int,
+    world_size: int,
+) -> None:
+    """Every rank saves its DeepSpeed files; Ray Train merges the ranks' folders into one checkpoint."""
+    import ray.train
+
+    rng_states = [None] * world_size
+    torch.distributed.all_gather_object(rng_states, _rng_state())
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        stepper.engine.save_checkpoint(tmp, tag=STATE_TAG, client_state={"step": step, "rng": rng_states})
+        with stepper.whole_parameters():
+            if rank == 0:
+                tokenizer = Path(cfg.data.path) / TOKENIZER_FILE
+                export_model(stepper.engine.module, cfg.model, table, tokenizer, directory / MODEL_DIR)
+        if rank == 0:
+            write_history(directory, history, run_info)  # last: its run.json marks the checkpoint complete
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(tmp),
+            checkpoint_dir_name=checkpoint_name(step),
+        )

@@ -1,0 +1,50 @@
+"""Exported model directories: round trip, tied weights, and one-line errors for bad directories."""
+
+import json
+
+import pytest
+import torch
+
+from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.errors import MhfError
+from mhf_dist.export import CONFIG_FILE, ExportError, export_model, load_exported
+from mhf_dist.models import build_model
+from mhf_dist.signatures import SignatureTable
+
+
+@pytest.fixture
+def tokenizer_file(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    TextTokenizer.bytes().save(path)
+    return path
+
+
+@pytest.mark.parametrize("family", ["mhf", "qwen3"])
+def test_an_exported_model_scores_exactly_like_the_original(small_cfg, tokenizer_file, tmp_path, family):
+    cfg = small_cfg.model.model_copy(update={"family": family, "vocab_size": 259})
+    table = SignatureTable.build(TextTokenizer.bytes().vocabulary(), 2, 64)
+    torch.manual_seed(0)
+    model = build_model(cfg, table)
+    export_model(model, cfg, table, tokenizer_file, tmp_path / "model")
+    loaded = load_exported(tmp_path / "model")
+    assert loaded.config == cfg and loaded.table.fingerprint == table.fingerprint
+    rows = torch.randint(0, 259, (2, 17), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    assert torch.equal(
+        loaded.model.token_nll(rows[:, :-1], rows[:, 1:]), model.token_nll(rows[:, :-1], rows[:, 1:])
+    )
+    with pytest.raises(ExportError, match="already exists"):
+        export_model(model, cfg, table, tokenizer_file, tmp_path / "model")
+
+
+def test_bad_export_directories_are_one_line_errors(small_cfg, tokenizer_file, tmp_path):
+    with pytest.raises(ExportError, match="is not an exported model"):
+        load_exported(tmp_path / "nowhere")
+    cfg = small_cfg.model.model_copy(update={"vocab_size": 259})
+    table = SignatureTable.build(TextTokenizer.bytes().vocabulary(), 2, 64)
+    export_model(build_model(cfg, table), cfg, table, tokenizer_file, tmp_path / "model")
+    description = json.loads((tmp_path / "model" / CONFIG_FILE).read_text())
+    description["signature_fingerprint"] = "0" * 64
+    (tmp_path / "model" / CONFIG_FILE).write_text(json.dumps(description))
+    with pytest.raises(MhfError, match="differs from the one the model was trained with"):
+        load_exported(tmp_path / "model")

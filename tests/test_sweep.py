@@ -1,0 +1,90 @@
+"""`mhf sweep`: sweep files, trial expansion, and resuming an interrupted sweep on Ray Tune."""
+
+import pytest
+
+from mhf_dist.config import load_config
+from mhf_dist.data.prepare import prepare
+from mhf_dist.errors import ConfigError
+from mhf_dist.sweep.runner import TRIALS_DIR, SweepError, run_sweep
+from mhf_dist.sweep.spec import expand_trials, load_sweep, parse_sweep
+
+BYTES = {"data.tokenizer": "bytes", "model.vocab_size": 259, "model.hash.spec": "H2B64", "train.seq_len": 32}
+
+
+def test_a_matched_sweep_expands_to_families_times_seeds():
+    spec = parse_sweep({"name": "m", "kind": "matched", "seeds": [0, 1], "set": BYTES})
+    trials = expand_trials(spec)
+    assert [t.name for t in trials] == [
+        "mhf-seed0", "mhf-seed1", "qwen3-seed0", "qwen3-seed1", "qwen3_matched-seed0", "qwen3_matched-seed1",
+    ]  # fmt: skip
+    assert trials[2].overrides == {**BYTES, "model.family": "qwen3", "train.seed": 0}
+    grid = parse_sweep({"name": "g", "kind": "grid", "grid": {"train.lr": [0.001, 0.003]}, "seeds": [5]})
+    assert [(t.group, t.seed) for t in expand_trials(grid)] == [("train.lr=0.001", 5), ("train.lr=0.003", 5)]
+    seeds = parse_sweep({"name": "s", "kind": "seeds", "seeds": [1, 2, 3]})
+    assert {t.group for t in expand_trials(seeds)} == {"mhf"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"name": "x", "kind": "matched", "families": ["mhf", "gpt2"]}, "families: unknown family 'gpt2'"),
+        ({"name": "x", "kind": "matched", "seeds": []}, "seeds: List should have at least 1 item"),
+        ({"name": "x", "kind": "matched", "sedes": [1]}, "sedes: unknown key; allowed: name, kind"),
+        ({"name": "x", "kind": "seeds", "set": {"train.stpes": 5}}, "unknown key 'train.stpes'"),
+        ({"name": "x", "kind": "grid"}, "a grid sweep needs `grid"),
+        ({"name": "x y", "kind": "seeds"}, "name: use letters, digits"),
+        (["not", "a", "mapping"], "must be a YAML mapping"),
+    ],
+)
+def test_bad_sweep_files_are_one_line_errors(raw, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        parse_sweep(raw)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_missing_sweep_file_is_a_one_line_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_sweep(tmp_path / "nope.yaml")
+
+
+def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    data = tmp_path / "data"
+    prepare(load_config("tiny", [f"{k}={v}" for k, v in BYTES.items()]), data, log=lambda _: None)
+    # Two trials; the second loses a worker at step 3 (no restarts), after its step-2 checkpoint.
+    spec = parse_sweep(
+        {
+            "name": "crashy",
+            "kind": "grid",
+            "set": {**BYTES, "data.path": str(data), "train.steps": 4, "train.checkpoint_every": 2},
+            "grid": {"train.fail_at_step": [0, 3]},
+            "storage": str(tmp_path / "sweeps"),
+            "workers": 1,
+        }
+    )
+    with pytest.raises(SweepError, match=r"1 of 2 trials failed \(train.fail_at_step=3-seed0\)"):
+        run_sweep(spec, log=lambda _: None)
+    trials = tmp_path / "sweeps" / "crashy" / TRIALS_DIR
+    finished_files = sorted(
+        path.stat().st_mtime_ns for path in (trials / "train.fail_at_step=0-seed0").rglob("*")
+    )
+
+    result = run_sweep(spec, resume=True, log=lambda _: None)
+    assert sorted(t["status"] for t in result.trials) == ["FINISHED", "FINISHED"]
+    # The finished trial was not rerun: none of its files changed.
+    assert (
+        sorted(p.stat().st_mtime_ns for p in (trials / "train.fail_at_step=0-seed0").rglob("*"))
+        == finished_files
+    )
+    client = MlflowClient(tracking_uri=result.tracking_uri)
+    children = client.search_runs(
+        [client.get_experiment_by_name("mhf-sweeps").experiment_id],
+        f"tags.mlflow.parentRunId = '{result.parent_run_id}'",
+    )
+    assert len(children) == 2 and all(run.info.status == "FINISHED" for run in children)
+    for run in children:  # the crashed trial continued in its own MLflow run: every step once
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4]
+    assert client.get_run(result.parent_run_id).info.status == "FINISHED"
+    with pytest.raises(SweepError, match="already exists"):
+        run_sweep(spec, log=lambda _: None)
