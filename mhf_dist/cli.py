@@ -10,11 +10,16 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from mhf_dist.config import Config, load_config
 from mhf_dist.errors import MhfError
+
+if TYPE_CHECKING:
+    from mhf_dist.data.tokenizer import TextTokenizer
+    from mhf_dist.train.ray_trainer import TrainOptions, TrainResult
 
 
 def _add_config_args(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
@@ -74,20 +79,35 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from mhf_dist.train.ray_trainer import train
+
+    result = train(_config(args), _train_options(args))
+    _print_result(result)
+
+
+def _print_result(result: TrainResult) -> None:
     from mhf_dist.tables import markdown_table
     from mhf_dist.train.checkpoints import MODEL_DIR, read_history
-    from mhf_dist.train.ray_trainer import TrainOptions, train
 
-    cfg = _config(args)
-    options = TrainOptions(
-        **{field.name: getattr(args, field.name) for field in dataclasses.fields(TrainOptions)}
-    )
-    result = train(cfg, options)
     last = read_history(result.checkpoint)[-1:]
     columns = ["step", "loss", "val_nll", "val_ppl", "tokens_per_s", "peak_mem_gb"]
     print(markdown_table(last, [column for column in columns if column in last[0]]))
     print(f"last checkpoint: {result.checkpoint} (exported model: {result.checkpoint / MODEL_DIR})")
     print(f"MLflow run {result.run_id} at {result.tracking_uri}")
+
+
+def cmd_cpt(args: argparse.Namespace) -> None:
+    from mhf_dist.cpt import expanded_tokenizer, run_cpt
+    from mhf_dist.data.corpus import corpus_texts
+
+    cfg = load_config(args.config, [*args.overrides, f"data.corpus={args.data}"])
+
+    def new_tokenizer(parent: TextTokenizer) -> TextTokenizer:
+        texts = (lambda: corpus_texts(args.corpus, cfg.data.text_field)) if args.corpus else None
+        return expanded_tokenizer(parent, args.tokenizer, args.add_tokens, args.train_new_tokens, texts)
+
+    result = run_cpt(cfg, args.parent, new_tokenizer, _train_options(args))
+    _print_result(result.train_result)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -124,6 +144,35 @@ def cmd_compare(args: argparse.Namespace) -> None:
     comparison = compare_runs(uri, args.experiment, out, args.metric, args.sweep, args.unstable_cv)
     print(comparison.table)
     print(f"written: {', '.join(str(path) for path in comparison.files)}")
+
+
+def _add_train_options(parser: argparse.ArgumentParser, storage: str, name: str) -> None:
+    parser.add_argument("--workers", type=int, default=2, help="Ray Train workers (default: 2)")
+    parser.add_argument(
+        "--gpus-per-worker", type=int, default=0, help="GPUs per worker; 0 trains on CPU in fp32"
+    )
+    parser.add_argument(
+        "--zero-stage", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage"
+    )
+    parser.add_argument("--storage", default=storage, help=f"Ray Train storage path (default: {storage})")
+    parser.add_argument("--name", default=name, help=f"run name under the storage path (default: {name})")
+    parser.add_argument("--experiment", default="mhf", help="MLflow experiment (default: mhf)")
+    parser.add_argument(
+        "--max-failures", type=int, default=0, help="worker-group restarts from the last checkpoint"
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="peak TFLOP/s per worker for the MFU estimate (default: bf16 peak of known GPUs)",
+    )
+
+
+def _train_options(args: argparse.Namespace) -> TrainOptions:
+    from mhf_dist.train.ray_trainer import TrainOptions
+
+    given = {field.name for field in dataclasses.fields(TrainOptions)} & set(vars(args))
+    return TrainOptions(**{name: getattr(args, name) for name in given})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,34 +223,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     fit = commands.add_parser("train", help="train on prepared shards with Ray Train + DeepSpeed ZeRO")
     _add_config_args(fit)
-    fit.add_argument("--workers", type=int, default=2, help="Ray Train workers (default: 2)")
-    fit.add_argument(
-        "--gpus-per-worker", type=int, default=0, help="GPUs per worker; 0 trains on CPU in fp32"
-    )
-    fit.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
-    fit.add_argument("--storage", default="runs/train", help="Ray Train storage path (default: runs/train)")
-    fit.add_argument("--name", default="mhf-train", help="run name under the storage path")
-    fit.add_argument("--experiment", default="mhf", help="MLflow experiment (default: mhf)")
+    _add_train_options(fit, storage="runs/train", name="mhf-train")
     fit.add_argument(
         "--resume", help="continue exactly from a checkpoint directory, or from a run name's newest"
     )
     fit.add_argument("--stop-at-step", type=int, help="end this run at this step, with a checkpoint")
-    fit.add_argument(
-        "--max-failures", type=int, default=0, help="worker-group restarts from the last checkpoint"
-    )
     fit.add_argument(
         "--continue",
         dest="continue_run",
         action="store_true",
         help="continue the run --name from its newest checkpoint, logging to the same MLflow run",
     )
-    fit.add_argument(
-        "--peak-tflops",
-        type=float,
-        default=0.0,
-        help="peak TFLOP/s per worker for the MFU estimate (default: bf16 peak of known GPUs)",
-    )
+    fit.add_argument("--init-from", help="an exported model directory to start from (fresh optimizer)")
     fit.set_defaults(func=cmd_train)
+
+    cpt = commands.add_parser(
+        "cpt", help="continued pretraining with an expanded vocabulary (mhf: zero new parameters)"
+    )
+    _add_config_args(cpt)
+    cpt.add_argument(
+        "--from", dest="parent", required=True, help="exported model, checkpoint or run directory"
+    )
+    cpt.add_argument("--tokenizer", help="a tokenizer.json that appends tokens to the parent's")
+    cpt.add_argument("--add-tokens", help="a file with one new token per line")
+    cpt.add_argument("--train-new-tokens", type=int, default=0, help="learn N new BPE tokens from --corpus")
+    cpt.add_argument("--corpus", help="text the new tokens are learned from (a file, directory or glob)")
+    cpt.add_argument("--data", required=True, help="the corpus training continues on (as data.corpus)")
+    _add_train_options(cpt, storage="runs/cpt", name="mhf-cpt")
+    cpt.set_defaults(func=cmd_cpt)
 
     show = commands.add_parser("config", help="print the resolved config as YAML")
     _add_config_args(show)

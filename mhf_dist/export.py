@@ -39,6 +39,7 @@ class ExportedModel:
     table: SignatureTable
     tokenizer: TextTokenizer
     path: Path
+    lineage: list[dict]  # the vocabularies this model grew from, oldest first: fingerprint, vocab_size
 
 
 def export_model(
@@ -47,8 +48,12 @@ def export_model(
     table: SignatureTable,
     tokenizer_file: str | Path,
     directory: str | Path,
+    lineage: list[dict] | None = None,
 ) -> Path:
-    """Write `model` (whole parameters: gather ZeRO-3 shards before calling) as an exported directory."""
+    """Write `model` (whole parameters: gather ZeRO-3 shards before calling) as an exported directory.
+
+    `lineage` lists the earlier vocabularies of a model whose vocabulary was expanded (`mhf cpt`).
+    """
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -61,6 +66,7 @@ def export_model(
             "format": FORMAT,
             "model": config.model_dump(mode="json"),
             "signature_fingerprint": table.fingerprint,
+            "lineage": lineage or [],
         }
         (staging / CONFIG_FILE).write_text(json.dumps(description, indent=2))
         save_file(_weights(model), str(staging / WEIGHTS_FILE))
@@ -121,4 +127,4 @@ def load_exported(directory: str | Path) -> ExportedModel:
     load_model(model, str(directory / WEIGHTS_FILE), strict=True)
     model.eval()
     tokenizer = TextTokenizer.load(directory / TOKENIZER_FILE)
-    return ExportedModel(model, config, table, tokenizer, directory)
+    return ExportedModel(model, config, table, tokenizer, directory, description.get("lineage", []))

@@ -95,6 +95,14 @@ def read_corpus(spec: str, text_field: str = "text") -> ray.data.Dataset:
     )
 
 
+def corpus_texts(spec: str, text_field: str = "text") -> list[str]:
+    """Every document of a (small) corpus in this process, e.g. to learn new tokens from."""
+    from mhf_dist.ray_utils import ensure_ray
+
+    ensure_ray()
+    return [row["text"] for row in read_corpus(spec, text_field).iter_rows()]
+
+
 def _read_huggingface(name: str, text_field: str) -> ray.data.Dataset:
     import ray.data
 

@@ -7,6 +7,7 @@ shards, checkpoints and exported models carry.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -103,6 +104,73 @@ class TextTokenizer:
                 f"tokenizer {spec!r} is neither 'bpe', 'bytes' nor an existing tokenizer.json file"
             )
         return cls.load(path)
+
+    # --- vocabulary expansion (continued pretraining): old ids keep their strings -------------------
+    def with_added_tokens(self, tokens: Sequence[str]) -> TextTokenizer:
+        """Append `tokens` as whole-string tokens (matched before pre-tokenisation)."""
+        known = set(self.vocabulary())
+        seen: set[str] = set()
+        for token in tokens:
+            if token in known or token in seen:
+                raise DataError(f"token {token!r} is already in the vocabulary; list new tokens only")
+            seen.add(token)
+        tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
+        tokenizer.add_tokens(list(tokens))
+        return self._extended(tokenizer)
+
+    def with_trained_tokens(self, texts: Iterable[str], count: int) -> TextTokenizer:
+        """Append up to `count` BPE tokens learned from `texts`: their merges go after the old ones.
+
+        `tokenizers` cannot extend a trained BPE, so this trains a BPE with the same pre-tokeniser on
+        `texts` and appends, in merge order, every merge whose result is new and whose parts are known.
+        """
+        spec = json.loads(self.tokenizer.to_str())
+        if spec["model"]["type"] != "BPE":
+            raise DataError(
+                f"--train-new-tokens needs a BPE tokenizer, not {spec['model']['type']}; use --add-tokens"
+            )
+        learner = Tokenizer.from_str(self.tokenizer.to_str())
+        learner.model = models.BPE()
+        trainer = trainers.BpeTrainer(
+            vocab_size=self.vocab_size + 4 * count,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        learner.train_from_iterator(texts, trainer=trainer)
+        learned = json.loads(learner.to_str())["model"]["merges"]
+        vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+        # Added tokens (specials) keep their ids only if the model's vocabulary holds them too.
+        vocab.update({added["content"]: added["id"] for added in spec["added_tokens"]})
+        known = set(self.vocabulary())
+        next_id = self.vocab_size
+        for merge in learned:
+            left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+            token = left + right
+            if token in known or left not in known or right not in known:
+                continue
+            vocab[token] = next_id
+            merges.append(merge)
+            known.add(token)
+            next_id += 1
+            if next_id - self.vocab_size == count:
+                break
+        return self._extended(Tokenizer.from_str(json.dumps(spec)))
+
+    def _extended(self, tokenizer: Tokenizer) -> TextTokenizer:
+        extended = TextTokenizer(tokenizer, self.tokenizer.id_to_token(self.eos_id))
+        extended.check_extends(self)
+        return extended
+
+    def check_extends(self, old: TextTokenizer) -> None:
+        """Every old id must keep its string: new tokens may only be appended."""
+        old_vocab, new_vocab = old.vocabulary(), self.vocabulary()
+        for index, token in enumerate(old_vocab):
+            if index >= len(new_vocab) or new_vocab[index] != token:
+                now = new_vocab[index] if index < len(new_vocab) else "nothing"
+                raise DataError(
+                    f"the new tokenizer renumbers old token {token!r} (id {index} is now {now!r}); "
+                    "append new tokens after the old vocabulary"
+                )
 
     @property
     def vocab_size(self) -> int:

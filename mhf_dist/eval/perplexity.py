@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from mhf_dist.data.packing import Packer
+from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.models.base import CausalLM, split_rows
 
 
@@ -35,3 +38,24 @@ def nll_summary(total: float, count: int) -> dict[str, float]:
 def evaluate_rows(model: CausalLM, rows: np.ndarray, batch_size: int = 16) -> dict[str, float]:
     """Mean exact NLL (nats per token) and perplexity over non-overlapping rows of seq_len+1 ids."""
     return nll_summary(*nll_totals(model, rows, batch_size))
+
+
+def text_scores(
+    model: CausalLM, tokenizer: TextTokenizer, texts: Sequence[str], seq_len: int, batch_size: int = 16
+) -> dict[str, float]:
+    """Exact NLL per token and bits per UTF-8 byte of `texts` (each followed by EOS), comparable across
+    tokenizers through the bytes.
+
+    The texts are packed into windows of seq_len targets (no context carried across a window); the tail
+    that does not fill a window is dropped, and the byte count (each EOS counted as one byte) is scaled
+    by the share of tokens scored.
+    """
+    stream = [token for ids in tokenizer.encode_batch(list(texts)) for token in (*ids, tokenizer.eos_id)]
+    rows = Packer(seq_len).add(np.asarray(stream))  # rows overlap by one token: each target scored once
+    total, count = nll_totals(model, rows, batch_size)
+    scored_bytes = sum(len(text.encode("utf-8")) + 1 for text in texts) * count / max(1, len(stream) - 1)
+    return {
+        **nll_summary(total, count),
+        "bits_per_byte": total / math.log(2) / scored_bytes,
+        "bytes": scored_bytes,
+    }

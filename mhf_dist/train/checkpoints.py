@@ -73,3 +73,20 @@ def check_resumable(path: Path, cfg: Config, fingerprint: str) -> None:
             f"checkpoint {str(path)!r} was trained with a different model config ({', '.join(changed)}); "
             "resume with the same model settings"
         )
+
+
+def check_initial_model(path: Path, cfg: Config, fingerprint: str) -> None:
+    """An `--init-from` model must have the run's model config and signature table."""
+    from mhf_dist.export import read_export_config
+
+    description = read_export_config(path)
+    if description["signature_fingerprint"] != fingerprint:
+        raise TrainingError(
+            f"model {str(path)!r} has signature fingerprint {description['signature_fingerprint'][:12]} but "
+            f"the data has {fingerprint[:12]}; prepare the data with the model's tokenizer.json"
+        )
+    if description["model"] != cfg.model.model_dump(mode="json"):
+        raise TrainingError(
+            f"model {str(path)!r} has another model config than the run; start from a matching model "
+            "or change the run's model settings"
+        )

@@ -20,6 +20,7 @@ from mhf_dist.tracking import end_run, log_artifact, reopen_run, start_run, trac
 from mhf_dist.train.checkpoints import (
     MODEL_DIR,
     RUN_FILE,
+    check_initial_model,
     check_resumable,
     newest_checkpoint,
     resolve_resume,
@@ -49,6 +50,7 @@ class TrainOptions:
     max_failures: int = 0
     peak_tflops: float = 0.0  # per worker, for MFU; 0: known GPUs' bf16 peak, none on CPU
     continue_run: bool = False  # continue the run `name` from its newest checkpoint, in its MLflow run
+    init_from: str | None = None  # an exported model whose weights training starts from (fresh optimizer)
 
 
 def train(
@@ -76,6 +78,8 @@ def train(
             f"run directory {str(run_dir)!r} already holds checkpoints; continue it with --resume "
             f"{options.name} --name <new name>, continue it with --continue, or pick another --name"
         )
+    if options.init_from is not None:
+        check_initial_model(Path(options.init_from), cfg, fingerprint)
     resume = None
     if options.resume is not None:
         resume = resolve_resume(options.resume, storage)
@@ -96,6 +100,7 @@ def train(
             "zero_stage": options.zero_stage,
             "gpus_per_worker": options.gpus_per_worker,
             "peak_tflops": options.peak_tflops,
+            "init_from": str(Path(options.init_from).resolve()) if options.init_from else None,
             "stop_at_step": options.stop_at_step,
             "resume_from": str(resume) if resume else None,
             "run_dir": str(run_dir),

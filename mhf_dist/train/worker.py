@@ -23,7 +23,7 @@ from mhf_dist.config import Config, validate_config
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE, arrow_to_arrays, read_rows
 from mhf_dist.errors import TrainingError
 from mhf_dist.eval.perplexity import nll_summary, nll_totals
-from mhf_dist.export import export_model
+from mhf_dist.export import export_model, load_exported
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.tracking import log_steps
 from mhf_dist.train.checkpoints import (
@@ -117,7 +117,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     torch.manual_seed(cfg.train.seed)
     data_path = Path(cfg.data.path)
     table = SignatureTable.load(data_path / SIGNATURES_FILE)
-    model = build_model(cfg.model, table)
+    lineage: list[dict] = []
+    if loop_config["init_from"]:
+        initial = load_exported(loop_config["init_from"])
+        model, lineage = initial.model.train(), initial.lineage
+    else:
+        model = build_model(cfg.model, table)
     use_gpu = loop_config["gpus_per_worker"] > 0
     if use_gpu:
         model = model.to(ray.train.torch.get_device())
@@ -162,7 +167,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if rank == 0 and not validate:
         print("no validation rows: val_nll is not computed (prepare with data.val_percent > 0)", flush=True)
 
-    run_info = {"model": cfg.model.model_dump(mode="json"), "fingerprint": table.fingerprint}
+    run_info = {
+        "model": cfg.model.model_dump(mode="json"),
+        "fingerprint": table.fingerprint,
+        "lineage": lineage,
+    }
     tracking = {"uri": loop_config["tracking_uri"], "run_id": loop_config["run_id"], "logged": start_step}
 
     def on_step(metrics: dict[str, float]) -> None:
@@ -227,7 +236,14 @@ def _report_checkpoint(
         with stepper.whole_parameters():
             if rank == 0:
                 tokenizer = Path(cfg.data.path) / TOKENIZER_FILE
-                export_model(stepper.engine.module, cfg.model, table, tokenizer, directory / MODEL_DIR)
+                export_model(
+                    stepper.engine.module,
+                    cfg.model,
+                    table,
+                    tokenizer,
+                    directory / MODEL_DIR,
+                    run_info["lineage"],
+                )
         if rank == 0:
             write_history(directory, history, run_info)  # last: its run.json marks the checkpoint complete
         ray.train.report(

@@ -1,0 +1,159 @@
+"""`mhf cpt`: vocabulary expansion keeps old ids, signatures and rankings; mhf adds no parameters."""
+
+import itertools
+
+import pytest
+import torch
+
+from mhf_dist.config import load_config
+from mhf_dist.cpt import expand_model, expanded_tokenizer, run_cpt
+from mhf_dist.data.corpus import builtin_documents
+from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.errors import DataError, TrainingError
+from mhf_dist.export import export_model, load_exported
+from mhf_dist.models import build_model, param_count
+from mhf_dist.models.generation import generate
+from mhf_dist.signatures import SignatureTable
+from mhf_dist.train.loop import train_local
+
+NEW_TOKENS = ["你好", "世界", "مرحبا", "नमस्ते"]
+
+
+@pytest.fixture(scope="module")
+def english_tokenizer():
+    return TextTokenizer.train_bpe(builtin_documents()[:20], 300)
+
+
+def exported_parent(tmp_path, tokenizer, family, *overrides):
+    cfg = load_config(
+        "tiny",
+        [
+            f"model.vocab_size={tokenizer.vocab_size}",
+            "model.hash.spec=H2B64",
+            f"model.family={family}",
+            *overrides,
+        ],
+    )
+    table = SignatureTable.build(tokenizer.vocabulary(), 2, 64)
+    tokenizer.save(tmp_path / "tokenizer.json")
+    torch.manual_seed(0)
+    model = build_model(cfg.model, table)
+    export_model(model, cfg.model, table, tmp_path / "tokenizer.json", tmp_path / family)
+    return load_exported(tmp_path / family), cfg
+
+
+def old_token_logprobs(model, context, vocab_size):
+    with torch.no_grad():
+        logprobs, _ = model.eval().next_token_logprobs(torch.tensor([context]), None)
+    return logprobs[0, :vocab_size].double()
+
+
+@pytest.mark.parametrize(
+    ("family", "tied", "heads"), [("mhf", "true", 0), ("qwen3", "true", 1), ("qwen3", "false", 2)]
+)
+def test_expansion_keeps_old_ids_signatures_and_rankings(english_tokenizer, tmp_path, family, tied, heads):
+    parent, cfg = exported_parent(
+        tmp_path, english_tokenizer, family, f"model.backbone.tie_word_embeddings={tied}"
+    )
+    tokenizer = english_tokenizer.with_added_tokens(NEW_TOKENS)
+    assert tokenizer.vocabulary()[: english_tokenizer.vocab_size] == english_tokenizer.vocabulary()
+    expansion = expand_model(parent, tokenizer.vocabulary()[english_tokenizer.vocab_size :])
+
+    # mhf: zero new parameters; a baseline: dV x d per vocabulary table (embedding, and an untied head).
+    assert expansion.params_added == heads * len(NEW_TOKENS) * cfg.model.backbone.hidden_size
+    assert param_count(expansion.config) - param_count(parent.config) == expansion.params_added
+    old = len(parent.table)
+    assert (expansion.table.rows[:old] == parent.table.rows).all()
+    assert expansion.table.tokens[:old] == parent.table.tokens
+
+    # Before any training, old tokens keep their order: only the normaliser over V_actl grows.
+    context = english_tokenizer.encode_batch(["The for statement is used"])[0]
+    before = old_token_logprobs(parent.model, context, old)
+    after = old_token_logprobs(expansion.model, context, old)
+    shift = after - before
+    assert torch.allclose(shift, shift[0].expand_as(shift), atol=1e-5) and float(shift[0]) < 0
+    assert torch.equal(torch.argsort(before, stable=True), torch.argsort(after, stable=True))
+
+
+def test_a_new_token_can_be_generated_after_short_training(english_tokenizer, tmp_path):
+    parent, cfg = exported_parent(tmp_path, english_tokenizer, "mhf")
+    tokenizer = english_tokenizer.with_added_tokens(NEW_TOKENS)
+    expansion = expand_model(parent, tokenizer.vocabulary()[english_tokenizer.vocab_size :])
+    new_id = tokenizer.vocabulary().index("你好")
+    pattern = [*english_tokenizer.encode_batch([" the loop"])[0], new_id]
+    stream = list(itertools.islice(itertools.cycle(pattern), 8 * 33))
+    rows = torch.tensor(stream).reshape(8, 33)
+    batch = {"tokens": rows, "signatures": expansion.table.lookup(rows)}
+    train_cfg = cfg.train.model_copy(update={"steps": 60, "warmup_steps": 5, "seq_len": 32})
+    train_local(expansion.model, itertools.repeat(batch), train_cfg, log=None)
+    generated = list(generate(expansion.model.eval(), pattern * 2, max_new_tokens=len(pattern)))
+    assert new_id in generated
+
+
+def test_bad_expansions_are_one_line_errors(english_tokenizer, tmp_path):
+    existing = english_tokenizer.vocabulary()[100]
+    with pytest.raises(DataError, match=f"token {existing!r} is already in the vocabulary"):
+        english_tokenizer.with_added_tokens([existing])
+    other = TextTokenizer.train_bpe(builtin_documents()[40:60], 320)
+    other.save(tmp_path / "other.json")
+    with pytest.raises(DataError, match=r"renumbers old token .* append new tokens after"):
+        expanded_tokenizer(english_tokenizer, tokenizer=str(tmp_path / "other.json"))
+    with pytest.raises(TrainingError, match="exactly one of"):
+        expanded_tokenizer(english_tokenizer, add_tokens="a.txt", train_new_tokens=5)
+
+
+def test_learned_tokens_are_appended_and_shorten_the_new_text(english_tokenizer):
+    text = "数据并行训练把批次分给多个工作进程。" * 20
+    extended = english_tokenizer.with_trained_tokens([text], 30)
+    assert extended.vocab_size == english_tokenizer.vocab_size + 30
+    assert extended.vocabulary()[: english_tokenizer.vocab_size] == english_tokenizer.vocabulary()
+    ids = extended.encode_batch([text])[0]
+    assert len(ids) < len(english_tokenizer.encode_batch([text])[0]) / 2
+    assert extended.decode(ids) == text
+
+
+def test_cpt_continues_training_through_mhf_train_with_the_lineage_recorded(
+    ray_session, english_tokenizer, tmp_path
+):
+    from mlflow.tracking import MlflowClient
+
+    from mhf_dist.train.ray_trainer import TrainOptions
+
+    parent, _ = exported_parent(tmp_path, english_tokenizer, "mhf")
+    corpus = tmp_path / "mixed.txt"
+    corpus.write_text("\n\n".join(f"{doc[:2000]} 你好 世界 مرحبا" for doc in builtin_documents()[:30]))
+    cfg = load_config(
+        "tiny", [f"data.corpus={corpus}", "train.steps=4", "train.seq_len=32", "train.eval_rows=8"]
+    )
+    result = run_cpt(
+        cfg,
+        str(parent.path),
+        lambda old: old.with_added_tokens(NEW_TOKENS),
+        TrainOptions(storage=str(tmp_path / "cpt"), name="zh"),
+        log=lambda _: None,
+    )
+    assert result.expansion.params_added == 0
+    exported = load_exported(result.train_result.checkpoint / "model")
+    assert exported.config.vocab_size == parent.config.vocab_size + len(NEW_TOKENS)
+    assert param_count(exported.config) == param_count(parent.config)
+    assert exported.lineage == [
+        {"fingerprint": parent.table.fingerprint, "vocab_size": parent.config.vocab_size}
+    ]
+    run = MlflowClient(tracking_uri=result.train_result.tracking_uri).get_run(result.train_result.run_id)
+    tags = run.data.tags
+    assert tags["cpt_parent_fingerprint"] == parent.table.fingerprint
+    assert tags["signature_fingerprint"] == exported.table.fingerprint != parent.table.fingerprint
+    assert (tags["cpt_old_vocab_size"], tags["cpt_new_vocab_size"], tags["cpt_params_added"]) == (
+        str(parent.config.vocab_size),
+        str(exported.config.vocab_size),
+        "0",
+    )
+
+
+def test_mhf_cpt_reports_a_missing_parent_in_one_line(tmp_path, capsys):
+    from mhf_dist.cli import main
+
+    code = main(["cpt", "--from", str(tmp_path / "nowhere"), "--data", "builtin", "--add-tokens", "x.txt"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "is not an exported model" in err and err.count("\n") == 1
