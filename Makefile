@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 $(BIN)/mhf: pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -r requirements/cpu.txt -e '.[dev]'
+	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -r requirements/cpu.txt -e '.[dev,eval]'
 	touch $(BIN)/mhf
 
 .PHONY: install demo test lint

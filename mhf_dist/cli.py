@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from mhf_dist.config import Config, load_config
-from mhf_dist.errors import MhfError
+from mhf_dist.errors import ConfigError, MhfError
 
 if TYPE_CHECKING:
     from mhf_dist.data.tokenizer import TextTokenizer
@@ -108,6 +108,50 @@ def cmd_cpt(args: argparse.Namespace) -> None:
 
     result = run_cpt(cfg, args.parent, new_tokenizer, _train_options(args))
     _print_result(result.train_result)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from mhf_dist.eval.tasks import run_task
+    from mhf_dist.export import load_exported
+    from mhf_dist.tables import markdown_table
+
+    exported = load_exported(args.model)
+    data = Path(args.data) if args.data else None
+    results = run_task(exported, args.task, data, args.limit, args.seq_len, args.layer)
+    print(markdown_table([{"task": args.task, **results}], ["task", *results]))
+    if args.task in ("ppl", "bpb"):
+        print(f"scored in windows of {args.seq_len} tokens, no context carried across windows")
+    if args.run_id:
+        from mhf_dist.tracking import log_metrics, tracking_uri
+
+        log_metrics(
+            tracking_uri(args.storage), args.run_id, {f"eval.{args.task}.{k}": v for k, v in results.items()}
+        )
+        print(f"logged to MLflow run {args.run_id}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from mhf_dist.export import load_exported
+    from mhf_dist.models.generation import Sampling, generate
+
+    exported = load_exported(args.model)
+    tokenizer = exported.tokenizer
+    try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    prompt = tokenizer.encode_batch([args.prompt])[0]
+    if not prompt:
+        raise ConfigError("the prompt is empty; give --prompt some text")
+    generated: list[int] = []
+    shown = ""
+    print(args.prompt, end="", flush=True)
+    for token in generate(exported.model, prompt, args.max_new_tokens, sampling, stop_ids=[tokenizer.eos_id]):
+        generated.append(token)
+        text = tokenizer.decode(prompt + generated)[len(tokenizer.decode(prompt)) :]
+        print(text[len(shown) :], end="", flush=True)
+        shown = text
+    print()
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -251,6 +295,35 @@ def build_parser() -> argparse.ArgumentParser:
     cpt.add_argument("--data", required=True, help="the corpus training continues on (as data.corpus)")
     _add_train_options(cpt, storage="runs/cpt", name="mhf-cpt")
     cpt.set_defaults(func=cmd_cpt)
+
+    evaluate = commands.add_parser(
+        "eval", help="evaluate an exported model: ppl, bpb, lambada, hellaswag, card660"
+    )
+    evaluate.add_argument(
+        "--model", required=True, help="an exported model directory (a checkpoint's model/)"
+    )
+    evaluate.add_argument("--task", required=True, help="ppl | bpb | lambada | hellaswag | card660 | recall")
+    evaluate.add_argument("--data", help="the task's local file (see README); recall generates its own")
+    evaluate.add_argument("--limit", type=int, default=0, help="first N examples only (default: all)")
+    evaluate.add_argument("--seq-len", type=int, default=128, help="window length for ppl and bpb")
+    evaluate.add_argument("--layer", type=int, default=-2, help="card660: hidden-state layer (default: -2)")
+    evaluate.add_argument("--run-id", help="log the results to this MLflow run")
+    evaluate.add_argument(
+        "--storage",
+        default="runs/train",
+        help="where the embedded MLflow lives, unless MLFLOW_TRACKING_URI is set",
+    )
+    evaluate.set_defaults(func=cmd_eval)
+
+    gen = commands.add_parser("generate", help="stream tokens from an exported model")
+    gen.add_argument("--model", required=True, help="an exported model directory")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    gen.set_defaults(func=cmd_generate)
 
     show = commands.add_parser("config", help="print the resolved config as YAML")
     _add_config_args(show)

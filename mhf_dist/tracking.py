@@ -89,6 +89,11 @@ def log_steps(uri: str, run_id: str, history: Iterable[dict[str, float]]) -> Non
         client.log_batch(run_id, metrics=metrics[start : start + 1000])
 
 
+def log_metrics(uri: str, run_id: str, metrics: dict[str, float]) -> None:
+    """Summary metrics (e.g. an evaluation) at step 0."""
+    log_steps(uri, run_id, [{"step": 0, **metrics}])
+
+
 def log_artifact(uri: str, run_id: str, path: str | Path) -> None:
     _client(uri).log_artifact(run_id, str(path))
 

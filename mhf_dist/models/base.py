@@ -46,6 +46,11 @@ class CausalLM(nn.Module):
     def new_cache(self) -> Any:
         raise NotImplementedError
 
+    def layer_states(self, tokens: torch.Tensor, layer: int) -> torch.Tensor:
+        """Hidden states [B, T, d] of the backbone at `layer`, indexed like transformers'
+        `hidden_states` (0 = the input embeddings, -2 = the output of the penultimate layer)."""
+        raise NotImplementedError
+
 
 def split_rows(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of seq_len+1 ids (or signatures, [B, T+1, H]) -> (inputs, targets), each [B, seq_len, ...]."""

@@ -80,6 +80,10 @@ class MultiHashFormer(CausalLM):
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.backbone.config)
 
+    def layer_states(self, tokens: torch.Tensor, layer: int) -> torch.Tensor:
+        embeds = self.encoder(self.signatures_of(tokens))
+        return self.backbone(inputs_embeds=embeds, output_hidden_states=True).hidden_states[layer]
+
 
 def _check_signatures(sigs: torch.Tensor, vocab_size: int, num_hashes: int, num_buckets: int) -> None:
     if sigs.dim() != 2 or sigs.shape[1] != num_hashes:

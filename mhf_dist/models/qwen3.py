@@ -61,3 +61,6 @@ class Qwen3LM(CausalLM):
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
+
+    def layer_states(self, tokens: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.model.model(input_ids=tokens, output_hidden_states=True).hidden_states[layer]

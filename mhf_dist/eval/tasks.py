@@ -1,0 +1,198 @@
+"""`mhf eval` tasks on an exported model, every family through the `CausalLM` interface.
+
+- `ppl`, `bpb`: exact NLL per token / bits per UTF-8 byte of a text set (`.txt`: documents separated by
+  blank lines; `.jsonl`: field `text`), in windows of seq_len targets with no context carried across.
+- `lambada`: jsonl `{"text"}`; the last word given the rest: accuracy (greedy decoding reproduces every
+  token of the word) and the word's perplexity, exp(-mean log-likelihood per example).
+- `hellaswag`: jsonl `{"ctx", "endings", "label"}`; accuracy of the ending with the highest summed
+  log-likelihood, and `acc_norm` with it divided by the ending's UTF-8 length.
+- `card660`: `word1<TAB>word2<TAB>score`; Pearson and Spearman between the scores and the cosine of word
+  vectors (the word alone, hidden states of `layer`, mean over its tokens; underscores become spaces).
+- `recall`: generated multi-query associative recall (`mhf_dist.data.recall`, no file): accuracy of the
+  greedy prediction of each queried value.
+Continuations are scored token by token through the KV cache over the full vocabulary (V_actl for mhf).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mhf_dist.data.recall import make_recall
+from mhf_dist.errors import MhfError
+from mhf_dist.eval.perplexity import text_scores
+from mhf_dist.export import ExportedModel
+
+TASKS = ("ppl", "bpb", "lambada", "hellaswag", "card660", "recall")
+RECALL = {"num_pairs": 8, "num_queries": 4, "seq_len": 64}
+
+
+class EvalDataError(MhfError):
+    """An evaluation file is missing or malformed."""
+
+
+def _lines(path: Path) -> list[str]:
+    if not path.is_file():
+        raise EvalDataError(f"evaluation file {str(path)!r} does not exist; pass --data with a local file")
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def read_jsonl(path: Path, fields: dict[str, type]) -> list[dict[str, Any]]:
+    records = []
+    for number, line in enumerate(_lines(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise EvalDataError(
+                f"{path}:{number}: not valid JSON ({err.msg}); write one object per line"
+            ) from None
+        for name, kind in fields.items():
+            if not isinstance(record, dict) or name not in record:
+                raise EvalDataError(
+                    f"{path}:{number}: missing field {name!r}; each line needs {', '.join(fields)}"
+                )
+            if not isinstance(record[name], kind):
+                raise EvalDataError(f"{path}:{number}: field {name!r} must be a {kind.__name__}")
+        records.append(record)
+    return records
+
+
+def read_texts(path: Path) -> list[str]:
+    if path.suffix == ".jsonl":
+        return [record["text"] for record in read_jsonl(path, {"text": str})]
+    text = "\n".join(_lines(path))
+    return [document.strip() for document in text.split("\n\n") if document.strip()]
+
+
+@torch.no_grad()
+def continuation_logprob(model: Any, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+    """(log p(continuation | context), whether greedy decoding would produce the continuation)."""
+    logprobs, cache = model.next_token_logprobs(torch.tensor([context]), model.new_cache())
+    total, greedy = 0.0, True
+    for index, token in enumerate(continuation):
+        if index:
+            logprobs, cache = model.next_token_logprobs(torch.tensor([[continuation[index - 1]]]), cache)
+        total += float(logprobs[0, token])
+        greedy = greedy and int(logprobs[0].argmax()) == token
+    return total, greedy
+
+
+def eval_text(exported: ExportedModel, path: Path, limit: int, seq_len: int) -> dict[str, float]:
+    texts = read_texts(path)[: limit or None]
+    scores = text_scores(exported.model, exported.tokenizer, texts, seq_len)
+    return {"nll": scores["val_nll"], "ppl": scores["val_ppl"], "bits_per_byte": scores["bits_per_byte"],
+            "tokens": scores["val_tokens"], "documents": len(texts)}  # fmt: skip
+
+
+def eval_lambada(exported: ExportedModel, path: Path, limit: int) -> dict[str, float]:
+    records = read_jsonl(path, {"text": str})[: limit or None]
+    encode = exported.tokenizer.encode_batch
+    correct, logprob_sum = 0, 0.0
+    for number, record in enumerate(records, start=1):
+        context, _, word = record["text"].strip().rpartition(" ")
+        if not context:
+            raise EvalDataError(f"{path}: example {number} has no context before its last word")
+        logprob, greedy = continuation_logprob(exported.model, encode([context])[0], encode([" " + word])[0])
+        correct += greedy
+        logprob_sum += logprob
+    return {
+        "acc": correct / len(records),
+        "ppl": math.exp(-logprob_sum / len(records)),
+        "examples": len(records),
+    }
+
+
+def eval_hellaswag(exported: ExportedModel, path: Path, limit: int) -> dict[str, float]:
+    records = read_jsonl(path, {"ctx": str, "endings": list, "label": int})[: limit or None]
+    encode = exported.tokenizer.encode_batch
+    correct = correct_norm = 0
+    for number, record in enumerate(records, start=1):
+        endings, label = record["endings"], record["label"]
+        if len(endings) < 2 or not 0 <= label < len(endings):
+            raise EvalDataError(f"{path}: example {number} has label {label} for {len(endings)} endings")
+        context = encode([record["ctx"]])[0]
+        scores = [continuation_logprob(exported.model, context, encode([" " + e])[0])[0] for e in endings]
+        normed = [
+            score / max(1, len((" " + e).encode("utf-8"))) for score, e in zip(scores, endings, strict=True)
+        ]
+        correct += max(range(len(scores)), key=scores.__getitem__) == label
+        correct_norm += max(range(len(normed)), key=normed.__getitem__) == label
+    return {"acc": correct / len(records), "acc_norm": correct_norm / len(records), "examples": len(records)}
+
+
+@torch.no_grad()
+def word_vector(exported: ExportedModel, word: str, layer: int) -> torch.Tensor | None:
+    ids = exported.tokenizer.encode_batch([word.replace("_", " ")])[0]
+    if not ids:
+        return None
+    return exported.model.layer_states(torch.tensor([ids]), layer)[0].float().mean(dim=0)
+
+
+def eval_card660(exported: ExportedModel, path: Path, limit: int, layer: int) -> dict[str, float]:
+    from scipy.stats import pearsonr, spearmanr
+
+    pairs = []
+    for number, line in enumerate(_lines(path), start=1):
+        if not line.strip():
+            continue
+        columns = line.split("\t")
+        try:
+            pairs.append((columns[0], columns[1], float(columns[2])))
+        except (IndexError, ValueError):
+            raise EvalDataError(f"{path}:{number}: expected word1<TAB>word2<TAB>score") from None
+    pairs = pairs[: limit or None]
+    cosines, gold = [], []
+    for first, second, score in pairs:
+        a, b = word_vector(exported, first, layer), word_vector(exported, second, layer)
+        if a is not None and b is not None:
+            cosines.append(float(torch.nn.functional.cosine_similarity(a, b, dim=0)))
+            gold.append(score)
+    if len(gold) < 2:
+        raise EvalDataError(f"{path}: fewer than two scorable pairs; check the file")
+    return {
+        "pearson": float(pearsonr(cosines, gold).statistic),
+        "spearman": float(spearmanr(cosines, gold).statistic),
+        "coverage": len(gold) / len(pairs),
+        "pairs": len(pairs),
+    }
+
+
+@torch.no_grad()
+def eval_recall(exported: ExportedModel, limit: int, seed: int = 0) -> dict[str, float]:
+    data = make_recall(limit or 32, vocab_size=exported.config.vocab_size, seed=seed, **RECALL)
+    correct = total = 0
+    for row, mask in zip(data.rows, data.query_mask, strict=True):
+        for position in np.flatnonzero(mask):
+            logprobs, _ = exported.model.next_token_logprobs(
+                torch.from_numpy(row[None, : position + 1]), None
+            )
+            correct += int(logprobs[0].argmax()) == int(row[position + 1])
+            total += 1
+    return {"acc": correct / total, "queries": total, "examples": len(data.rows)}
+
+
+def run_task(
+    exported: ExportedModel, task: str, data: Path, limit: int = 0, seq_len: int = 128, layer: int = -2
+) -> dict[str, float]:
+    runners: dict[str, Callable[[], dict[str, float]]] = {
+        "ppl": lambda: eval_text(exported, data, limit, seq_len),
+        "bpb": lambda: eval_text(exported, data, limit, seq_len),
+        "lambada": lambda: eval_lambada(exported, data, limit),
+        "hellaswag": lambda: eval_hellaswag(exported, data, limit),
+        "card660": lambda: eval_card660(exported, data, limit, layer),
+        "recall": lambda: eval_recall(exported, limit),
+    }
+    if task not in runners:
+        raise EvalDataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    if data is None and task != "recall":
+        raise EvalDataError(f"task {task!r} reads a file; pass --data")
+    exported.model.eval()
+    return runners[task]()
