@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import platform
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from mhf_dist.files import write_json_atomic
 
 
 def write_results(path: Path, payload: dict[str, Any]) -> None:
@@ -19,7 +20,5 @@ def write_results(path: Path, payload: dict[str, Any]) -> None:
         "threads": torch.get_num_threads(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
+    write_json_atomic(path, payload)
     print(f"wrote {path}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 from mhf_dist.config import load_config
@@ -28,6 +27,7 @@ from mhf_dist.cpt import run_cpt
 from mhf_dist.data.prepare import prepare
 from mhf_dist.eval.perplexity import text_scores
 from mhf_dist.export import load_exported
+from mhf_dist.files import write_json_atomic, write_text_atomic
 from mhf_dist.tables import markdown_table
 from mhf_dist.train.checkpoints import MODEL_DIR
 from mhf_dist.train.ray_trainer import TrainOptions, train
@@ -51,13 +51,6 @@ def language_texts(shared: Path) -> tuple[dict[str, list[str]], dict[str, list[s
         )
         held_out[language] = lines(folder / f"{language}_pud-ud-test.txt")[:HELD_OUT_LINES]
     return train_text, held_out
-
-
-def write_jsonl(path: Path, texts: list[str]) -> Path:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, encoding="utf-8") as handle:
-        handle.writelines(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in texts)
-    Path(handle.name).replace(path)
-    return path
 
 
 def scores(model_dir: Path, held_out: dict[str, list[str]], seq_len: int) -> dict[str, dict[str, float]]:
@@ -96,7 +89,11 @@ def main() -> None:
     if not (workdir / "english" / "manifest.json").is_file():
         prepare(base, base.data.path)
 
-    mixed = write_jsonl(workdir / "mixed.jsonl", [text for texts in train_text.values() for text in texts])
+    mixed_texts = [text for texts in train_text.values() for text in texts]
+    mixed = write_text_atomic(
+        workdir / "mixed.jsonl",
+        "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in mixed_texts),
+    )
     results = []
     for family in args.families:
         family_cfg = base.model_copy(update={"model": base.model.model_copy(update={"family": family})})
@@ -137,7 +134,7 @@ def main() -> None:
     columns = list(results[0])
     print(markdown_table(results, columns))
     payload = {"args": {k: str(v) for k, v in vars(args).items()}, "english": english, "results": results}
-    (workdir / "results.json").write_text(json.dumps(payload, indent=2))
+    write_json_atomic(workdir / "results.json", payload)
     print(f"wrote {workdir / 'results.json'}")
 
 

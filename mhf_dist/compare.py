@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mhf_dist.errors import MhfError
+from mhf_dist.files import write_text_atomic
 from mhf_dist.tables import markdown_table
 
 COLUMNS = (
@@ -220,8 +221,8 @@ def compare_runs(
     out_dir.mkdir(parents=True, exist_ok=True)
     heading = f"# {metric} by group ({experiment}{f', sweep {sweep_run_id}' if sweep_run_id else ''})\n\n"
     files = [
-        _write_text(out_dir / "compare.md", heading + table + "\n"),
-        _write_text(out_dir / "compare.csv", csv_text(rows)),
+        write_text_atomic(out_dir / "compare.md", heading + table + "\n"),
+        write_text_atomic(out_dir / "compare.csv", csv_text(rows)),
     ]
     plot_curves(curves, metric, out_dir / "curves.png")
     plot_finals(curves, metric, out_dir / "finals.png")
@@ -237,10 +238,3 @@ def compare_runs(
             tags |= {f"cv.{group}": f"{row['cv']:.4g}", f"unstable.{group}": str(row["unstable"]).lower()}
         set_tags(uri, sweep_run_id, tags)
     return Comparison(rows, table, files)
-
-
-def _write_text(path: Path, text: str) -> Path:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path

@@ -37,10 +37,10 @@ from mhf_dist.data.shards import (
     TOKENIZER_FILE,
     ShardWriter,
     content_hash,
-    write_json_atomic,
 )
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
+from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.signatures import SignatureTable
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,14 +81,6 @@ class ShardWriter:
         path = self.directory / name
         pq.write_table(pa.table(columns), path, compression="zstd")
         self.shards.append({"file": name, "rows": len(rows), "sha256": file_sha256(path)})
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-    os.replace(tmp, path)
 
 
 def content_hash(splits: dict[str, dict[str, Any]]) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 from mhf_dist.config import load_config
 from mhf_dist.data.shards import read_manifest
 from mhf_dist.errors import MhfError
+from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.sweep.spec import SweepConfig, Trial, expand_trials
 from mhf_dist.tracking import end_run, reopen_run, start_run, tracking_uri
@@ -82,7 +83,7 @@ def run_sweep(spec: SweepConfig, resume: bool = False, log: Callable[[str], None
             {"sweep": spec.name, "sweep_kind": spec.kind, "trials": len(trials), "role": "sweep"},
         )
         directory.mkdir(parents=True, exist_ok=True)
-        _write_json(record, {"spec": spec.model_dump(mode="json"), "parent_run_id": parent_run_id})
+        write_json_atomic(record, {"spec": spec.model_dump(mode="json"), "parent_run_id": parent_run_id})
         log(f"sweep {spec.name!r}: {len(trials)} trials ({spec.kind}); MLflow parent run {parent_run_id}")
         tuner = tune.Tuner(
             _trainable(spec, parent_run_id, uri),
@@ -209,9 +210,3 @@ def _flat_spec(spec: SweepConfig) -> dict[str, Any]:
     flat |= {f"set.{key}": value for key, value in spec.set.items()}
     flat |= {f"grid.{key}": value for key, value in spec.grid.items()}
     return flat
-
-
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)

@@ -15,6 +15,7 @@ from typing import Any
 from mhf_dist.config import Config
 from mhf_dist.data.shards import load_shards, read_manifest
 from mhf_dist.errors import MhfError, TrainingError
+from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.tracking import end_run, log_artifact, reopen_run, start_run, tracking_uri
 from mhf_dist.train.checkpoints import (
@@ -155,7 +156,7 @@ def _tracking_run(uri: str, run_dir: Path, cfg: Config, options: TrainOptions, t
         return run_id
     run_id = start_run(uri, options.experiment, options.name, cfg.flat(), tags)
     run_dir.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
+    write_json_atomic(record, {"run_id": run_id, "tracking_uri": uri})
     return run_id
 
 
