@@ -223,3 +223,13 @@ def test_recall_accuracy_is_the_greedy_prediction_at_query_positions(exported):
         for position in np.flatnonzero(mask)
     ]
     assert results["queries"] == len(hits) == 16 and results["acc"] == sum(hits) / len(hits)
+
+
+def test_text_files_split_into_documents_like_mhf_prepare(tmp_path):
+    from mhf_dist.eval.tasks import read_texts
+
+    path = tmp_path / "wiki.raw"
+    path.write_text(
+        " = Heading = \n \n First paragraph .\r\n\t\nSecond one .\n"
+    )  # WikiText's " " blank lines
+    assert read_texts(path) == ["= Heading =", "First paragraph .", "Second one ."]

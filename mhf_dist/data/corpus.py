@@ -68,8 +68,15 @@ def split_text_file(row: dict[str, Any]) -> list[dict[str, Any]]:
         text, invalid = raw.decode("utf-8"), False
     except UnicodeDecodeError:
         text, invalid = raw.decode("utf-8", errors="replace"), True
-    documents = [doc.strip() for doc in _BLANK_LINES.split(text.replace("\r\n", "\n"))]
-    return [{"text": doc, "replaced": doc.count(REPLACEMENT) if invalid else 0} for doc in documents if doc]
+    return [
+        {"text": doc, "replaced": doc.count(REPLACEMENT) if invalid else 0} for doc in split_documents(text)
+    ]
+
+
+def split_documents(text: str) -> list[str]:
+    """The documents of a plain text: separated by blank (or whitespace-only) lines."""
+    documents = (doc.strip() for doc in _BLANK_LINES.split(text.replace("\r\n", "\n")))
+    return [doc for doc in documents if doc]
 
 
 def read_corpus(spec: str, text_field: str = "text") -> ray.data.Dataset:

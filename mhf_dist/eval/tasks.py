@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mhf_dist.data.corpus import split_documents
 from mhf_dist.data.recall import make_recall
 from mhf_dist.errors import MhfError
 from mhf_dist.eval.perplexity import text_scores
@@ -68,8 +69,7 @@ def read_jsonl(path: Path, fields: dict[str, type]) -> list[dict[str, Any]]:
 def read_texts(path: Path) -> list[str]:
     if path.suffix == ".jsonl":
         return [record["text"] for record in read_jsonl(path, {"text": str})]
-    text = "\n".join(_lines(path))
-    return [document.strip() for document in text.split("\n\n") if document.strip()]
+    return split_documents("\n".join(_lines(path)))
 
 
 @torch.no_grad()
