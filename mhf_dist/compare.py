@@ -102,12 +102,16 @@ def read_runs(uri: str, experiment: str, metric: str, sweep_run_id: str | None =
     return sorted(curves, key=lambda c: (c.group, c.seed))
 
 
-def summarize(curves: list[RunCurve], unstable_cv: float) -> list[dict[str, Any]]:
+def by_group(curves: list[RunCurve]) -> dict[str, list[RunCurve]]:
     groups: dict[str, list[RunCurve]] = defaultdict(list)
     for curve in curves:
         groups[curve.group].append(curve)
+    return dict(sorted(groups.items()))
+
+
+def summarize(curves: list[RunCurve], unstable_cv: float) -> list[dict[str, Any]]:
     rows = []
-    for group, members in groups.items():
+    for group, members in by_group(curves).items():
         finals = [member.final for member in members]
         mean = statistics.fmean(finals)
         std = statistics.stdev(finals) if len(finals) > 1 else 0.0
@@ -142,16 +146,8 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
 
 def plot_curves(curves: list[RunCurve], metric: str, path: Path) -> None:
     """The metric over steps per group: the mean line with a min-max band over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    groups: dict[str, list[RunCurve]] = defaultdict(list)
-    for curve in curves:
-        groups[curve.group].append(curve)
-    for group, members in groups.items():
+    figure, axes = _new_figure()
+    for group, members in by_group(curves).items():
         steps = sorted(set.intersection(*(set(step for step, _ in m.curve) for m in members)))
         values = [[dict(m.curve)[step] for m in members] for step in steps]
         line = axes.plot(steps, [statistics.fmean(v) for v in values], label=f"{group} (n={len(members)})")
@@ -168,25 +164,28 @@ def plot_curves(curves: list[RunCurve], metric: str, path: Path) -> None:
 
 def plot_finals(curves: list[RunCurve], metric: str, path: Path) -> None:
     """The final metric of every seed as a point, one column per group."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    groups = sorted({curve.group for curve in curves})
-    for index, group in enumerate(groups):
-        members = [curve for curve in curves if curve.group == group]
+    figure, axes = _new_figure()
+    groups = by_group(curves)
+    for index, members in enumerate(groups.values()):
         axes.scatter([index] * len(members), [m.final for m in members], zorder=3)
         for member in members:
             axes.annotate(
                 f"seed {member.seed}", (index, member.final), textcoords="offset points", xytext=(6, 0)
             )
-    axes.set_xticks(range(len(groups)), groups, rotation=20)
+    axes.set_xticks(range(len(groups)), list(groups), rotation=20)
     axes.set_ylabel(f"final {metric}")
     axes.set_title(f"final {metric} per seed")
     figure.tight_layout()
     _save_figure(figure, path)
+
+
+def _new_figure() -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(7, 4.5))
 
 
 def _save_figure(figure: Any, path: Path) -> None:

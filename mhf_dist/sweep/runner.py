@@ -22,7 +22,7 @@ from mhf_dist.data.shards import read_manifest
 from mhf_dist.errors import MhfError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
-from mhf_dist.sweep.spec import SweepConfig, Trial, expand_trials
+from mhf_dist.sweep.spec import SweepConfig, Trial, expand_trials, trial_configs
 from mhf_dist.tracking import end_run, reopen_run, start_run, tracking_uri
 
 SWEEP_FILE = "sweep.json"
@@ -178,7 +178,7 @@ def _scheduler(spec: SweepConfig) -> dict[str, Any]:
         return {}
     from ray.tune.schedulers import ASHAScheduler
 
-    steps = max(load_config(spec.config, trial.override_args()).train.steps for trial in expand_trials(spec))
+    steps = max(cfg.train.steps for cfg in trial_configs(spec).values())
     scheduler = ASHAScheduler(
         time_attr="step",
         max_t=steps,

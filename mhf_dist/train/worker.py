@@ -179,8 +179,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         _maybe_inject_fault(
             step, cfg.train.fail_at_step, rank == world_size - 1, Path(loop_config["fault_marker"])
         )
-        every = cfg.train.eval_every
-        if validate and (step == last_step or (every and step % every == 0)):
+        if validate and _due(step, cfg.train.eval_every, last_step):
             metrics.update(validate(stepper))
         if step == start_step + 1:  # optimizer states exist from the first step on
             metrics.update(max_over_workers({"model_state_gb": live_tensor_bytes(device.type) / GIB}))
@@ -189,8 +188,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         history.append(metrics)
         if rank == 0 and is_log_step(step, cfg.train):
             print(format_progress(metrics, cfg.train.steps), flush=True)
-        every = cfg.train.checkpoint_every
-        if step == last_step or (every and step % every == 0):
+        if _due(step, cfg.train.checkpoint_every, last_step):
             if rank == 0:
                 log_steps(
                     tracking["uri"],
@@ -203,6 +201,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             ray.train.report(metrics)
 
     run_training(stepper, batches, cfg.train.steps, throughput, start_step, last_step, on_step)
+
+
+def _due(step: int, every: int, last_step: int) -> bool:
+    """Every `every` steps (0: never) and at this run's last step."""
+    return step == last_step or bool(every and step % every == 0)
 
 
 def _maybe_inject_fault(step: int, fail_at_step: int, last_rank: bool, marker: Path) -> None:
