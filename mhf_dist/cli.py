@@ -44,21 +44,24 @@ def cmd_config(args: argparse.Namespace) -> None:
 
 def cmd_count(args: argparse.Namespace) -> None:
     from mhf_dist.models import FAMILIES, forward_flops_per_token, param_count
-    from mhf_dist.models.counting import matched_layers
+    from mhf_dist.models.registry import resolved_config
     from mhf_dist.tables import markdown_table
 
     cfg = _config(args)
     mhf_total = param_count(cfg.model.model_copy(update={"family": "mhf"}))
+    qwen3_total = param_count(cfg.model.model_copy(update={"family": "qwen3"}))
     rows = []
     for family in FAMILIES:
         model_cfg = cfg.model.model_copy(update={"family": family})
-        layers = matched_layers(model_cfg)[0] if family == "qwen3_matched" else model_cfg.backbone.num_layers
+        built = resolved_config(model_cfg).backbone
         rows.append(
             {
                 "family": family,
-                "layers": layers,
+                "layers": built.num_layers,
+                "mlp": built.intermediate_size,
                 "params": param_count(model_cfg),
                 "vs mhf": param_count(model_cfg) - mhf_total,
+                "vs qwen3": param_count(model_cfg) - qwen3_total,
                 "fwd GFLOP/token": forward_flops_per_token(model_cfg, cfg.train.seq_len) / 1e9,
             }
         )
@@ -66,7 +69,9 @@ def cmd_count(args: argparse.Namespace) -> None:
         f"preset {cfg.preset or args.config}, V={cfg.model.vocab_size}, {cfg.model.hash.spec}, "
         f"seq_len {cfg.train.seq_len}"
     )
-    print(markdown_table(rows, ["family", "layers", "params", "vs mhf", "fwd GFLOP/token"]))
+    print(
+        markdown_table(rows, ["family", "layers", "mlp", "params", "vs mhf", "vs qwen3", "fwd GFLOP/token"])
+    )
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:

@@ -18,7 +18,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mhf_dist.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
-Family = Literal["mhf", "qwen3", "qwen3_matched"]
+Family = Literal[
+    "mhf",
+    "qwen3",
+    "qwen3_matched",
+    "triple_latent",
+    "triple_slot",
+    "triple_hybrid",
+    "transformer_plus_triple",
+    "gated_hybrid",
+]
 HASH_SPEC = re.compile(r"^H(\d+)B(\d+)(K?)$")
 
 
@@ -107,11 +116,33 @@ class HashConfig(StrictModel):
         return parse_hash_spec(self.spec)[1]
 
 
+class TripleConfig(StrictModel):
+    """The triple-latent layer (families triple_* and gated_hybrid): sizes, chunking, variant parts.
+
+    The layer reuses the backbone's hidden_size, num_layers, intermediate_size (its MLP),
+    rms_norm_eps and tie_word_embeddings; attention settings do not apply.
+    """
+
+    num_heads: int | None = Field(None, gt=0, description="heads of the pair memory; default backbone's")
+    state_dim: int | None = Field(None, gt=0, description="S: running state and pair memory S x S per head")
+    chunk_size: int = Field(
+        16, gt=0, le=16, description="time steps per chunk of the parallel scans (<= scans.MAX_CHUNK)"
+    )
+    conv_kernel: int = Field(4, gt=0, description="triple_hybrid: width of the causal local convolution")
+    num_slots: int = Field(4, gt=0, description="triple_slot: slots (the rank of the slot memory)")
+    memory_dim: int | None = Field(None, gt=0, description="gated_hybrid: key/value width; default hidden")
+    memory_top_k: int = Field(8, gt=0, description="gated_hybrid: keys retrieved per query")
+    match_params: bool = Field(
+        False, description="set the MLP width so the model has the qwen3 baseline's parameter count"
+    )
+
+
 class ModelConfig(StrictModel):
     family: Family = "mhf"
     vocab_size: int = Field(32000, gt=0)
     backbone: BackboneConfig
     hash: HashConfig = HashConfig()
+    triple: TripleConfig = TripleConfig()
 
     def hash_widths(self) -> tuple[int, int, int]:
         """(d_hash, d_casc, mixer_hidden) with the defaults resolved against the backbone width."""
@@ -119,6 +150,15 @@ class ModelConfig(StrictModel):
         d_hash = self.hash.d_hash or d_model
         d_casc = self.hash.d_casc or max(1, d_model // 4)
         return d_hash, d_casc, self.hash.mixer_hidden or d_casc
+
+    def triple_widths(self) -> tuple[int, int, int]:
+        """(heads, state_dim, memory_dim) of the triple-latent layer with defaults resolved."""
+        bb = self.backbone
+        return (
+            self.triple.num_heads or bb.num_heads,
+            self.triple.state_dim or bb.head_dim,
+            self.triple.memory_dim or bb.hidden_size,
+        )
 
 
 class TrainConfig(StrictModel):
@@ -145,11 +185,20 @@ class TrainConfig(StrictModel):
     )
 
 
+class RecallDataConfig(StrictModel):
+    """`data.corpus: recall`: generated multi-query associative recall rows (`mhf_dist.data.recall`)."""
+
+    examples: int = Field(4096, gt=0, description="training rows; validation gets val_percent of this")
+    num_pairs: int = Field(8, gt=0, description="key-value pairs at the start of each row")
+    num_queries: int = Field(4, gt=0, description="keys asked again later in the row")
+
+
 class DataConfig(StrictModel):
     """Where text comes from, how it is tokenized and split, and where prepared shards live."""
 
     corpus: str = Field(
-        "builtin", description="builtin | file, directory or glob of .txt/.raw/.jsonl/.parquet | hf:NAME"
+        "builtin",
+        description="builtin | recall | file, directory or glob of .txt/.raw/.jsonl/.parquet | hf:NAME",
     )
     text_field: str = Field("text", description="the .jsonl field or .parquet column holding the text")
     tokenizer: str = Field(
@@ -158,6 +207,7 @@ class DataConfig(StrictModel):
     val_percent: float = Field(5.0, ge=0, lt=100, description="share of documents held out for validation")
     rows_per_shard: int = Field(2048, gt=0)
     path: str = Field("runs/data", description="the prepared shard directory (prepare output, train input)")
+    recall: RecallDataConfig = RecallDataConfig()
 
 
 class Config(StrictModel):

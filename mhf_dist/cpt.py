@@ -24,6 +24,7 @@ from mhf_dist.errors import TrainingError
 from mhf_dist.export import ExportedModel, export_model, load_exported
 from mhf_dist.models import build_model, param_count
 from mhf_dist.models.base import CausalLM
+from mhf_dist.models.registry import resolved_config
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 
@@ -43,7 +44,12 @@ class Expansion:
 def expand_model(parent: ExportedModel, new_tokens: Sequence[str]) -> Expansion:
     """`parent` with `new_tokens` appended to its vocabulary; old rows and weights are kept as they are."""
     table = parent.table.expand(new_tokens)
-    config = parent.config.model_copy(update={"vocab_size": len(table)})
+    config = resolved_config(parent.config)  # parameter matching pinned: only vocabulary tables grow
+    if config.triple.match_params:
+        config = config.model_copy(
+            update={"triple": config.triple.model_copy(update={"match_params": False})}
+        )
+    config = config.model_copy(update={"vocab_size": len(table)})
     model = build_model(config, table)
     old_state = parent.model.state_dict()
     new_state = model.state_dict()

@@ -62,7 +62,7 @@ def test_flat_keys_match_override_paths():
         ("tiny", ["model.hash.spec=H0B64"], r"use at least one hash \(H>=1\)"),
         ("tiny", ["model.hash.spec=H2B1"], r"use at least two buckets \(B>=2\)"),
         ("tiny", ["model.hash.spec=X9"], "write H<hashes>B<buckets>"),
-        ("tiny", ["model.family=gpt"], "Input should be 'mhf', 'qwen3' or 'qwen3_matched'"),
+        ("tiny", ["model.family=gpt"], "Input should be 'mhf', 'qwen3', 'qwen3_matched', 'triple_latent'"),
         ("tiny", ["train.steps=-1"], "train.steps: Input should be greater than 0"),
         ("tiny", ["train.seq_len=1"], "train.seq_len: Input should be greater than or equal to 2"),
         ("tiny", ["model.backbone=3"], "is a section; set one of its keys"),

@@ -49,12 +49,18 @@ def old_token_logprobs(model, context, vocab_size):
 
 
 @pytest.mark.parametrize(
-    ("family", "tied", "heads"), [("mhf", "true", 0), ("qwen3", "true", 1), ("qwen3", "false", 2)]
+    ("family", "overrides", "heads"),
+    [
+        ("mhf", [], 0),
+        ("qwen3", [], 1),
+        ("qwen3", ["model.backbone.tie_word_embeddings=false"], 2),
+        ("gated_hybrid", ["model.triple.match_params=true"], 1),  # the MLP width stays as it was
+    ],
 )
-def test_expansion_keeps_old_ids_signatures_and_rankings(english_tokenizer, tmp_path, family, tied, heads):
-    parent, cfg = exported_parent(
-        tmp_path, english_tokenizer, family, f"model.backbone.tie_word_embeddings={tied}"
-    )
+def test_expansion_keeps_old_ids_signatures_and_rankings(
+    english_tokenizer, tmp_path, family, overrides, heads
+):
+    parent, cfg = exported_parent(tmp_path, english_tokenizer, family, *overrides)
     tokenizer = english_tokenizer.with_added_tokens(NEW_TOKENS)
     assert tokenizer.vocabulary()[: english_tokenizer.vocab_size] == english_tokenizer.vocabulary()
     expansion = expand_model(parent, tokenizer.vocabulary()[english_tokenizer.vocab_size :])

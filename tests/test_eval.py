@@ -9,18 +9,18 @@ import torch
 from scipy.stats import spearmanr
 
 from mhf_dist.cli import main
-from mhf_dist.config import load_config
+from mhf_dist.config import RecallDataConfig, load_config
 from mhf_dist.data.corpus import builtin_documents
 from mhf_dist.data.recall import make_recall
 from mhf_dist.data.tokenizer import TextTokenizer
-from mhf_dist.eval.tasks import RECALL, EvalDataError, continuation_logprob, run_task, word_vector
+from mhf_dist.eval.tasks import RECALL_SEQ_LEN, EvalDataError, continuation_logprob, run_task, word_vector
 from mhf_dist.export import export_model, load_exported
 from mhf_dist.models import build_model
 from mhf_dist.models.generation import generate
 from mhf_dist.signatures import SignatureTable
 
 
-@pytest.fixture(scope="module", params=["mhf", "qwen3"])
+@pytest.fixture(scope="module", params=["mhf", "qwen3", "gated_hybrid"])
 def exported(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     tokenizer = TextTokenizer.train_bpe(builtin_documents()[:20], 300)
@@ -216,7 +216,10 @@ def test_recall_labels_are_correct_by_construction():
 
 def test_recall_accuracy_is_the_greedy_prediction_at_query_positions(exported):
     results = run_task(exported, "recall", None, limit=4)
-    data = make_recall(4, vocab_size=exported.config.vocab_size, seed=0, **RECALL)
+    defaults = RecallDataConfig()
+    data = make_recall(
+        4, defaults.num_pairs, defaults.num_queries, RECALL_SEQ_LEN, exported.config.vocab_size, 0
+    )
     hits = [
         list(generate(exported.model, row[: position + 1].tolist(), 1)) == [int(row[position + 1])]
         for row, mask in zip(data.rows, data.query_mask, strict=True)

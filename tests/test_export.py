@@ -19,7 +19,7 @@ def tokenizer_file(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("family", ["mhf", "qwen3"])
+@pytest.mark.parametrize("family", ["mhf", "qwen3", "triple_slot", "gated_hybrid", "transformer_plus_triple"])
 def test_an_exported_model_scores_exactly_like_the_original(small_cfg, tokenizer_file, tmp_path, family):
     cfg = small_cfg.model.model_copy(update={"family": family, "vocab_size": 259})
     table = SignatureTable.build(TextTokenizer.bytes().vocabulary(), 2, 64)

@@ -70,7 +70,7 @@ def test_precomputed_signatures_give_the_same_loss_as_lookup(small_cfg, small_ta
     assert torch.equal(looked_up, precomputed)
 
 
-@pytest.mark.parametrize("family", ["mhf", "qwen3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_with_kv_cache_equals_greedy_without(small_cfg, small_table, family):
     model = model_of(small_cfg, small_table, family).eval()
     prompt = random_rows(small_cfg.model.vocab_size, batch=1, length=5)[0].tolist()

@@ -225,3 +225,17 @@ def test_minimind_tokenizer_loads_and_prepares_wikitext(ray_session, tmp_path):
     )
     manifest = prepare(cfg, tmp_path / "wiki", log=lambda _: None)
     assert manifest["splits"]["train"]["rows"] > 1000 and manifest["tokenizer"]["vocab_size"] == 6400
+
+
+def test_the_recall_corpus_prepares_one_generated_example_per_row_without_ray(tmp_path):
+    from mhf_dist.data.recall import TRAIN_SEED, VALIDATION_SEED, make_recall
+
+    overrides = ["data.corpus=recall", "model.vocab_size=40", "train.seq_len=32", "data.recall.examples=50"]
+    cfg = load_config("tiny", [*overrides, "data.recall.num_pairs=5", "data.recall.num_queries=3"])
+    manifest = prepare(cfg, tmp_path / "data", log=lambda _: None)
+    assert manifest["splits"]["train"]["rows"] == 50 and manifest["splits"]["validation"]["rows"] == 2
+    for split, seed, count in (("train", TRAIN_SEED, 50), ("validation", VALIDATION_SEED, 2)):
+        rows, _ = read_rows(tmp_path / "data", split)
+        assert np.array_equal(rows, make_recall(count, 5, 3, 32, 40, seed).rows)
+    tokenizer = TextTokenizer.load(tmp_path / "data" / "tokenizer.json")
+    assert tokenizer.vocab_size == 40 and tokenizer.decode([1, 20, 39]) == "k1 v0 v19"

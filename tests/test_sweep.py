@@ -34,6 +34,8 @@ def test_a_matched_sweep_expands_to_families_times_seeds():
         ({"name": "x", "kind": "grid"}, "a grid sweep needs `grid"),
         ({"name": "x y", "kind": "seeds"}, "name: use letters, digits"),
         (["not", "a", "mapping"], "must be a YAML mapping"),
+        ({"name": "x", "kind": "seeds", "evaluate": [{"task": "mmlu"}]}, "unknown task 'mmlu'"),
+        ({"name": "x", "kind": "matched", "matched_to": "gpt2"}, "matched_to: unknown family 'gpt2'"),
     ],
 )
 def test_bad_sweep_files_are_one_line_errors(raw, message):
@@ -47,20 +49,22 @@ def test_a_missing_sweep_file_is_a_one_line_error(tmp_path):
         load_sweep(tmp_path / "nope.yaml")
 
 
-def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session, tmp_path):
+def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    data = tmp_path / "data"
-    prepare(load_config("tiny", [f"{k}={v}" for k, v in BYTES.items()]), data, log=lambda _: None)
+    monkeypatch.chdir(tmp_path)  # relative paths in the sweep: trials must resolve them from here too
+    prepare(load_config("tiny", [f"{k}={v}" for k, v in BYTES.items()]), "data", log=lambda _: None)
+    (tmp_path / "held_out.txt").write_text("A held-out line of text.\n\nAnother one, for bits per byte.\n")
     # Two trials; the second loses a worker at step 3 (no restarts), after its step-2 checkpoint.
     spec = parse_sweep(
         {
             "name": "crashy",
             "kind": "grid",
-            "set": {**BYTES, "data.path": str(data), "train.steps": 4, "train.checkpoint_every": 2},
+            "set": {**BYTES, "data.path": "data", "train.steps": 4, "train.checkpoint_every": 2},
             "grid": {"train.fail_at_step": [0, 3]},
-            "storage": str(tmp_path / "sweeps"),
+            "storage": "sweeps",
             "workers": 1,
+            "evaluate": [{"task": "bpb", "data": "held_out.txt", "seq_len": 8}],
         }
     )
     with pytest.raises(SweepError, match=r"1 of 2 trials failed \(train.fail_at_step=3-seed0\)"):
@@ -85,6 +89,9 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_sess
     assert len(children) == 2 and all(run.info.status == "FINISHED" for run in children)
     for run in children:  # the crashed trial continued in its own MLflow run: every step once
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4]
+        # `evaluate`: the exported model's bits per byte on the held-out file, at the last step
+        (bpb,) = client.get_metric_history(run.info.run_id, "eval.bpb.bits_per_byte")
+        assert bpb.step == 4 and 0 < bpb.value < 20
     assert client.get_run(result.parent_run_id).info.status == "FINISHED"
     with pytest.raises(SweepError, match="already exists"):
         run_sweep(spec, log=lambda _: None)

@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
 from mhf_dist.config import Config
+from mhf_dist.data import recall
 from mhf_dist.data.corpus import read_corpus
 from mhf_dist.data.packing import Packer
 from mhf_dist.data.shards import (
@@ -94,15 +95,18 @@ def prepare(
         raise DataError(
             f"output {str(out)!r} exists and is not empty; pass --overwrite or choose another --out"
         )
-    ensure_ray(num_cpus)
-    import ray.data
-
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
     data = cfg.data
-    documents = read_corpus(data.corpus, data.text_field).map_batches(
-        assign_split, batch_format="pyarrow", fn_kwargs={"val_percent": data.val_percent}
-    )
-    tokenizer = _resolve_tokenizer(cfg, documents)
+    if data.corpus == recall.CORPUS:  # generated rows: no corpus to read, no Ray needed
+        tokenizer = TextTokenizer.recall(cfg.model.vocab_size)
+    else:
+        ensure_ray(num_cpus)
+        import ray.data
+
+        ray.data.DataContext.get_current().execution_options.preserve_order = True
+        documents = read_corpus(data.corpus, data.text_field).map_batches(
+            assign_split, batch_format="pyarrow", fn_kwargs={"val_percent": data.val_percent}
+        )
+        tokenizer = _resolve_tokenizer(cfg, documents)
     num_hashes, num_buckets, seed = cfg.model.hash.num_hashes, cfg.model.hash.num_buckets, cfg.model.hash.seed
     table = SignatureTable.build(tokenizer.vocabulary(), num_hashes, num_buckets, seed)
     log(
@@ -114,7 +118,10 @@ def prepare(
     staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        splits = _write_shards(cfg, tokenizer, table, documents, staging)
+        if data.corpus == recall.CORPUS:
+            splits = _write_recall_shards(cfg, table, staging)
+        else:
+            splits = _write_shards(cfg, tokenizer, table, documents, staging)
         tokenizer.save(staging / TOKENIZER_FILE)
         table.save(staging / SIGNATURES_FILE)
         manifest = {
@@ -218,6 +225,30 @@ def _write_shards(
             f"warning: {replaced} invalid UTF-8 sequences in {cfg.data.corpus!r} were replaced by U+FFFD",
             file=sys.stderr,
         )
+    return splits
+
+
+def _write_recall_shards(cfg: Config, table: SignatureTable, staging: Path) -> dict[str, dict[str, Any]]:
+    """Generated associative-recall rows, one example per row, from a different seed for each split."""
+    settings = cfg.data.recall
+    examples = {
+        "train": settings.examples,
+        "validation": round(settings.examples * cfg.data.val_percent / 100),
+    }
+    seeds = {"train": recall.TRAIN_SEED, "validation": recall.VALIDATION_SEED}
+    splits = {}
+    for split in SPLITS:
+        rows = recall.make_recall(
+            examples[split],
+            settings.num_pairs,
+            settings.num_queries,
+            cfg.train.seq_len,
+            cfg.model.vocab_size,
+            seeds[split],
+        ).rows
+        writer = ShardWriter(staging, split, table, cfg.train.seq_len, cfg.data.rows_per_shard)
+        writer.add(rows)
+        splits[split] = {**writer.close(), "documents": len(rows), "replaced": 0, "dropped_tokens": 0}
     return splits
 
 

@@ -15,6 +15,14 @@ import numpy as np
 from mhf_dist.errors import ConfigError
 
 FILLER = 0
+CORPUS = "recall"  # `data.corpus: recall` prepares these rows instead of text
+EVAL_SEED, TRAIN_SEED, VALIDATION_SEED = 0, 1, 2  # `mhf eval --task recall` never sees training rows
+
+
+def recall_vocabulary(vocab_size: int) -> list[str]:
+    """Token strings by id: the filler (also the end-of-text token), keys k1.., values v0..."""
+    half = vocab_size // 2
+    return ["<|endoftext|>", *(f"k{i}" for i in range(1, half)), *(f"v{i}" for i in range(vocab_size - half))]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from mhf_dist.data.recall import recall_vocabulary
 from mhf_dist.errors import DataError
 
 EOS = "<|endoftext|>"
@@ -90,6 +91,15 @@ class TextTokenizer:
         tokenizer.decoder = decoders.ByteLevel()
         tokenizer.add_special_tokens(list(BYTE_SPECIALS))
         return cls(tokenizer, eos_token="<eos>")
+
+    @classmethod
+    def recall(cls, vocab_size: int) -> TextTokenizer:
+        """Word-level names of the associative-recall ids (filler = EOS, keys `k1`.., values `v0`..)."""
+        vocab = {token: index for index, token in enumerate(recall_vocabulary(vocab_size))}
+        tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer.add_special_tokens([EOS])
+        return cls(tokenizer)
 
     @classmethod
     def resolve(cls, spec: str, vocab_size: int, training_texts: Iterable[str]) -> TextTokenizer:

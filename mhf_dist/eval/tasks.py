@@ -24,14 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from mhf_dist.config import RecallDataConfig
 from mhf_dist.data.corpus import split_documents
-from mhf_dist.data.recall import make_recall
+from mhf_dist.data.recall import EVAL_SEED, make_recall
 from mhf_dist.errors import MhfError
 from mhf_dist.eval.perplexity import text_scores
 from mhf_dist.export import ExportedModel
 
 TASKS = ("ppl", "bpb", "lambada", "hellaswag", "card660", "recall")
-RECALL = {"num_pairs": 8, "num_queries": 4, "seq_len": 64}
+RECALL_SEQ_LEN = 64  # `mhf eval --task recall`: rows of the generator's default settings and this length
 
 
 class EvalDataError(MhfError):
@@ -166,8 +167,12 @@ def eval_card660(exported: ExportedModel, path: Path, limit: int, layer: int) ->
 
 
 @torch.no_grad()
-def eval_recall(exported: ExportedModel, limit: int, seed: int = 0) -> dict[str, float]:
-    data = make_recall(limit or 32, vocab_size=exported.config.vocab_size, seed=seed, **RECALL)
+def eval_recall(
+    exported: ExportedModel, limit: int, settings: RecallDataConfig, seq_len: int, seed: int = EVAL_SEED
+) -> dict[str, float]:
+    data = make_recall(
+        limit or 32, settings.num_pairs, settings.num_queries, seq_len, exported.config.vocab_size, seed
+    )
     correct = total = 0
     for row, mask in zip(data.rows, data.query_mask, strict=True):
         for position in np.flatnonzero(mask):
@@ -180,15 +185,23 @@ def eval_recall(exported: ExportedModel, limit: int, seed: int = 0) -> dict[str,
 
 
 def run_task(
-    exported: ExportedModel, task: str, data: Path, limit: int = 0, seq_len: int = 128, layer: int = -2
+    exported: ExportedModel,
+    task: str,
+    data: Path | None,
+    limit: int = 0,
+    seq_len: int = 128,
+    layer: int = -2,
+    recall: tuple[RecallDataConfig, int] = (RecallDataConfig(), RECALL_SEQ_LEN),
 ) -> dict[str, float]:
+    """`recall`: the generator settings and row length (a model trained on `data.corpus: recall` is
+    scored on rows like its training rows, from another seed)."""
     runners: dict[str, Callable[[], dict[str, float]]] = {
         "ppl": lambda: eval_text(exported, data, limit, seq_len),
         "bpb": lambda: eval_text(exported, data, limit, seq_len),
         "lambada": lambda: eval_lambada(exported, data, limit),
         "hellaswag": lambda: eval_hellaswag(exported, data, limit),
         "card660": lambda: eval_card660(exported, data, limit, layer),
-        "recall": lambda: eval_recall(exported, limit),
+        "recall": lambda: eval_recall(exported, limit, *recall),
     }
     if task not in runners:
         raise EvalDataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -50,6 +51,30 @@ class CausalLM(nn.Module):
         """Hidden states [B, T, d] of the backbone at `layer`, indexed like transformers'
         `hidden_states` (0 = the input embeddings, -2 = the output of the penultimate layer)."""
         raise NotImplementedError
+
+
+class LogitsLM(CausalLM):
+    """A family with a V-way output layer: loss, exact NLL and next-token scores all follow from `logits`."""
+
+    def logits(self, inputs: torch.Tensor, cache: Any | None = None) -> torch.Tensor:
+        """[B, T, V] next-token logits of `inputs` read after `cache` (updated in place; None: no cache)."""
+        raise NotImplementedError
+
+    def forward(self, tokens: torch.Tensor, signatures: torch.Tensor | None = None) -> LMOutput:
+        inputs, targets = split_rows(tokens)
+        logits = self.logits(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        with torch.no_grad():
+            accuracy = (logits.argmax(-1) == targets).float().mean()
+        return LMOutput(loss, {"loss": loss.item(), "token_acc": accuracy.item()})
+
+    def token_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(inputs).float()
+        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+
+    def next_token_logprobs(self, new_ids: torch.Tensor, cache: Any | None) -> tuple[torch.Tensor, Any]:
+        logits = self.logits(new_ids, cache)[:, -1].float()
+        return torch.log_softmax(logits, dim=-1), cache
 
 
 def split_rows(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

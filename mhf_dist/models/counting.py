@@ -6,6 +6,8 @@ FLOPs count matrix products only (2 per multiply-add), attention over the full T
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mhf_dist.config import BackboneConfig, ModelConfig
 
 
@@ -94,3 +96,102 @@ def matched_layers(cfg: ModelConfig) -> tuple[int, int]:
 def matched_config(cfg: ModelConfig) -> ModelConfig:
     """`cfg` with the Qwen3 baseline's layer count chosen to match the MHF model's parameters."""
     return with_layers(cfg, matched_layers(cfg)[0])
+
+
+# --- the triple-latent family ----------------------------------------------------------------------
+# Counted as `torch.utils.flop_counter` counts the modules: the projections, the MLP, the convolution,
+# the head and the matrix products inside the chunked scans (whose cost depends on the chunk size).
+
+
+def mixer_params(cfg: ModelConfig, slots: int = 0) -> int:
+    d_model = cfg.backbone.hidden_size
+    heads, state, _ = cfg.triple_widths()
+    rows = slots or state
+    gates = heads * (state + rows)
+    return d_model * heads * (5 * state + rows) + gates + heads * slots * state + heads * state * d_model
+
+
+def _scan_flops(length: int, chunk: int, heads: int, state: int, rows: int) -> int:
+    """Matrix-product FLOPs of `pair_scan` (rows x state memory) over `length`; `diagonal_scan` has none."""
+    chunk = min(chunk, length)
+    chunks = -(-length // chunk)
+    pair = 2 * chunk * chunk * rows + 2 * chunk * chunk * state + 4 * chunk * rows * state
+    return heads * chunks * pair
+
+
+def mixer_forward_flops(cfg: ModelConfig, seq_len: int, slots: int = 0) -> int:
+    """FLOPs of one mixer over a whole sequence of `seq_len` tokens."""
+    d_model = cfg.backbone.hidden_size
+    heads, state, _ = cfg.triple_widths()
+    rows = slots or state
+    projections = 2 * d_model * heads * (5 * state + rows) + 2 * heads * state * d_model
+    slot_addressing = 2 * 2 * heads * state * slots  # query and key through the slot keys
+    per_token = projections + slot_addressing
+    return seq_len * per_token + _scan_flops(seq_len, cfg.triple.chunk_size, heads, state, rows)
+
+
+# The recurrent-stack variants and the parts each adds (`TripleLatentLM`'s switches).
+TRIPLE_STACKS: dict[str, dict[str, bool]] = {
+    "triple_latent": {},
+    "triple_slot": {"slots": True},
+    "triple_hybrid": {"conv": True},
+    "gated_hybrid": {"memory": True},
+}
+
+
+def _variant(family: str) -> dict[str, bool]:
+    parts = TRIPLE_STACKS[family]
+    return {part: parts.get(part, False) for part in ("slots", "conv", "memory")}
+
+
+def triple_params(cfg: ModelConfig) -> int:
+    bb, parts = cfg.backbone, _variant(cfg.family)
+    slots = cfg.triple.num_slots if parts["slots"] else 0
+    block = 2 * bb.hidden_size + mixer_params(cfg, slots) + 3 * bb.hidden_size * bb.intermediate_size
+    total = embedding_params(cfg) + bb.num_layers * block + bb.hidden_size
+    if parts["conv"]:
+        total += bb.hidden_size * (1 + cfg.triple.conv_kernel + bb.hidden_size)
+    if parts["memory"]:
+        memory_dim = cfg.triple_widths()[2]
+        total += 4 * bb.hidden_size * memory_dim + 2 * bb.hidden_size + 1
+    return total
+
+
+def triple_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
+    bb, parts = cfg.backbone, _variant(cfg.family)
+    slots = cfg.triple.num_slots if parts["slots"] else 0
+    d_model, vocab = bb.hidden_size, cfg.vocab_size
+    total = bb.num_layers * mixer_forward_flops(cfg, seq_len, slots)
+    total += seq_len * (bb.num_layers * 6 * d_model * bb.intermediate_size + 2 * d_model * vocab)
+    if parts["conv"]:
+        total += seq_len * 2 * d_model * d_model  # the depthwise kernel is element-wise products
+    if parts["memory"]:
+        memory_dim = cfg.triple_widths()[2]
+        pairs = seq_len - 1
+        per_token = 2 * 4 * d_model * memory_dim + 2 * 2 * d_model + 2 * d_model * vocab
+        total += seq_len * per_token + 2 * seq_len * pairs * memory_dim
+        total += 2 * seq_len * min(cfg.triple.memory_top_k, pairs) * memory_dim if pairs else 0
+    return total // seq_len
+
+
+def transformer_plus_triple_params(cfg: ModelConfig) -> int:
+    return qwen3_params(cfg) + cfg.backbone.hidden_size + mixer_params(cfg)
+
+
+def transformer_plus_triple_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
+    return qwen3_forward_flops(cfg, seq_len) + mixer_forward_flops(cfg, seq_len) // seq_len
+
+
+def with_intermediate(cfg: ModelConfig, intermediate_size: int) -> ModelConfig:
+    backbone = cfg.backbone.model_copy(update={"intermediate_size": intermediate_size})
+    return cfg.model_copy(update={"backbone": backbone})
+
+
+def param_matched_intermediate(cfg: ModelConfig, params: Callable[[ModelConfig], int]) -> tuple[int, int]:
+    """MLP width giving `params` closest to the qwen3 baseline of `cfg`: (intermediate_size, residual)."""
+    target = qwen3_params(cfg)
+    base = params(with_intermediate(cfg, 1))
+    slope = params(with_intermediate(cfg, 2)) - base
+    estimate = max(1, 1 + (target - base) // slope)
+    best = min({estimate, estimate + 1}, key=lambda size: abs(params(with_intermediate(cfg, size)) - target))
+    return best, params(with_intermediate(cfg, best)) - target

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from mhf_dist.config import BackboneConfig, ModelConfig
-from mhf_dist.models.base import CausalLM, LMOutput, split_rows
+from mhf_dist.models.base import LogitsLM
 
 
 def qwen3_config(backbone: BackboneConfig, vocab_size: int) -> Qwen3Config:
@@ -32,7 +29,7 @@ def qwen3_config(backbone: BackboneConfig, vocab_size: int) -> Qwen3Config:
     )
 
 
-class Qwen3LM(CausalLM):
+class Qwen3LM(LogitsLM):
     """A standard V x d embedding and V-way LM head around the Qwen3 stack."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -42,22 +39,6 @@ class Qwen3LM(CausalLM):
 
     def logits(self, inputs: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
         return self.model(input_ids=inputs, cache=cache, use_cache=cache is not None).logits
-
-    def forward(self, tokens: torch.Tensor, signatures: torch.Tensor | None = None) -> LMOutput:
-        inputs, targets = split_rows(tokens)
-        logits = self.logits(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        with torch.no_grad():
-            accuracy = (logits.argmax(-1) == targets).float().mean()
-        return LMOutput(loss, {"loss": loss.item(), "token_acc": accuracy.item()})
-
-    def token_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(inputs).float()
-        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-
-    def next_token_logprobs(self, new_ids: torch.Tensor, cache: Any | None) -> tuple[torch.Tensor, Any]:
-        logits = self.logits(new_ids, cache)[:, -1].float()
-        return torch.log_softmax(logits, dim=-1), cache
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)

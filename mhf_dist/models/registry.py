@@ -15,6 +15,7 @@ from mhf_dist.models import counting
 from mhf_dist.models.base import CausalLM
 from mhf_dist.models.multihashformer import MultiHashFormer
 from mhf_dist.models.qwen3 import Qwen3LM
+from mhf_dist.models.triple_latent import TransformerPlusTriple, TripleLatentLM
 from mhf_dist.signatures import SignatureTable
 
 
@@ -24,6 +25,8 @@ class Family:
     params: Callable[[ModelConfig], int]
     forward_flops: Callable[[ModelConfig, int], int]
     uses_signatures: bool = False
+    # The config the family really builds, e.g. with a layer count or MLP width solved for parameter matching.
+    resolve: Callable[[ModelConfig], ModelConfig] = lambda cfg: cfg
 
 
 FAMILIES: dict[str, Family] = {}
@@ -41,15 +44,20 @@ def _family(cfg: ModelConfig) -> Family:
 
 def build_model(cfg: ModelConfig, signatures: SignatureTable | None = None) -> CausalLM:
     """Build the family named by `cfg.family`; `mhf` needs the vocabulary's signature table."""
-    return _family(cfg).build(cfg, signatures)
+    return _family(cfg).build(resolved_config(cfg), signatures)
+
+
+def resolved_config(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` as its family builds it (parameter matching applied)."""
+    return _family(cfg).resolve(cfg)
 
 
 def param_count(cfg: ModelConfig) -> int:
-    return _family(cfg).params(cfg)
+    return _family(cfg).params(resolved_config(cfg))
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    return _family(cfg).forward_flops(cfg, seq_len)
+    return _family(cfg).forward_flops(resolved_config(cfg), seq_len)
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
@@ -77,8 +85,41 @@ register("qwen3", Family(lambda cfg, _: Qwen3LM(cfg), counting.qwen3_params, cou
 register(
     "qwen3_matched",
     Family(
-        lambda cfg, _: Qwen3LM(counting.matched_config(cfg)),
-        lambda cfg: counting.qwen3_params(counting.matched_config(cfg)),
-        lambda cfg, seq_len: counting.qwen3_forward_flops(counting.matched_config(cfg), seq_len),
+        lambda cfg, _: Qwen3LM(cfg),
+        counting.qwen3_params,
+        counting.qwen3_forward_flops,
+        resolve=counting.matched_config,
+    ),
+)
+
+
+def _mlp_matched(params: Callable[[ModelConfig], int]) -> Callable[[ModelConfig], ModelConfig]:
+    """`model.triple.match_params`: the MLP width whose parameter count is closest to qwen3's."""
+
+    def resolve(cfg: ModelConfig) -> ModelConfig:
+        if not cfg.triple.match_params:
+            return cfg
+        return counting.with_intermediate(cfg, counting.param_matched_intermediate(cfg, params)[0])
+
+    return resolve
+
+
+for _name, _parts in counting.TRIPLE_STACKS.items():
+    register(
+        _name,
+        Family(
+            lambda cfg, _, parts=_parts: TripleLatentLM(cfg, **parts),
+            counting.triple_params,
+            counting.triple_forward_flops,
+            resolve=_mlp_matched(counting.triple_params),
+        ),
+    )
+register(
+    "transformer_plus_triple",
+    Family(
+        lambda cfg, _: TransformerPlusTriple(cfg),
+        counting.transformer_plus_triple_params,
+        counting.transformer_plus_triple_forward_flops,
+        resolve=_mlp_matched(counting.transformer_plus_triple_params),
     ),
 )

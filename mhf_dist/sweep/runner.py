@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mhf_dist.config import load_config
+from mhf_dist.config import Config, load_config
 from mhf_dist.data.shards import read_manifest
 from mhf_dist.errors import MhfError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.sweep.spec import SweepConfig, Trial, expand_trials, trial_configs
-from mhf_dist.tracking import end_run, reopen_run, start_run, tracking_uri
+from mhf_dist.tracking import end_run, log_steps, reopen_run, start_run, tracking_uri
 
 SWEEP_FILE = "sweep.json"
 TUNE_DIR = "tune"
@@ -112,13 +112,17 @@ def run_sweep(spec: SweepConfig, resume: bool = False, log: Callable[[str], None
     return SweepResult(spec.name, spec.experiment, parent_run_id, uri, directory, outcomes)
 
 
-def run_trial(params: dict[str, Any], sweep: dict[str, Any], parent_run_id: str, uri: str) -> None:
+def run_trial(
+    params: dict[str, Any], sweep: dict[str, Any], parent_run_id: str, uri: str, workdir: str
+) -> None:
     """One Tune trial: one `mhf train` run, a child of the sweep's MLflow run.
 
     A trial that errored before continues from its own newest checkpoint in the same MLflow run.
     """
+    os.chdir(workdir)  # Tune starts trials in their own directories; paths in configs are relative to ours
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    from mhf_dist.train.checkpoints import MODEL_DIR
     from mhf_dist.train.ray_trainer import TrainOptions, train
 
     spec = SweepConfig.model_validate(sweep)
@@ -134,7 +138,28 @@ def run_trial(params: dict[str, Any], sweep: dict[str, Any], parent_run_id: str,
         experiment=spec.experiment,
         continue_run=True,
     )
-    train(cfg, options, tags=_trial_tags(spec, trial, cfg, parent_run_id), callbacks=[TuneReportCallback()])
+    result = train(
+        cfg, options, tags=_trial_tags(spec, trial, cfg, parent_run_id), callbacks=[TuneReportCallback()]
+    )
+    if spec.evaluate:
+        evaluate_trial(spec, cfg, result.checkpoint / MODEL_DIR, uri, result.run_id)
+
+
+def evaluate_trial(spec: SweepConfig, cfg: Config, model_dir: Path, uri: str, run_id: str) -> None:
+    """The sweep's `evaluate` tasks on the trial's exported model, logged at the trial's last step.
+
+    `recall` is scored on rows generated like the trial's `data.recall` rows, from another seed."""
+    from mhf_dist.eval.tasks import run_task
+    from mhf_dist.export import load_exported
+
+    exported = load_exported(model_dir)
+    metrics: dict[str, float] = {}
+    for task in spec.evaluate:
+        data = Path(task.data) if task.data else None
+        recall = (cfg.data.recall, cfg.train.seq_len)
+        results = run_task(exported, task.task, data, limit=task.limit, seq_len=task.seq_len, recall=recall)
+        metrics |= {f"eval.{task.task}.{name}": value for name, value in results.items()}
+    log_steps(uri, run_id, [{"step": cfg.train.steps, **metrics}])
 
 
 def _trial_tags(spec: SweepConfig, trial: Trial, cfg: Any, parent_run_id: str) -> dict[str, Any]:
@@ -147,8 +172,8 @@ def _trial_tags(spec: SweepConfig, trial: Trial, cfg: Any, parent_run_id: str) -
         "trial": trial.name,
     }
     if spec.kind == "matched":
-        reference = param_count(cfg.model.model_copy(update={"family": "mhf"}))
-        tags |= {"matched_to": "mhf", "param_residual": param_count(cfg.model) - reference}
+        reference = param_count(cfg.model.model_copy(update={"family": spec.matched_to}))
+        tags |= {"matched_to": spec.matched_to, "param_residual": param_count(cfg.model) - reference}
     return tags
 
 
@@ -156,7 +181,11 @@ def _trainable(spec: SweepConfig, parent_run_id: str, uri: str) -> Any:
     from ray import tune
 
     trainable = tune.with_parameters(
-        run_trial, sweep=spec.model_dump(mode="json"), parent_run_id=parent_run_id, uri=uri
+        run_trial,
+        sweep=spec.model_dump(mode="json"),
+        parent_run_id=parent_run_id,
+        uri=uri,
+        workdir=os.getcwd(),
     )
     return tune.with_resources(trainable, {"CPU": TRIAL_DRIVER_CPUS})
 

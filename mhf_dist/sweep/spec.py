@@ -9,6 +9,8 @@ families: [mhf, qwen3, qwen3_matched]   # matched: the families trained on the m
 seeds: [0, 1]
 grid: {train.lr: [1.0e-3, 3.0e-3]}      # grid: config keys over value lists (x seeds)
 asha: {metric: loss, grace_period: 20}  # grid, optional: ASHA early stopping
+matched_to: mhf               # matched: the family parameter residuals are measured against
+evaluate: [{task: bpb, data: test.txt}]  # `mhf eval` tasks run on each trial's exported model
 ```
 A trial is one `mhf train` run: a name, a family, a seed and its config overrides; its group is the
 trial without the seed, which `mhf compare` aggregates over.
@@ -37,6 +39,24 @@ class AshaConfig(StrictModel):
     reduction_factor: float = Field(2.0, gt=1)
 
 
+class TrialEval(StrictModel):
+    """An `mhf eval` task run on a trial's exported model; logged as eval.<task>.<metric> at its last step."""
+
+    task: str
+    data: str | None = None
+    limit: int = Field(0, ge=0)
+    seq_len: int = Field(128, ge=1)
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, task: str) -> str:
+        from mhf_dist.eval.tasks import TASKS
+
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+        return task
+
+
 class SweepConfig(StrictModel):
     name: str = Field(min_length=1)
     kind: Literal["matched", "seeds", "grid"]
@@ -53,6 +73,8 @@ class SweepConfig(StrictModel):
     storage: str = "runs/sweeps"
     experiment: str = "mhf-sweeps"
     metric: str = "val_nll"  # what `mhf compare` aggregates
+    matched_to: str = Field("mhf", description="matched: the family parameter residuals are measured against")
+    evaluate: list[TrialEval] = Field(default_factory=list)
     unstable_cv: float = Field(0.05, gt=0, description="coefficient of variation over seeds flagged unstable")
 
     @field_validator("name")
@@ -73,6 +95,11 @@ class SweepConfig(StrictModel):
         if not families:
             raise ValueError("list at least one family")
         return families
+
+    @field_validator("matched_to")
+    @classmethod
+    def _known_reference(cls, family: str) -> str:
+        return cls._known_families([family])[0]
 
     @model_validator(mode="after")
     def _kind_fields(self) -> SweepConfig:
