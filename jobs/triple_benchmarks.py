@@ -20,12 +20,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mhf_dist.compare import compare_runs
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
 from mhf_dist.data.shards import MANIFEST
 from mhf_dist.files import write_json_atomic, write_text_atomic
-from mhf_dist.sweep.runner import SWEEP_FILE, run_sweep, sweep_dir
+from mhf_dist.sweep.runner import SWEEP_FILE, compare_sweep, run_sweep, sweep_dir
 from mhf_dist.sweep.spec import load_sweep
 from mhf_dist.tables import markdown_table
 
@@ -63,14 +62,7 @@ def run_protocol(sweep_file: str) -> list[dict[str, Any]]:
         prepare(cfg, cfg.data.path)
     spec = load_sweep(JOBS / sweep_file)
     result = run_sweep(spec, resume=(sweep_dir(spec) / SWEEP_FILE).is_file())
-    comparison = compare_runs(
-        result.tracking_uri,
-        spec.experiment,
-        result.directory / "compare",
-        spec.metric,
-        result.parent_run_id,
-        spec.unstable_cv,
-    )
+    comparison = compare_sweep(spec, result)
     return [
         {
             "sweep": spec.name,

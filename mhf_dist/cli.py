@@ -166,20 +166,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
-    from mhf_dist.compare import compare_runs
-    from mhf_dist.sweep.runner import run_sweep
+    from mhf_dist.sweep.runner import compare_sweep, run_sweep
     from mhf_dist.sweep.spec import load_sweep
 
     spec = load_sweep(args.config)
     result = run_sweep(spec, resume=args.resume)
-    comparison = compare_runs(
-        result.tracking_uri,
-        spec.experiment,
-        result.directory / "compare",
-        spec.metric,
-        result.parent_run_id,
-        spec.unstable_cv,
-    )
+    comparison = compare_sweep(spec, result)
     print(comparison.table)
     print(f"tables and plots: {result.directory / 'compare'}; MLflow parent run {result.parent_run_id}")
 

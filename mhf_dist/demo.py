@@ -14,13 +14,13 @@ from pathlib import Path
 
 import yaml
 
-from mhf_dist.compare import Comparison, compare_runs
+from mhf_dist.compare import Comparison
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
 from mhf_dist.errors import ConfigError
 from mhf_dist.export import load_exported
 from mhf_dist.models.generation import generate
-from mhf_dist.sweep.runner import TRIALS_DIR, run_sweep
+from mhf_dist.sweep.runner import TRIALS_DIR, compare_sweep, run_sweep
 from mhf_dist.sweep.spec import parse_sweep
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 
@@ -65,9 +65,7 @@ def run_demo(
 
     log("[3/3] comparing the runs from MLflow")
     out_dir = result.directory / "compare"
-    comparison = compare_runs(
-        result.tracking_uri, spec.experiment, out_dir, spec.metric, result.parent_run_id, spec.unstable_cv
-    )
+    comparison = compare_sweep(spec, result)
     for family in DEMO_FAMILIES:
         checkpoint = newest_checkpoint(result.directory / TRIALS_DIR / f"{family}-seed{seeds[0]}")
         exported = load_exported(checkpoint / MODEL_DIR)

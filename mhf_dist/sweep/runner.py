@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mhf_dist.config import Config, load_config
 from mhf_dist.data.shards import read_manifest
@@ -24,6 +24,9 @@ from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.sweep.spec import SweepConfig, Trial, expand_trials, trial_configs
 from mhf_dist.tracking import end_run, log_steps, reopen_run, start_run, tracking_uri
+
+if TYPE_CHECKING:
+    from mhf_dist.compare import Comparison
 
 SWEEP_FILE = "sweep.json"
 TUNE_DIR = "tune"
@@ -43,6 +46,20 @@ class SweepResult:
     tracking_uri: str
     directory: Path
     trials: list[dict[str, Any]]  # name, group, family, seed, status
+
+
+def compare_sweep(spec: SweepConfig, result: SweepResult) -> Comparison:
+    """`mhf compare` on a finished sweep with its own metric and threshold; files in <sweep>/compare."""
+    from mhf_dist.compare import compare_runs
+
+    return compare_runs(
+        result.tracking_uri,
+        spec.experiment,
+        result.directory / "compare",
+        spec.metric,
+        result.parent_run_id,
+        spec.unstable_cv,
+    )
 
 
 def sweep_dir(spec: SweepConfig) -> Path:
