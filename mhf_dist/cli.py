@@ -16,10 +16,14 @@ import yaml
 
 from mhf_dist.config import Config, load_config
 from mhf_dist.errors import ConfigError, MhfError
+from mhf_dist.submit import DEFAULT_ADDRESS
 
 if TYPE_CHECKING:
     from mhf_dist.data.tokenizer import TextTokenizer
     from mhf_dist.train.ray_trainer import TrainOptions, TrainResult
+
+
+PREPARE_HELP = "first prepare data.path from data.corpus unless it holds shards (for jobs)"
 
 
 def _add_config_args(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
@@ -84,9 +88,13 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from mhf_dist.data.prepare import prepare_if_missing
     from mhf_dist.train.ray_trainer import train
 
-    result = train(_config(args), _train_options(args))
+    cfg = _config(args)
+    if args.prepare:
+        prepare_if_missing(cfg)
+    result = train(cfg, _train_options(args))
     _print_result(result)
 
 
@@ -167,9 +175,17 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> None:
     from mhf_dist.sweep.runner import compare_sweep, run_sweep
-    from mhf_dist.sweep.spec import load_sweep
+    from mhf_dist.sweep.spec import load_sweep, parse_sweep
 
     spec = load_sweep(args.config)
+    overrides = dict(_key_value(item, "--set") for item in args.overrides)
+    storage = args.storage or spec.storage
+    changed = {"set": {**spec.set, **overrides}, "storage": storage}
+    spec = parse_sweep({**spec.model_dump(), **changed}, args.config)
+    if args.prepare:
+        from mhf_dist.data.prepare import prepare_if_missing
+
+        prepare_if_missing(load_config(spec.config, [f"{k}={v}" for k, v in spec.set.items()]))
     result = run_sweep(spec, resume=args.resume)
     comparison = compare_sweep(spec, result)
     print(comparison.table)
@@ -185,6 +201,74 @@ def cmd_compare(args: argparse.Namespace) -> None:
     comparison = compare_runs(uri, args.experiment, out, args.metric, args.sweep, args.unstable_cv)
     print(comparison.table)
     print(f"written: {', '.join(str(path) for path in comparison.files)}")
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from mhf_dist.plan import Cluster, plan, plan_rows
+    from mhf_dist.tables import markdown_table
+
+    cfg = load_config(args.preset, args.overrides)
+    seq_len = args.seq_len or cfg.train.seq_len
+    tokens = args.tokens or cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len
+    cluster = Cluster(args.gpus, args.nodes, args.gpu_mem_gb, args.peak_tflops)
+    plans = [
+        plan(cfg, family, vocab, cluster, seq_len, args.micro_batch, tokens, args.mfu)
+        for vocab in args.vocab or [32000, 151936]
+        for family in args.family or ["mhf", "qwen3"]
+    ]
+    print(
+        f"preset {cfg.preset or args.preset}, {cfg.model.hash.spec}, seq_len {seq_len}; "
+        f"{args.nodes} node(s) x {args.gpus} GPU(s) of {args.gpu_mem_gb:g} GB, "
+        f"{args.peak_tflops:g} TFLOP/s at MFU {args.mfu:g}; {tokens / 1e9:.1f}B tokens"
+    )
+    print(markdown_table(plan_rows(plans), list(plan_rows(plans)[0])))
+    print(
+        "GB: GiB per GPU. ZeRO-k GB: weights, grads and Adam states (bf16 mixed precision); act GB/seq: "
+        "activations of one sequence, no checkpointing; stage and micro-batch: what fits in 90% of a GPU."
+    )
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from mhf_dist.submit import follow_job, job_message, load_job_spec, submit_job
+
+    spec = load_job_spec(args.spec)
+    env = dict(_key_value(item, "--env") for item in args.env)
+    client, job_id = submit_job(spec, args.address, args.extra, env, args.submission_id)
+    print(f"submitted job {job_id} to {args.address}", flush=True)
+    if not args.wait:
+        print(f"follow it: ray job logs --address {args.address} --follow {job_id}")
+        return 0
+    try:
+        status = follow_job(client, job_id, lambda text: print(text, end="", flush=True))
+    except KeyboardInterrupt:
+        print(f"\nstopped following; the job goes on (ray job stop --address {args.address} {job_id})")
+        return 130
+    message = job_message(client, job_id)
+    print(f"job {job_id} {status}" + (f": {message}" if message else ""), file=sys.stderr)
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def _key_value(item: str, flag: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"{flag} {item!r} is not KEY=VALUE")
+    return key, value
+
+
+def cmd_cluster(args: argparse.Namespace) -> None:
+    from mhf_dist.local_cluster import start_local_cluster, stop_local_cluster
+
+    if args.action == "stop":
+        stop_local_cluster(args.dir)
+        print(f"stopped the local cluster in {args.dir}")
+        return
+    cluster = start_local_cluster(
+        args.dir, args.workers, args.cpus_per_node, args.gpus_per_node, args.dashboard_port
+    )
+    print(f"Ray cluster up: head + {args.workers} worker node(s) on 127.0.0.1, logs in {args.dir}/logs")
+    print(f"  export RAY_AUTH_MODE=token RAY_ADDRESS={cluster.address}   # drivers: mhf train, ray.init")
+    print(f"  mhf submit jobs/pretrain.job.yaml --address {cluster.dashboard_url} --wait")
+    print(f"  dashboard {cluster.dashboard_url}; stop: mhf cluster stop --dir {args.dir}")
 
 
 def _add_train_options(parser: argparse.ArgumentParser, storage: str, name: str) -> None:
@@ -232,6 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--resume", action="store_true", help="finish an interrupted sweep; keeps finished trials"
     )
+    sweep.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every trial, on top of the file's set: (repeatable)",
+    )
+    sweep.add_argument("--storage", help="where the sweep, its trials and MLflow live (default: the file's)")
+    sweep.add_argument("--prepare", action="store_true", help=PREPARE_HELP)
     sweep.set_defaults(func=cmd_sweep)
 
     compare = commands.add_parser("compare", help="compare runs across seeds from MLflow: table, CSV, plots")
@@ -276,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run --name from its newest checkpoint, logging to the same MLflow run",
     )
     fit.add_argument("--init-from", help="an exported model directory to start from (fresh optimizer)")
+    fit.add_argument("--prepare", action="store_true", help=PREPARE_HELP)
     fit.set_defaults(func=cmd_train)
 
     cpt = commands.add_parser(
@@ -329,17 +424,80 @@ def build_parser() -> argparse.ArgumentParser:
     count = commands.add_parser("count", help="analytic parameters and FLOPs of every family for a config")
     _add_config_args(count)
     count.set_defaults(func=cmd_count)
+
+    planner = commands.add_parser(
+        "plan", help="per-GPU memory at ZeRO 0-3, stage, micro-batch and days for a cluster"
+    )
+    planner.add_argument("--preset", default="1b", help="preset name or config YAML (default: 1b)")
+    planner.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
+    planner.add_argument(
+        "--family", action="append", help="mhf | qwen3 | qwen3_matched (repeatable; default: mhf and qwen3)"
+    )
+    planner.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    planner.add_argument("--gpu-mem-gb", type=float, required=True, help="memory of one GPU in GiB")
+    planner.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
+    planner.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    planner.add_argument("--micro-batch", type=int, help="sequences per GPU per step (default: recommended)")
+    planner.add_argument(
+        "--vocab", type=int, action="append", help="vocabulary size (repeatable; default: 32000 and 151936)"
+    )
+    planner.add_argument(
+        "--tokens", type=float, help="training tokens (default: the preset's steps x batch x seq_len)"
+    )
+    planner.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default: 0.4)")
+    planner.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="bf16 peak per GPU (default: 989, H100/H200)"
+    )
+    planner.set_defaults(func=cmd_plan)
+
+    submit = commands.add_parser(
+        "submit",
+        help="submit a job spec to a Ray cluster through the Jobs API",
+        usage="mhf submit SPEC [options] [-- ARGS appended to the spec's entrypoint]",
+    )
+    submit.add_argument("spec", help="a job spec YAML, e.g. jobs/pretrain.job.yaml")
+    submit.add_argument(
+        "--address", default=DEFAULT_ADDRESS, help=f"the cluster's dashboard (default: {DEFAULT_ADDRESS})"
+    )
+    submit.add_argument(
+        "--wait", action="store_true", help="stream the job's logs and exit with its status (0: SUCCEEDED)"
+    )
+    submit.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="set a variable the spec names"
+    )
+    submit.add_argument("--submission-id", help="the job's id (default: Ray picks one)")
+    submit.set_defaults(func=cmd_submit)
+
+    cluster = commands.add_parser(
+        "cluster", help="start or stop a local multi-node Ray cluster (head + workers on 127.0.0.1)"
+    )
+    cluster.add_argument("action", choices=["start", "stop"])
+    cluster.add_argument("--dir", default="runs/cluster", help="state and node logs (default: runs/cluster)")
+    cluster.add_argument("--workers", type=int, default=1, help="worker nodes beside the head (default: 1)")
+    cluster.add_argument("--cpus-per-node", type=int, default=2, help="logical CPUs per node (default: 2)")
+    cluster.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default: 0)")
+    cluster.add_argument(
+        "--dashboard-port", type=int, default=8265, help="Jobs API and dashboard port (default: 8265)"
+    )
+    cluster.set_defaults(func=cmd_cluster)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    parser = build_parser()
+    args = parser.parse_args(argv[: len(argv) - len(extra) - 1] if "--" in argv else argv)
+    if extra and args.command != "submit":
+        parser.error("arguments after -- are for `mhf submit` only")
+    args.extra = extra
     try:
-        args.func(args)
+        return args.func(args) or 0
     except MhfError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

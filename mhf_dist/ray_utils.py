@@ -18,5 +18,6 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         return
     address = os.environ.get("RAY_ADDRESS")
     cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1) + LOCAL_CPU_HEADROOM
+    # "local" starts a new instance even where `ray start` left a cluster that ray.init() would join.
     local = {} if address else {"num_cpus": cpus, "include_dashboard": False}
-    ray.init(address=address, logging_level=logging.WARNING, **local)
+    ray.init(address=address or "local", logging_level=logging.WARNING, **local)

@@ -23,6 +23,7 @@ def ray_session():
     import ray
 
     # More logical CPUs than the 2 cores: Ray Data's read tasks need slots beside the training workers.
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # address="local": a new instance even where `ray start` left a cluster for ray.init() to join.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -82,6 +82,14 @@ def tokenize_batch(batch: pa.Table, tokenizer_json: str, eos_id: int) -> pa.Tabl
     )
 
 
+def prepare_if_missing(cfg: Config, log: Callable[[str], None] = print) -> None:
+    """Prepare `data.path` from `data.corpus` unless it already holds a complete dataset (jobs rerun)."""
+    if (Path(cfg.data.path) / MANIFEST).exists():
+        log(f"prepared shards found in {cfg.data.path}; not preparing again")
+        return
+    prepare(cfg, cfg.data.path, log=log)
+
+
 def prepare(
     cfg: Config,
     out: str | Path,

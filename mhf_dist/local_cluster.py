@@ -1,0 +1,256 @@
+"""A real multi-node Ray cluster on one machine: a head and N worker nodes, all on 127.0.0.1.
+
+Each node is its own `ray start --block` process with its own raylet, object store and agents, so Ray
+Train, Ray Data and the Jobs API see separate nodes as they would on a cluster. Every port is chosen
+free up front (two nodes on one host would otherwise both take the agents' fixed default ports), and the
+head keeps its session files under a temp dir of its own. Nodes are stopped by signalling those
+processes (with `--block`, Ray's reaper then ends the node's children), never with `ray stop`, which
+would also kill every other Ray instance on the machine, a test session's included.
+
+Token authentication is on (RAY_AUTH_MODE=token, the token from `ray get-auth-token --generate`), so
+only this user's processes can submit work even though the ports are open to every local user.
+The cluster is described by `<directory>/cluster.json`; node logs go to `<directory>/logs/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mhf_dist.errors import MhfError
+from mhf_dist.files import write_json_atomic
+
+STATE_FILE = "cluster.json"
+HOST = "127.0.0.1"
+DEFAULT_DASHBOARD_PORT = 8265
+# Nodes run with Ray's token authentication on; clients (mhf submit, ray job submit) need it set too.
+AUTH_MODE_VARIABLE = "RAY_AUTH_MODE"
+
+
+class ClusterError(MhfError):
+    """The local cluster could not be started, found or stopped."""
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    directory: str
+    address: str  # the GCS address nodes and drivers join: 127.0.0.1:<port>
+    dashboard_url: str  # the Jobs API and dashboard: http://127.0.0.1:<port>
+    temp_dir: str
+    pids: list[int]  # the `ray start --block` processes, head first
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def _node_ports() -> list[str]:
+    """The per-node ports that have fixed defaults, each set to a free one."""
+    flags = [
+        "--node-manager-port",
+        "--object-manager-port",
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port",
+        "--metrics-export-port",
+    ]
+    return [arg for flag in flags for arg in (flag, str(free_port()))]
+
+
+def _ray_command() -> str:
+    beside_python = Path(sys.executable).with_name("ray")
+    return str(beside_python) if beside_python.exists() else "ray"
+
+
+def auth_token() -> str:
+    """The token of Ray's token authentication (~/.ray/auth_token unless RAY_AUTH_TOKEN[_PATH] say
+    otherwise), generated on first use."""
+    try:
+        generated = subprocess.run(
+            [_ray_command(), "get-auth-token", "--generate"], capture_output=True, text=True, check=False
+        )
+    except FileNotFoundError:
+        raise ClusterError("the `ray` command is not installed; pip install 'ray[default]'") from None
+    if generated.returncode != 0 or not generated.stdout.strip():
+        raise ClusterError(f"cannot get a Ray auth token: {generated.stderr.strip()[-200:]}")
+    return generated.stdout.strip().splitlines()[-1]
+
+
+def _ray_start(args: list[str], log: Path) -> int:
+    command = [_ray_command(), "start", "--block", "--disable-usage-stats", *args]
+    # No drain on SIGTERM: it exists for Serve replicas and would hold every stop for 30 s.
+    env = {**os.environ, AUTH_MODE_VARIABLE: "token", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    return process.pid
+
+
+def alive_nodes(dashboard_url: str, token: str) -> int:
+    request = urllib.request.Request(
+        f"{dashboard_url}/nodes?view=summary", headers={"Authorization": f"Bearer {token}"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        summary = json.load(response)["data"]["summary"]
+    return sum(1 for node in summary if node.get("raylet", {}).get("state") == "ALIVE")
+
+
+def _wait_for_nodes(cluster: LocalCluster, expected: int, token: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    alive, last_error = 0, ""
+    while time.monotonic() < deadline:
+        for pid in cluster.pids:
+            if not _running(pid):
+                raise ClusterError(
+                    f"a Ray node process exited during start-up; see the logs in {cluster.directory}/logs"
+                )
+        try:
+            alive = alive_nodes(cluster.dashboard_url, token)
+            if alive >= expected:
+                return
+        except (OSError, ValueError, KeyError) as err:  # dashboard not up yet
+            last_error = str(err)
+        time.sleep(1)
+    raise ClusterError(
+        f"{alive} of {expected} Ray nodes came up in {timeout:.0f} s ({last_error or 'no error'}); "
+        f"see the logs in {cluster.directory}/logs"
+    )
+
+
+def start_local_cluster(
+    directory: str | Path,
+    workers: int = 1,
+    cpus_per_node: int = 2,
+    gpus_per_node: int = 0,
+    dashboard_port: int = DEFAULT_DASHBOARD_PORT,
+    timeout: float = 120.0,
+) -> LocalCluster:
+    """Start a head and `workers` worker nodes; returns once all of them are alive."""
+    directory = Path(directory).resolve()
+    if (directory / STATE_FILE).exists():
+        raise ClusterError(
+            f"a local cluster is already recorded in {directory}; "
+            f"stop it first (mhf cluster stop --dir {directory})"
+        )
+    if workers < 1:
+        raise ClusterError(f"--workers must be at least 1 (a head plus worker nodes), got {workers}")
+    with socket.socket() as probe:
+        if probe.connect_ex((HOST, dashboard_port)) == 0:
+            raise ClusterError(f"port {dashboard_port} is in use; pass another --dashboard-port")
+    token = auth_token()
+    logs = directory / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    # Unix socket paths must stay under ~107 bytes, so session files go to a short /tmp path; one per
+    # node, or a worker's runtime-env agent garbage-collects the head's job working_dir as unused.
+    temp_dir = tempfile.mkdtemp(prefix="mhf-ray-")
+    gcs_port = free_port()
+    resources = ["--num-cpus", str(cpus_per_node), "--num-gpus", str(gpus_per_node)]
+    node = ["--node-ip-address", HOST, *resources]
+    head = _ray_start(
+        [
+            "--head",
+            "--port",
+            str(gcs_port),
+            "--dashboard-host",
+            HOST,
+            "--dashboard-port",
+            str(dashboard_port),
+            "--temp-dir",
+            str(Path(temp_dir) / "head"),
+            *node,
+            *_node_ports(),
+        ],
+        logs / "head.log",
+    )
+    cluster = LocalCluster(
+        directory=str(directory),
+        address=f"{HOST}:{gcs_port}",
+        dashboard_url=f"http://{HOST}:{dashboard_port}",
+        temp_dir=temp_dir,
+        pids=[head],
+    )
+    _write_state(cluster)
+    try:
+        _wait_for_nodes(cluster, 1, token, timeout)
+        for index in range(workers):
+            pid = _ray_start(
+                [
+                    "--address",
+                    cluster.address,
+                    "--temp-dir",
+                    str(Path(temp_dir) / f"worker-{index}"),
+                    *node,
+                    *_node_ports(),
+                ],
+                logs / f"worker-{index}.log",
+            )
+            cluster = LocalCluster(**{**asdict(cluster), "pids": [*cluster.pids, pid]})
+            _write_state(cluster)
+        _wait_for_nodes(cluster, 1 + workers, token, timeout)
+    except BaseException:
+        stop_local_cluster(directory)
+        raise
+    return cluster
+
+
+def _write_state(cluster: LocalCluster) -> None:
+    write_json_atomic(Path(cluster.directory) / STATE_FILE, asdict(cluster))
+
+
+def read_local_cluster(directory: str | Path) -> LocalCluster:
+    path = Path(directory).resolve() / STATE_FILE
+    if not path.exists():
+        raise ClusterError(f"no local cluster is recorded in {path.parent}; start one with mhf cluster start")
+    return LocalCluster(**json.loads(path.read_text()))
+
+
+def _running(pid: int) -> bool:
+    try:
+        finished, _ = os.waitpid(pid, os.WNOHANG)  # reaps it if it is our own exited child
+        if finished:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)  # each node was started in a session of its own: pgid == pid
+
+
+def stop_local_cluster(directory: str | Path, timeout: float = 30.0) -> None:
+    """Stop every node of the cluster in `directory` (workers first) and forget it."""
+    cluster = read_local_cluster(directory)
+    for pid in reversed(cluster.pids):
+        _signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while any(_running(pid) for pid in cluster.pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in cluster.pids:  # what ignored SIGTERM, and anything left in the nodes' process groups
+        _signal_group(pid, signal.SIGKILL)
+    shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+    (Path(cluster.directory) / STATE_FILE).unlink()

@@ -1,0 +1,214 @@
+"""`mhf plan`: per-GPU memory at ZeRO 0-3, a recommended stage and micro-batch, tokens/s and days.
+
+Model states (bf16 mixed precision with Adam; bytes per parameter as DeepSpeed's estimators count
+them: 2 bf16 weights, 2 bf16 grads + 4 fp32 grads, 4 fp32 master weights, 8 Adam moments):
+  ZeRO 2 and 3 come from DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`,
+  `estimate_zero3_model_states_mem_needs`, no offload); DeepSpeed has none for stages 0 and 1, so they
+  use the same accounting with nothing partitioned (0: 20 B/param) or only the fp32 states and
+  optimizer partitioned (1: 4 + 16/N B/param).
+Activations: the tensors autograd keeps for the backward pass per token, without activation
+  checkpointing, with fused (flash/SDPA) attention so no T x T scores are kept. Per Qwen3 layer
+  4h + 6q + 5kv + 4I elements (h hidden, q/kv query/key-value widths, I the MLP width): two RMSNorm
+  inputs and outputs, Q/K norms, RoPE, attention inputs and output, the SwiGLU products. Output side:
+  qwen3 keeps fp32 log-probabilities over V (and its backward briefly holds V-wide gradients in fp32
+  and bf16); mhf keeps (2H-1) x B coordinate tensors and encoder/decoder widths instead, which do not
+  grow with V. tests/test_plan.py checks these counts against what autograd really saves.
+Throughput: tokens/s = MFU x peak FLOP/s x GPUs / (3 x forward FLOPs per token), the FLOPs `mhf count`
+  reports (attention included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mhf_dist.config import BackboneConfig, Config, ModelConfig
+from mhf_dist.errors import ConfigError
+
+GIB = 1024**3
+PLAN_FAMILIES = ("mhf", "qwen3", "qwen3_matched")
+ZERO_STAGES = (0, 1, 2, 3)
+# Kept free on every GPU: the CUDA context, NCCL buffers and allocator fragmentation.
+MEMORY_RESERVE = 0.10
+MAX_MICRO_BATCH = 64
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus_per_node: int
+    nodes: int
+    gpu_mem_gb: float
+    peak_tflops: float = 989.0  # H100/H200 dense bf16
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Plan:
+    family: str
+    vocab_size: int
+    params: int
+    largest_layer_params: int
+    state_gb: dict[int, float]  # ZeRO stage -> model states per GPU
+    activation_gb_per_sequence: float
+    stage: int | None  # None: nothing fits
+    micro_batch: int
+    per_gpu_gb: float
+    tokens_per_s: float
+    days: float
+
+
+def model_state_bytes(params: int, largest_layer_params: int, stage: int, cluster: Cluster) -> int:
+    """Per-GPU bytes of weights, gradients and optimizer states at a ZeRO stage."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    gpus, per_node, nodes = cluster.gpus, cluster.gpus_per_node, cluster.nodes
+    if stage == 0:
+        return 2 * params + 18 * params
+    if stage == 1:
+        return 2 * params + 2 * params + int(16 * params / gpus)
+    if stage == 2:
+        return estimate_zero2_model_states_mem_needs(params, per_node, nodes, cpu_offload=False)[1]
+    if stage == 3:
+        return estimate_zero3_model_states_mem_needs(
+            params, largest_layer_params, per_node, nodes, cpu_offload=False, cpu_offload_params=False
+        )[1]
+    raise ConfigError(f"ZeRO stage {stage} does not exist; choose 0, 1, 2 or 3")
+
+
+def layer_activation_elements(backbone: BackboneConfig) -> int:
+    """Elements per token one Qwen3 decoder layer keeps for the backward pass."""
+    q = backbone.num_heads * backbone.head_dim
+    kv = backbone.num_kv_heads * backbone.head_dim
+    return 4 * backbone.hidden_size + 6 * q + 5 * kv + 4 * backbone.intermediate_size
+
+
+def io_activation_bytes(model: ModelConfig, dtype_bytes: int) -> tuple[int, int]:
+    """(bytes kept, bytes held briefly in the backward) per token outside the decoder layers."""
+    hidden = model.backbone.hidden_size
+    edges = (3 * hidden + 1) * dtype_bytes  # embedding output, final norm input and output
+    if model.family != "mhf":
+        vocab = model.vocab_size
+        return edges + FP32 * vocab, (FP32 + dtype_bytes) * vocab
+    hashes, buckets = model.hash.num_hashes, model.hash.num_buckets
+    hash_cfg = model.hash
+    widths = (
+        (hashes + 1) * hash_cfg.d_hash
+        + 2 * hashes * hash_cfg.gate_hidden
+        + 2 * (hashes - 1) * hash_cfg.mixer_hidden
+        + (5 * hashes - 2) * hash_cfg.d_casc
+    )
+    # Each coordinate's fp32 log-probabilities; all but the last also keep exp() in fp32 and its copy
+    # in the compute dtype for the soft bucket embedding (no copy when that dtype is fp32).
+    copy = 0 if dtype_bytes == FP32 else dtype_bytes
+    coordinates = hashes * buckets * FP32 + (hashes - 1) * buckets * (FP32 + copy)
+    return edges + widths * dtype_bytes + coordinates, hashes * buckets * (FP32 + dtype_bytes)
+
+
+def activation_bytes(model: ModelConfig, seq_len: int, micro_batch: int, dtype_bytes: int = 2) -> int:
+    """Peak activation bytes of one micro-batch: everything kept, plus the output layer's backward."""
+    kept, transient = io_activation_bytes(model, dtype_bytes)
+    per_token = model.backbone.num_layers * layer_activation_elements(model.backbone) * dtype_bytes + kept
+    return micro_batch * seq_len * (per_token + transient)
+
+
+def largest_layer_params(model: ModelConfig) -> int:
+    """DeepSpeed's `model_to_params` measure (the most parameters one module owns), on a meta model."""
+    import torch
+    from deepspeed.runtime.zero.stage3 import model_to_params
+
+    from mhf_dist.models import build_model
+    from mhf_dist.signatures import SignatureTable
+
+    table = None
+    if model.family == "mhf":
+        tokens = [str(i) for i in range(model.vocab_size)]
+        table = SignatureTable.build(tokens, model.hash.num_hashes, model.hash.num_buckets, model.hash.seed)
+    with torch.device("meta"):
+        built = build_model(model, table)
+    return model_to_params(built)[1]
+
+
+def recommend(
+    state_bytes: dict[int, int], activation_per_sequence: int, usable: float, micro_batch: int | None
+) -> tuple[int | None, int]:
+    """The stage and micro-batch to run: with a micro-batch given, the lowest stage it fits at; else the
+    largest power-of-two micro-batch stages 0-2 fit (they move as much data as plain data parallelism),
+    at the lowest stage that fits it; ZeRO-3 (1.5x the communication) only when 0-2 fit nothing."""
+    sizes = [micro_batch] if micro_batch else [2**k for k in range(MAX_MICRO_BATCH.bit_length())][::-1]
+
+    def fits(stage: int, size: int) -> bool:
+        return state_bytes[stage] + size * activation_per_sequence <= usable
+
+    for stages in ((0, 1, 2), (3,)):
+        for size in sizes:
+            for stage in stages:
+                if fits(stage, size):
+                    return stage, size
+    return None, micro_batch or 1
+
+
+def plan(
+    cfg: Config,
+    family: str,
+    vocab_size: int,
+    cluster: Cluster,
+    seq_len: int,
+    micro_batch: int | None,
+    tokens: float,
+    mfu: float,
+) -> Plan:
+    from mhf_dist.models import param_count
+    from mhf_dist.models.registry import resolved_config, train_flops_per_token
+
+    if family not in PLAN_FAMILIES:
+        raise ConfigError(f"mhf plan covers {', '.join(PLAN_FAMILIES)}; got --family {family}")
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"--mfu is a fraction of peak in (0, 1], got {mfu}")
+    if min(cluster.gpus_per_node, cluster.nodes) < 1 or cluster.gpu_mem_gb <= 0:
+        raise ConfigError("--gpus, --nodes and --gpu-mem-gb must be positive")
+    model = resolved_config(cfg.model.model_copy(update={"family": family, "vocab_size": vocab_size}))
+    params = param_count(model)
+    largest = largest_layer_params(model)
+    states = {stage: model_state_bytes(params, largest, stage, cluster) for stage in ZERO_STAGES}
+    per_sequence = activation_bytes(model, seq_len, 1)
+    usable = cluster.gpu_mem_gb * GIB * (1 - MEMORY_RESERVE)
+    stage, size = recommend(states, per_sequence, usable, micro_batch)
+    tokens_per_s = mfu * cluster.peak_tflops * 1e12 * cluster.gpus / train_flops_per_token(model, seq_len)
+    total = states[stage if stage is not None else 3] + size * per_sequence
+    return Plan(
+        family=family,
+        vocab_size=vocab_size,
+        params=params,
+        largest_layer_params=largest,
+        state_gb={stage: value / GIB for stage, value in states.items()},
+        activation_gb_per_sequence=per_sequence / GIB,
+        stage=stage,
+        micro_batch=size,
+        per_gpu_gb=total / GIB,
+        tokens_per_s=tokens_per_s,
+        days=tokens / tokens_per_s / 86400,
+    )
+
+
+def plan_rows(plans: list[Plan]) -> list[dict[str, object]]:
+    rows = []
+    for item in plans:
+        rows.append(
+            {
+                "family": item.family,
+                "V": item.vocab_size,
+                "params (M)": f"{item.params / 1e6:.1f}",
+                **{f"ZeRO-{stage} GB": f"{gb:.2f}" for stage, gb in item.state_gb.items()},
+                "act GB/seq": f"{item.activation_gb_per_sequence:.2f}",
+                "stage": "none fits" if item.stage is None else item.stage,
+                "micro-batch": item.micro_batch,
+                "GB/GPU": f"{item.per_gpu_gb:.1f}",
+                "tokens/s": round(item.tokens_per_s),
+                "days": f"{item.days:.2f}",
+            }
+        )
+    return rows

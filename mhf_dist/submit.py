@@ -1,0 +1,169 @@
+"""Ray job specs (`jobs/*.job.yaml`) and `mhf submit`: one job through Ray's Jobs API.
+
+A spec holds what `ray job submit` takes: an entrypoint (a shell command run on the cluster's head),
+a runtime_env (working_dir or py_modules shipped with the job, env_vars) and the entrypoint's resources.
+Values of `runtime_env.env_vars` may name the submitter's environment: `${NAME}` (required) or
+`${NAME:-default}`; a variable that expands to "" is left unset on the cluster. Relative local paths
+(working_dir, py_modules) are resolved against the current directory, as `ray job submit` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shlex
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mhf_dist.errors import ConfigError, MhfError
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+_PLAIN_WORD = re.compile(r"[\w@%+=:,./$-]+")
+_VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+
+
+class JobError(MhfError):
+    """The Ray cluster cannot be reached, refused the job, or the job did not succeed."""
+
+
+class JobSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    entrypoint: str = Field(min_length=1)
+    runtime_env: dict[str, Any] = Field(default_factory=dict)
+    entrypoint_num_cpus: float = Field(0, ge=0)
+    entrypoint_num_gpus: float = Field(0, ge=0)
+    entrypoint_resources: dict[str, float] = Field(default_factory=dict)
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("runtime_env")
+    @classmethod
+    def _ray_runtime_env(cls, runtime_env: dict[str, Any]) -> dict[str, Any]:
+        from ray.runtime_env import RuntimeEnv
+
+        unknown = sorted(set(runtime_env) - RuntimeEnv.known_fields)
+        if unknown:
+            raise ValueError(f"unknown runtime_env field(s) {unknown}")
+        RuntimeEnv(**runtime_env)  # Ray's own type checks (env_vars must be strings, ...)
+        return runtime_env
+
+
+def load_job_spec(path: str | Path) -> JobSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"job spec {str(path)!r} not found; see jobs/*.job.yaml")
+    try:
+        return JobSpec.model_validate(yaml.safe_load(path.read_text()) or {})
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    except (ValidationError, TypeError, ValueError) as err:
+        first = err.errors()[0] if isinstance(err, ValidationError) else {"loc": (), "msg": str(err)}
+        where = ".".join(str(part) for part in first["loc"]) or "spec"
+        raise ConfigError(f"{path}: {where}: {first['msg']}") from None
+
+
+def expand_env_vars(env_vars: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """`${NAME}` / `${NAME:-default}` from the submitter's environment; empty results are dropped."""
+
+    def value(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if environ.get(name):
+            return environ[name]
+        if default is None:
+            raise ConfigError(f"the job needs ${name}; export {name}=... or pass --env {name}=...")
+        return default
+
+    expanded = {key: _VARIABLE.sub(value, str(raw)) for key, raw in env_vars.items()}
+    return {key: text for key, text in expanded.items() if text}
+
+
+def resolved_runtime_env(spec: JobSpec, environ: Mapping[str, str], cwd: Path) -> dict[str, Any]:
+    runtime_env = dict(spec.runtime_env)
+    runtime_env["env_vars"] = expand_env_vars(runtime_env.get("env_vars", {}), environ)
+    if "working_dir" in runtime_env and "://" not in runtime_env["working_dir"]:
+        local = (cwd / runtime_env["working_dir"]).resolve()
+        if not local.is_dir():
+            raise ConfigError(
+                f"runtime_env.working_dir {str(local)!r} is not a directory; run from the repo root"
+            )
+        runtime_env["working_dir"] = str(local)
+    if "py_modules" in runtime_env:
+        runtime_env["py_modules"] = [
+            module if "://" in module else str((cwd / module).resolve())
+            for module in runtime_env["py_modules"]
+        ]
+    return runtime_env
+
+
+def _shell_word(arg: str) -> str:
+    """Quoted for the entrypoint's shell unless plainly safe; left bare, `$NAME` expands on the cluster."""
+    return arg if _PLAIN_WORD.fullmatch(arg) else shlex.quote(arg)
+
+
+def _client(address: str) -> Any:
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except AuthenticationError:
+        raise JobError(
+            f"the Ray cluster at {address} uses token authentication; export RAY_AUTH_MODE=token "
+            "(the token comes from ~/.ray/auth_token or RAY_AUTH_TOKEN)"
+        ) from None
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise JobError(
+            f"cannot reach the Ray Jobs API at {address} ({first[:160]}); start a cluster "
+            "(mhf cluster start) or pass --address"
+        ) from None
+
+
+def submit_job(
+    spec: JobSpec,
+    address: str,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    submission_id: str | None = None,
+) -> tuple[Any, str]:
+    """Submit the job; returns the client and the submission id."""
+    environ = {**os.environ, **(env or {})}
+    runtime_env = resolved_runtime_env(spec, environ, Path.cwd())
+    entrypoint = " ".join([spec.entrypoint, *map(_shell_word, extra_args)])
+    client = _client(address)
+    job_id = client.submit_job(
+        entrypoint=entrypoint,
+        runtime_env=runtime_env,
+        metadata=spec.metadata or None,
+        submission_id=submission_id,
+        entrypoint_num_cpus=spec.entrypoint_num_cpus,
+        entrypoint_num_gpus=spec.entrypoint_num_gpus,
+        entrypoint_resources=spec.entrypoint_resources or None,
+    )
+    return client, job_id
+
+
+def follow_job(client: Any, job_id: str, write: Callable[[str], None], poll_s: float = 1.0) -> str:
+    """Stream the job's logs until it ends; returns its final status (SUCCEEDED, FAILED or STOPPED)."""
+
+    async def tail() -> None:
+        async for lines in client.tail_job_logs(job_id):
+            write(lines)
+
+    asyncio.run(tail())
+    while (status := str(client.get_job_status(job_id).value)) not in TERMINAL:
+        time.sleep(poll_s)  # the log stream can close a moment before the status is final
+    return status
+
+
+def job_message(client: Any, job_id: str) -> str:
+    """The first line of Ray's message about the job's end, e.g. the entrypoint's exit code."""
+    lines = (client.get_job_info(job_id).message or "").strip().splitlines()
+    return lines[0][:300] if lines else ""
