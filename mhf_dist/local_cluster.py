@@ -93,6 +93,9 @@ def _ray_start(args: list[str], log: Path) -> int:
     command = [_ray_command(), "start", "--block", "--disable-usage-stats", *args]
     env = {
         **os.environ,
+        # Jobs' entrypoints (`mhf ...`) resolve on the nodes' PATH: this Python's environment first, as
+        # if it were activated.
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         AUTH_MODE_VARIABLE: "token",
         # No drain on SIGTERM: it exists for Serve replicas and would hold every stop for 30 s.
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
