@@ -178,14 +178,16 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     from mhf_dist.sweep.spec import load_sweep, parse_sweep
 
     spec = load_sweep(args.config)
-    overrides = dict(_key_value(item, "--set") for item in args.overrides)
-    storage = args.storage or spec.storage
-    changed = {"set": {**spec.set, **overrides}, "storage": storage}
+    # Values parsed as YAML, as config --set values are, so they match the file's own typed `set:`.
+    overrides = {key: yaml.safe_load(value) for key, value in map(_key_value, args.overrides)}
+    changed = {"set": {**spec.set, **overrides}, "storage": args.storage or spec.storage}
     spec = parse_sweep({**spec.model_dump(), **changed}, args.config)
     if args.prepare:
         from mhf_dist.data.prepare import prepare_if_missing
+        from mhf_dist.sweep.spec import trial_configs
 
-        prepare_if_missing(load_config(spec.config, [f"{k}={v}" for k, v in spec.set.items()]))
+        for cfg in {cfg.data.path: cfg for cfg in trial_configs(spec).values()}.values():
+            prepare_if_missing(cfg)
     result = run_sweep(spec, resume=args.resume)
     comparison = compare_sweep(spec, result)
     print(comparison.table)
@@ -221,7 +223,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         f"{args.nodes} node(s) x {args.gpus} GPU(s) of {args.gpu_mem_gb:g} GB, "
         f"{args.peak_tflops:g} TFLOP/s at MFU {args.mfu:g}; {tokens / 1e9:.1f}B tokens"
     )
-    print(markdown_table(plan_rows(plans), list(plan_rows(plans)[0])))
+    rows = plan_rows(plans)
+    print(markdown_table(rows, list(rows[0])))
     print(
         "GB: GiB per GPU. ZeRO-k GB: weights, grads and Adam states (bf16 mixed precision); act GB/seq: "
         "activations of one sequence, no checkpointing; stage and micro-batch: what fits in 90% of a GPU."
@@ -248,7 +251,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0 if status == "SUCCEEDED" else 1
 
 
-def _key_value(item: str, flag: str) -> tuple[str, str]:
+def _key_value(item: str, flag: str = "--set") -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"{flag} {item!r} is not KEY=VALUE")
@@ -489,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     parser = build_parser()
-    args = parser.parse_args(argv[: len(argv) - len(extra) - 1] if "--" in argv else argv)
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if extra and args.command != "submit":
         parser.error("arguments after -- are for `mhf submit` only")
     args.extra = extra

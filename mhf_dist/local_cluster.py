@@ -15,6 +15,7 @@ The cluster is described by `<directory>/cluster.json`; node logs go to `<direct
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -214,7 +215,7 @@ def start_local_cluster(
                 ],
                 logs / f"worker-{index}.log",
             )
-            cluster = LocalCluster(**{**asdict(cluster), "pids": [*cluster.pids, pid]})
+            cluster = dataclasses.replace(cluster, pids=[*cluster.pids, pid])
             _write_state(cluster)
         _wait_for_nodes(cluster, 1 + workers, token, timeout)
     except BaseException:

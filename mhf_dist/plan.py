@@ -93,8 +93,8 @@ def io_activation_bytes(model: ModelConfig, dtype_bytes: int) -> tuple[int, int]
     if model.family != "mhf":
         vocab = model.vocab_size
         return edges + FP32 * vocab, (FP32 + dtype_bytes) * vocab
-    hashes, buckets = model.hash.num_hashes, model.hash.num_buckets
     hash_cfg = model.hash
+    hashes, buckets = hash_cfg.num_hashes, hash_cfg.num_buckets
     widths = (
         (hashes + 1) * hash_cfg.d_hash
         + 2 * hashes * hash_cfg.gate_hidden
