@@ -60,7 +60,7 @@ def cmd_count(args: argparse.Namespace) -> None:
         built = resolved_config(model_cfg).backbone
         rows.append(
             {
-                "family": family,
+                "family": family if family != "mhf" or built.kind == "qwen3" else f"mhf over {built.kind}",
                 "layers": built.num_layers,
                 "mlp": built.intermediate_size,
                 "params": param_count(model_cfg),

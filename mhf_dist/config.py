@@ -28,6 +28,8 @@ Family = Literal[
     "transformer_plus_triple",
     "gated_hybrid",
 ]
+# The stacks a MultiHashFormer can run between its hash encoder and decoder.
+BackboneKind = Literal["qwen3", "triple_latent", "triple_slot", "triple_hybrid", "gated_hybrid"]
 HASH_SPEC = re.compile(r"^H(\d+)B(\d+)(K?)$")
 
 
@@ -58,8 +60,12 @@ def format_hash_spec(num_hashes: int, num_buckets: int) -> str:
 
 
 class BackboneConfig(StrictModel):
-    """A Qwen3 decoder stack: QK-norm, grouped-query attention, RoPE, SwiGLU MLP."""
+    """The model's stack: a Qwen3 decoder (QK-norm, grouped-query attention, RoPE, SwiGLU MLP) unless
+    `kind` names a triple-latent stack, which reuses the widths, layers, MLP and norms."""
 
+    kind: BackboneKind = Field(
+        "qwen3", description="family mhf: the stack between hash encoder and decoder; default qwen3"
+    )
     hidden_size: int = Field(gt=0)
     num_layers: int = Field(gt=0)
     num_heads: int = Field(gt=0)
@@ -133,7 +139,12 @@ class TripleConfig(StrictModel):
     memory_dim: int | None = Field(None, gt=0, description="gated_hybrid: key/value width; default hidden")
     memory_top_k: int = Field(8, gt=0, description="gated_hybrid: keys retrieved per query")
     match_params: bool = Field(
-        False, description="set the MLP width so the model has the qwen3 baseline's parameter count"
+        False,
+        description="standard-head families: the MLP width that gives the parameter count of `match_to`",
+    )
+    match_to: Literal["qwen3", "mhf"] = Field(
+        "qwen3",
+        description="match_params target: the qwen3 baseline, or the mhf model over model.backbone.kind",
     )
 
 
@@ -143,6 +154,16 @@ class ModelConfig(StrictModel):
     backbone: BackboneConfig
     hash: HashConfig = HashConfig()
     triple: TripleConfig = TripleConfig()
+
+    @model_validator(mode="after")
+    def _kind_fits_family(self) -> ModelConfig:
+        kind = self.backbone.kind
+        if kind not in ("qwen3", self.family) and self.family != "mhf":
+            raise ValueError(
+                f"model.backbone.kind={kind} puts hash I/O around that stack (family mhf); family "
+                f"{self.family} builds its own stack: set model.family=mhf or model.backbone.kind=qwen3"
+            )
+        return self
 
     def hash_widths(self) -> tuple[int, int, int]:
         """(d_hash, d_casc, mixer_hidden) with the defaults resolved against the backbone width."""

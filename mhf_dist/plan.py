@@ -166,6 +166,11 @@ def plan(
 
     if family not in PLAN_FAMILIES:
         raise ConfigError(f"mhf plan covers {', '.join(PLAN_FAMILIES)}; got --family {family}")
+    if cfg.model.backbone.kind != "qwen3":
+        raise ConfigError(
+            f"mhf plan models Qwen3 decoder layers; model.backbone.kind={cfg.model.backbone.kind} has no "
+            "activation model yet: plan with model.backbone.kind=qwen3 or measure a step (benchmarks/)"
+        )
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu is a fraction of peak in (0, 1], got {mfu}")
     if min(cluster.gpus_per_node, cluster.nodes) < 1 or cluster.gpu_mem_gb <= 0:

@@ -18,6 +18,17 @@ def small_table(small_cfg) -> SignatureTable:
 
 
 @pytest.fixture(scope="session")
+def tiny_text_task():
+    """(character vocabulary, 4 rows of 33 ids) of a repeated sentence: a task a tiny model learns fast."""
+    import torch
+
+    text = "the quick brown fox jumps over the lazy dog. " * 8
+    vocab = sorted(set(text))
+    ids = torch.tensor([vocab.index(char) for char in text])
+    return vocab, torch.stack([ids[i * 40 : i * 40 + 33] for i in range(4)])
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One local Ray instance for the whole test session (start-up costs seconds)."""
     import ray

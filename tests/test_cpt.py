@@ -12,6 +12,7 @@ from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError, TrainingError
 from mhf_dist.export import export_model, load_exported
 from mhf_dist.models import build_model, param_count
+from mhf_dist.models.counting import TRIPLE_STACKS
 from mhf_dist.models.generation import generate
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.train.loop import train_local
@@ -52,6 +53,7 @@ def old_token_logprobs(model, context, vocab_size):
     ("family", "overrides", "heads"),
     [
         ("mhf", [], 0),
+        *[("mhf", [f"model.backbone.kind={kind}"], 0) for kind in TRIPLE_STACKS],  # hash I/O: none either
         ("qwen3", [], 1),
         ("qwen3", ["model.backbone.tie_word_embeddings=false"], 2),
         ("gated_hybrid", ["model.triple.match_params=true"], 1),  # the MLP width stays as it was

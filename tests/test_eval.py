@@ -19,15 +19,20 @@ from mhf_dist.models import build_model
 from mhf_dist.models.generation import generate
 from mhf_dist.signatures import SignatureTable
 
+MODELS = {
+    "mhf": ["model.family=mhf"],
+    "qwen3": ["model.family=qwen3"],
+    "gated_hybrid": ["model.family=gated_hybrid"],
+    "mhf-over-triple_hybrid": ["model.family=mhf", "model.backbone.kind=triple_hybrid"],
+}
 
-@pytest.fixture(scope="module", params=["mhf", "qwen3", "gated_hybrid"])
+
+@pytest.fixture(scope="module", params=list(MODELS))
 def exported(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     tokenizer = TextTokenizer.train_bpe(builtin_documents()[:20], 300)
     tokenizer.save(directory / "tokenizer.json")
-    cfg = load_config(
-        "tiny", ["model.vocab_size=300", "model.hash.spec=H2B64", f"model.family={request.param}"]
-    )
+    cfg = load_config("tiny", ["model.vocab_size=300", "model.hash.spec=H2B64", *MODELS[request.param]])
     table = SignatureTable.build(tokenizer.vocabulary(), 2, 64)
     torch.manual_seed(0)
     export_model(
@@ -165,6 +170,9 @@ metric_list:
 """
 
 
+# The adapter calls the same scoring for every family: one standard and one hash model (over a recurrent
+# stack) keep its ~15 s per model of lm-eval set-up affordable.
+@pytest.mark.parametrize("exported", ["qwen3", "mhf-over-triple_hybrid"], indirect=True)
 def test_the_lm_eval_model_agrees_with_mhf_eval_offline(exported, tmp_path, monkeypatch):
     lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is the optional extra mhf-dist[eval]")
     from lm_eval.tasks import TaskManager

@@ -99,3 +99,6 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
     assert len(rows) == 4 and "151,936" in out and "32,000" in out
     assert main(["plan", "--preset", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--mfu", "2"]) == 2
     assert "error: --mfu is a fraction of peak" in capsys.readouterr().err
+    triple = ["--set", "model.backbone.kind=triple_hybrid"]
+    assert main(["plan", "--preset", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", *triple]) == 2
+    assert "model.backbone.kind=triple_hybrid has no activation model" in capsys.readouterr().err

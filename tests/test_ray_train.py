@@ -1,5 +1,7 @@
 """`mhf train`: Ray Train V2 workers driving DeepSpeed ZeRO engines on CPU, checkpoints, exact resume."""
 
+import math
+
 import pytest
 
 from mhf_dist.config import load_config
@@ -56,6 +58,7 @@ def check_trained_and_exported(result, cfg, shards):
     assert last < first - 0.5
     assert [h["step"] for h in history if "val_nll" in h] == [10, 20]
     assert history[0]["model_state_gb"] > 0 and history[-1]["peak_mem_gb"] > 0
+    assert all(math.isfinite(h["grad_norm"]) and h["grad_norm"] > 0 for h in history)
     assert 0 < history[-1]["mfu"] < 1
     assert history[-1]["tokens_per_s"] == pytest.approx(2 * history[-1]["tokens_per_s_per_worker"])
     # The exported model (ZeRO-3 shards gathered) scores the validation rows exactly as training did:
@@ -72,12 +75,17 @@ def check_trained_and_exported(result, cfg, shards):
 TRAIN_AND_EVAL = ("train.steps=20", "train.eval_every=10", "train.eval_rows=41", "train.checkpoint_every=10")
 
 
-# Stages 0 (the MLflow server test) and 1 (resume) train mhf; these two train the triple-latent family.
-@pytest.mark.parametrize(("zero_stage", "family"), [(2, "triple_hybrid"), (3, "gated_hybrid")])
+# Stages 0 (the MLflow server test) and 1 (resume) train mhf over qwen3; these two train hash I/O over
+# a triple-latent stack and the triple-latent family's standard form.
+@pytest.mark.parametrize(
+    ("zero_stage", "model"),
+    [(2, ["model.family=mhf", "model.backbone.kind=triple_hybrid"]), (3, ["model.family=gated_hybrid"])],
+    ids=["mhf-over-triple_hybrid", "gated_hybrid"],
+)
 def test_each_zero_stage_on_two_cpu_workers_lowers_the_loss_and_exports_the_model(
-    shards, tmp_path, zero_stage, family
+    shards, tmp_path, zero_stage, model
 ):
-    cfg = run_cfg(shards, *TRAIN_AND_EVAL, f"model.family={family}")
+    cfg = run_cfg(shards, *TRAIN_AND_EVAL, *model)
     options = TrainOptions(zero_stage=zero_stage, storage=str(tmp_path), name="zero", peak_tflops=0.05)
     check_trained_and_exported(train(cfg, options), cfg, shards)
 

@@ -152,11 +152,8 @@ def test_recurrent_generation_equals_the_parallel_forward_position_by_position(f
 
 
 @pytest.mark.parametrize("family", TRIPLE_FAMILIES)
-def test_every_variant_learns_a_tiny_task(family):
-    text = "the quick brown fox jumps over the lazy dog. " * 8
-    vocab = sorted(set(text))
-    ids = torch.tensor([vocab.index(char) for char in text])
-    rows = torch.stack([ids[i * 40 : i * 40 + 33] for i in range(4)])
+def test_every_variant_learns_a_tiny_task(family, tiny_text_task):
+    vocab, rows = tiny_text_task
     cfg = family_cfg(family, f"model.vocab_size={len(vocab)}", "train.steps=60", "train.warmup_steps=5")
     torch.manual_seed(0)
     history = train_local(build_model(cfg.model), itertools.repeat({"tokens": rows}), cfg.train, log=None)

@@ -38,18 +38,22 @@ def hash_io_params(cfg: ModelConfig) -> int:
     return encoder + decoder + 2 * d_casc * mixer + mixer * d_casc
 
 
-def hash_io_forward_flops(cfg: ModelConfig) -> int:
+def hash_encoder_forward_flops(cfg: ModelConfig) -> int:
+    d_hash = cfg.hash_widths()[0]
+    gate = cfg.hash.num_hashes * (d_hash * cfg.hash.gate_hidden + cfg.hash.gate_hidden)
+    return 2 * (gate + d_hash * cfg.backbone.hidden_size)
+
+
+def hash_decoder_forward_flops(cfg: ModelConfig) -> int:
     num_hashes, num_buckets = cfg.hash.num_hashes, cfg.hash.num_buckets
-    d_model = cfg.backbone.hidden_size
-    d_hash, d_casc, mixer = cfg.hash_widths()
-    encoder = num_hashes * (d_hash * cfg.hash.gate_hidden + cfg.hash.gate_hidden) + d_hash * d_model
+    _, d_casc, mixer = cfg.hash_widths()
     cascade_steps = num_hashes - 1
     decoder = (
-        d_model * d_casc
+        cfg.backbone.hidden_size * d_casc
         + num_hashes * num_buckets * d_casc
         + cascade_steps * (num_buckets * d_casc + 3 * d_casc * mixer)
     )
-    return 2 * (encoder + decoder)
+    return 2 * decoder
 
 
 def embedding_params(cfg: ModelConfig) -> int:
@@ -59,11 +63,22 @@ def embedding_params(cfg: ModelConfig) -> int:
 
 
 def mhf_params(cfg: ModelConfig) -> int:
-    return backbone_params(cfg.backbone) + hash_io_params(cfg)
+    """Hash I/O around the stack `model.backbone.kind` names (plus gated_hybrid's memory)."""
+    kind = cfg.backbone.kind
+    body = backbone_params(cfg.backbone) if kind == "qwen3" else triple_body_params(cfg, kind)
+    return body + hash_io_params(cfg)
 
 
 def mhf_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
-    return backbone_forward_flops(cfg.backbone, seq_len) + hash_io_forward_flops(cfg)
+    """Per token of the training forward; under gated_hybrid the decoder runs twice (recurrent, fused)."""
+    kind = cfg.backbone.kind
+    hash_io = hash_encoder_forward_flops(cfg) + hash_decoder_forward_flops(cfg)
+    if kind == "qwen3":
+        return backbone_forward_flops(cfg.backbone, seq_len) + hash_io
+    total = triple_stack_forward_flops(cfg, kind, seq_len)
+    if triple_parts(kind)["memory"]:
+        total += memory_forward_flops(cfg, seq_len) + seq_len * hash_decoder_forward_flops(cfg)
+    return total // seq_len + hash_io
 
 
 def qwen3_params(cfg: ModelConfig) -> int:
@@ -139,38 +154,65 @@ TRIPLE_STACKS: dict[str, dict[str, bool]] = {
 }
 
 
-def _variant(family: str) -> dict[str, bool]:
-    parts = TRIPLE_STACKS[family]
+def triple_parts(kind: str) -> dict[str, bool]:
+    """{"slots", "conv", "memory"} -> whether the triple-latent variant `kind` has that part."""
+    parts = TRIPLE_STACKS[kind]
     return {part: parts.get(part, False) for part in ("slots", "conv", "memory")}
 
 
-def triple_params(cfg: ModelConfig) -> int:
-    bb, parts = cfg.backbone, _variant(cfg.family)
+def triple_stack_params(cfg: ModelConfig, kind: str) -> int:
+    """A `TripleStack`: the blocks, the final norm and the conv path; no embedding, head or memory."""
+    bb, parts = cfg.backbone, triple_parts(kind)
     slots = cfg.triple.num_slots if parts["slots"] else 0
     block = 2 * bb.hidden_size + mixer_params(cfg, slots) + 3 * bb.hidden_size * bb.intermediate_size
-    total = embedding_params(cfg) + bb.num_layers * block + bb.hidden_size
+    total = bb.num_layers * block + bb.hidden_size
     if parts["conv"]:
         total += bb.hidden_size * (1 + cfg.triple.conv_kernel + bb.hidden_size)
-    if parts["memory"]:
-        memory_dim = cfg.triple_widths()[2]
-        total += 4 * bb.hidden_size * memory_dim + 2 * bb.hidden_size + 1
     return total
 
 
-def triple_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
-    bb, parts = cfg.backbone, _variant(cfg.family)
+def memory_params(cfg: ModelConfig) -> int:
+    """gated_hybrid's key-value memory: q, k, v and out projections and the gate."""
+    memory_dim = cfg.triple_widths()[2]
+    return 4 * cfg.backbone.hidden_size * memory_dim + 2 * cfg.backbone.hidden_size + 1
+
+
+def triple_stack_forward_flops(cfg: ModelConfig, kind: str, seq_len: int) -> int:
+    """FLOPs of a `TripleStack` over a whole sequence."""
+    bb, parts = cfg.backbone, triple_parts(kind)
     slots = cfg.triple.num_slots if parts["slots"] else 0
-    d_model, vocab = bb.hidden_size, cfg.vocab_size
+    d_model = bb.hidden_size
     total = bb.num_layers * mixer_forward_flops(cfg, seq_len, slots)
-    total += seq_len * (bb.num_layers * 6 * d_model * bb.intermediate_size + 2 * d_model * vocab)
+    total += seq_len * bb.num_layers * 6 * d_model * bb.intermediate_size
     if parts["conv"]:
         total += seq_len * 2 * d_model * d_model  # the depthwise kernel is element-wise products
-    if parts["memory"]:
-        memory_dim = cfg.triple_widths()[2]
-        pairs = seq_len - 1
-        per_token = 2 * 4 * d_model * memory_dim + 2 * 2 * d_model + 2 * d_model * vocab
-        total += seq_len * per_token + 2 * seq_len * pairs * memory_dim
-        total += 2 * seq_len * min(cfg.triple.memory_top_k, pairs) * memory_dim if pairs else 0
+    return total
+
+
+def memory_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
+    """FLOPs of the memory over a whole sequence: projections, gate, scores and the top-k read."""
+    d_model, memory_dim = cfg.backbone.hidden_size, cfg.triple_widths()[2]
+    pairs = seq_len - 1
+    total = seq_len * (2 * 4 * d_model * memory_dim + 2 * 2 * d_model) + 2 * seq_len * pairs * memory_dim
+    return total + (2 * seq_len * min(cfg.triple.memory_top_k, pairs) * memory_dim if pairs else 0)
+
+
+def triple_body_params(cfg: ModelConfig, kind: str) -> int:
+    """Everything of a triple-latent model of variant `kind` but its input and output layers."""
+    memory = memory_params(cfg) if triple_parts(kind)["memory"] else 0
+    return triple_stack_params(cfg, kind) + memory
+
+
+def triple_params(cfg: ModelConfig) -> int:
+    return embedding_params(cfg) + triple_body_params(cfg, cfg.family)
+
+
+def triple_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
+    """Per token; gated_hybrid's head also reads the retrieved vector (a second V-way product)."""
+    head = seq_len * 2 * cfg.backbone.hidden_size * cfg.vocab_size
+    total = triple_stack_forward_flops(cfg, cfg.family, seq_len) + head
+    if triple_parts(cfg.family)["memory"]:
+        total += memory_forward_flops(cfg, seq_len) + head
     return total // seq_len
 
 
@@ -187,9 +229,16 @@ def with_intermediate(cfg: ModelConfig, intermediate_size: int) -> ModelConfig:
     return cfg.model_copy(update={"backbone": backbone})
 
 
+def match_target_params(cfg: ModelConfig) -> int:
+    """What `model.triple.match_params` matches: the qwen3 baseline or the mhf model (`match_to`)."""
+    if cfg.triple.match_to == "mhf":
+        return mhf_params(cfg)
+    return qwen3_params(cfg)
+
+
 def param_matched_intermediate(cfg: ModelConfig, params: Callable[[ModelConfig], int]) -> tuple[int, int]:
-    """MLP width giving `params` closest to the qwen3 baseline of `cfg`: (intermediate_size, residual)."""
-    target = qwen3_params(cfg)
+    """MLP width giving `params` closest to `match_target_params(cfg)`: (intermediate_size, residual)."""
+    target = match_target_params(cfg)
     base = params(with_intermediate(cfg, 1))
     slope = params(with_intermediate(cfg, 2)) - base
     estimate = max(1, 1 + (target - base) // slope)

@@ -3,9 +3,10 @@
 Every adjacent token pair (e_{j-1}, e_j) of the input embeddings is a memory entry: key W_k e_{j-1},
 value W_v e_j. The query at position t is W_q e_t (the current token), so after "... k v ... k" the
 key of the pair (k, v) matches and v is read back. Each query keeps its `top_k` most similar keys
-among the pairs completed so far (j <= t), weights them by a softmax over those scores, and the
-retrieved vector becomes memory logits (through the LM head, its weight detached) that a learned
-gate adds to the recurrent model's logits (late fusion).
+among the pairs completed so far (j <= t), weights them by a softmax over those scores, and a learned
+gate scales the retrieved vector. A standard model turns it into memory logits through its LM head
+(weight detached) added to the recurrent logits (late fusion); under hash I/O it is added to the
+final hidden state the hash decoder reads.
 
 The whole search is tensor operations (one score matrix and `topk` per sequence), not a loop over
 positions; generation keeps the keys and values in a cache and scores one query against them.
@@ -38,17 +39,10 @@ class KeyValueMemory(nn.Module):
         self.gate = nn.Linear(2 * d_model, 1)
 
     def forward(
-        self,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        head: nn.Module,
-        cache: MemoryCache | None = None,
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cache: MemoryCache | None = None
     ) -> tuple[torch.Tensor, MemoryCache]:
-        """Gated memory logits [B, T, V] for `embeds` [B, T, d] read after `cache`, and the new cache.
-
-        Callers pass detached `embeds` and `hidden` (the recurrent stack's output); `head(x, True)`
-        maps a vector to logits with the LM head's weight detached.
-        """
+        """The gated retrieved vector [B, T, d] for `embeds` [B, T, d] read after `cache`, and the new
+        cache. Callers pass detached `embeds` and `hidden` (the recurrent stack's output)."""
         keys, values = self.k_proj(embeds), self.v_proj(embeds)
         if cache is None:
             pair_keys, pair_values = keys[:, :-1], values[:, 1:]
@@ -60,7 +54,7 @@ class KeyValueMemory(nn.Module):
         out = self.out_proj(retrieved)
         gate = torch.sigmoid(self.gate(torch.cat([hidden, out], dim=-1)))
         new_cache = MemoryCache(pair_keys, pair_values, keys[:, -1:])
-        return gate * head(out, True), new_cache
+        return gate * out, new_cache
 
     def _retrieve(
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: int

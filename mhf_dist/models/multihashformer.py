@@ -1,7 +1,10 @@
-"""MultiHashFormer: hash encoder -> Qwen3 backbone -> cascaded hash decoder.
+"""MultiHashFormer: hash encoder -> a stack (Qwen3 or triple-latent) -> cascaded hash decoder.
 
 Parameters depend on the number of buckets B, not on the vocabulary V: the vocabulary lives only in
-the [V, H] signature buffer, which exact scoring uses to renormalise over the real tokens V_actl.
+the [V, H] signature buffer, which exact scoring uses to renormalise over the real tokens V_actl. The
+stack (`model.backbone.kind`) sees vectors in and hidden states out, so the encoder and decoder are
+the same code over every backbone. Over a triple-latent stack (except gated_hybrid, whose memory keeps
+every token pair) neither the parameters nor the generation state grow with V or with the context.
 """
 
 from __future__ import annotations
@@ -9,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache, Qwen3Model
+from torch import nn
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.errors import SignatureError
 from mhf_dist.models.base import CausalLM, LMOutput, split_rows
+from mhf_dist.models.counting import triple_parts
 from mhf_dist.models.hash_io import (
     CascadedHashDecoder,
     HashEncoder,
@@ -22,7 +26,18 @@ from mhf_dist.models.hash_io import (
     vocab_logprobs,
     vocab_logsumexp,
 )
-from mhf_dist.models.qwen3 import qwen3_config
+from mhf_dist.models.kv_memory import KeyValueMemory
+from mhf_dist.models.qwen3 import Qwen3Stack
+from mhf_dist.models.triple_latent import TripleStack, memory_read
+
+
+def build_stack(cfg: ModelConfig) -> nn.Module:
+    """The stack `model.backbone.kind` names: Qwen3's decoder layers or a triple-latent stack."""
+    kind = cfg.backbone.kind
+    if kind == "qwen3":
+        return Qwen3Stack(cfg.backbone)
+    parts = triple_parts(kind)
+    return TripleStack(cfg, slots=parts["slots"], conv=parts["conv"])
 
 
 class MultiHashFormer(CausalLM):
@@ -35,9 +50,12 @@ class MultiHashFormer(CausalLM):
         self.vocab_size = cfg.vocab_size
 
         self.encoder = HashEncoder(num_hashes, num_buckets, d_hash, cfg.hash.gate_hidden, d_model)
-        self.backbone = Qwen3Model(qwen3_config(cfg.backbone, vocab_size=1))
-        del self.backbone.embed_tokens  # inputs arrive as `inputs_embeds` from the hash encoder
+        self.backbone = build_stack(cfg)
         self.decoder = CascadedHashDecoder(d_model, num_hashes, num_buckets, d_casc, mixer_hidden)
+        self.memory = None
+        if cfg.backbone.kind != "qwen3" and triple_parts(cfg.backbone.kind)["memory"]:
+            _, _, memory_dim = cfg.triple_widths()
+            self.memory = KeyValueMemory(d_model, memory_dim, cfg.triple.memory_top_k)
         # The vocabulary's signatures: saved beside the weights as a SignatureTable, not in the state dict.
         self.register_buffer("vocab_signatures", vocab_signatures.long(), persistent=False)
 
@@ -51,22 +69,39 @@ class MultiHashFormer(CausalLM):
             )
         return self.vocab_signatures[ids]
 
-    def hidden_states(self, input_sigs: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+    def hidden_states(self, input_sigs: torch.Tensor, state: Any | None = None) -> torch.Tensor:
+        """What the decoder reads: the stack's output, plus the gated memory read under gated_hybrid."""
         embeds = self.encoder(input_sigs)
-        return self.backbone(inputs_embeds=embeds, cache=cache, use_cache=cache is not None).last_hidden_state
+        hidden = self.backbone.run(embeds, state)
+        if self.memory is not None:
+            hidden = hidden + memory_read(self.memory, embeds, hidden, state)
+        return hidden
 
-    def coord_logprobs(self, inputs: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+    def coord_logprobs(self, inputs: torch.Tensor, state: Any | None = None) -> torch.Tensor:
         """log P_j(b | prefix) for every position, coordinate and bucket: [B, T, H, B]."""
-        hidden = self.hidden_states(self.signatures_of(inputs), cache)
+        hidden = self.hidden_states(self.signatures_of(inputs), state)
         return torch.stack(self.decoder(hidden), dim=-2)
 
     def forward(self, tokens: torch.Tensor, signatures: torch.Tensor | None = None) -> LMOutput:
         sigs = self.signatures_of(tokens) if signatures is None else signatures.long()
         input_sigs, target_sigs = split_rows(sigs)
-        coord_logps = self.decoder(self.hidden_states(input_sigs))
-        loss, accuracy = signature_loss(coord_logps, target_sigs)
-        metrics = {"loss": loss.item(), **{f"acc_{j}": acc.item() for j, acc in enumerate(accuracy)}}
-        return LMOutput(loss, metrics)
+        if self.memory is not None:
+            return self._forward_with_memory(input_sigs, target_sigs)
+        loss, accuracy = signature_loss(self.decoder(self.hidden_states(input_sigs)), target_sigs)
+        return LMOutput(loss, _metrics(loss, accuracy))
+
+    def _forward_with_memory(self, input_sigs: torch.Tensor, target_sigs: torch.Tensor) -> LMOutput:
+        # As in gated_hybrid: the recurrent path learns alone; the fused path reads the stack's output
+        # detached, so the retrieval path's gradient reaches neither the stack nor the encoder. The
+        # decoder is the read-out of both paths and learns from both losses (a V-way head can be used
+        # with its weight detached; the cascaded decoder cannot without bypassing ZeRO-3's gathering).
+        embeds = self.encoder(input_sigs)
+        hidden = self.backbone.run(embeds)
+        recurrent_loss, _ = signature_loss(self.decoder(hidden), target_sigs)
+        fused = hidden.detach() + memory_read(self.memory, embeds, hidden, None)
+        fused_loss, accuracy = signature_loss(self.decoder(fused), target_sigs)
+        metrics = {**_metrics(fused_loss, accuracy), "recurrent_loss": recurrent_loss.item()}
+        return LMOutput(recurrent_loss + fused_loss, metrics)
 
     def token_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         coord_logp = self.coord_logprobs(inputs).flatten(0, 1)  # [N, H, B]
@@ -77,12 +112,16 @@ class MultiHashFormer(CausalLM):
         coord_logp = self.coord_logprobs(new_ids, cache)[:, -1]
         return vocab_logprobs(coord_logp, self.vocab_signatures), cache
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.backbone.config)
+    def new_cache(self) -> Any:
+        """The stack's decoding state: a KV cache (qwen3) or a `RecurrentState` (triple-latent stacks)."""
+        return self.backbone.new_state()
 
     def layer_states(self, tokens: torch.Tensor, layer: int) -> torch.Tensor:
-        embeds = self.encoder(self.signatures_of(tokens))
-        return self.backbone(inputs_embeds=embeds, output_hidden_states=True).hidden_states[layer]
+        return self.backbone.layer_states(self.encoder(self.signatures_of(tokens)), layer)
+
+
+def _metrics(loss: torch.Tensor, accuracy: torch.Tensor) -> dict[str, float]:
+    return {"loss": loss.item(), **{f"acc_{j}": acc.item() for j, acc in enumerate(accuracy)}}
 
 
 def _check_signatures(sigs: torch.Tensor, vocab_size: int, num_hashes: int, num_buckets: int) -> None:

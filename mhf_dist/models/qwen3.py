@@ -1,9 +1,10 @@
-"""Qwen3 baselines: transformers' `Qwen3ForCausalLM` on the same backbone config as the MHF model."""
+"""Qwen3 in two roles: the baselines (transformers' `Qwen3ForCausalLM` on the same backbone config as
+the MHF model) and `Qwen3Stack`, the decoder layers alone as a stack under hash I/O."""
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from mhf_dist.config import BackboneConfig, ModelConfig
 from mhf_dist.models.base import LogitsLM
@@ -45,3 +46,24 @@ class Qwen3LM(LogitsLM):
 
     def layer_states(self, tokens: torch.Tensor, layer: int) -> torch.Tensor:
         return self.model.model(input_ids=tokens, output_hidden_states=True).hidden_states[layer]
+
+
+class Qwen3Stack(Qwen3Model):
+    """Qwen3's decoder layers and final norm, fed vectors (`inputs_embeds`): its token table is removed.
+
+    A stack offers `run(embeds, state)` -> final hidden states, `new_state()` for incremental decoding
+    (here transformers' KV cache) and `layer_states(embeds, layer)`; `TripleStack` offers the same.
+    """
+
+    def __init__(self, backbone: BackboneConfig) -> None:
+        super().__init__(qwen3_config(backbone, vocab_size=1))
+        del self.embed_tokens
+
+    def run(self, embeds: torch.Tensor, state: DynamicCache | None = None) -> torch.Tensor:
+        return self(inputs_embeds=embeds, cache=state, use_cache=state is not None).last_hidden_state
+
+    def new_state(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def layer_states(self, embeds: torch.Tensor, layer: int) -> torch.Tensor:
+        return self(inputs_embeds=embeds, output_hidden_states=True).hidden_states[layer]

@@ -94,7 +94,8 @@ register(
 
 
 def _mlp_matched(params: Callable[[ModelConfig], int]) -> Callable[[ModelConfig], ModelConfig]:
-    """`model.triple.match_params`: the MLP width whose parameter count is closest to qwen3's."""
+    """`model.triple.match_params`: the MLP width whose parameter count is closest to the
+    `model.triple.match_to` model's (the qwen3 baseline, or mhf over `model.backbone.kind`)."""
 
     def resolve(cfg: ModelConfig) -> ModelConfig:
         if not cfg.triple.match_params:

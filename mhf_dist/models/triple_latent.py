@@ -1,5 +1,8 @@
 """The triple-latent family: token ids -> (local conv path) -> triple-latent blocks -> logits.
 
+The blocks between embedding and head form a `TripleStack`, which MultiHashFormer can also run
+between its hash encoder and decoder (`model.backbone.kind`).
+
     triple_latent            embedding, blocks of [triple-latent mixer, SwiGLU MLP], tied head
     triple_slot              the same with the slot memory (rank-M factored pair memory)
     triple_hybrid            a causal local convolution path before the blocks
@@ -68,39 +71,30 @@ class TripleBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x)), state
 
 
-class TripleLatentLM(LogitsLM):
-    """triple_latent, triple_slot, triple_hybrid and gated_hybrid, chosen by the three switches."""
+class TripleStack(nn.Module):
+    """Vectors in, hidden states out: (the local conv path) -> triple-latent blocks -> final norm.
 
-    def __init__(
-        self, cfg: ModelConfig, slots: bool = False, conv: bool = False, memory: bool = False
-    ) -> None:
+    The stack of `TripleLatentLM` and of MultiHashFormer over a triple-latent backbone; like
+    `Qwen3Stack` it offers `run`, `new_state` and `layer_states`. Its state is a `RecurrentState`.
+    """
+
+    def __init__(self, cfg: ModelConfig, slots: bool = False, conv: bool = False) -> None:
         super().__init__()
         bb = cfg.backbone
-        self.vocab_size = cfg.vocab_size
-        self.embed = nn.Embedding(cfg.vocab_size, bb.hidden_size)
-        nn.init.normal_(self.embed.weight, std=0.02)  # as transformers initialises Qwen3's table
         self.conv = CausalConvPath(bb.hidden_size, cfg.triple.conv_kernel, bb.rms_norm_eps) if conv else None
         self.blocks = nn.ModuleList(
             TripleBlock(cfg, cfg.triple.num_slots if slots else 0) for _ in range(bb.num_layers)
         )
         self.norm = nn.RMSNorm(bb.hidden_size, eps=bb.rms_norm_eps)
-        self.head = OutputHead(bb.hidden_size, cfg.vocab_size, bias=False)
-        if bb.tie_word_embeddings:
-            self.head.weight = self.embed.weight
-        _, _, memory_dim = cfg.triple_widths()
-        self.memory = KeyValueMemory(bb.hidden_size, memory_dim, cfg.triple.memory_top_k) if memory else None
 
-    def new_cache(self) -> RecurrentState:
+    def new_state(self) -> RecurrentState:
         return RecurrentState()
 
-    def run(
-        self, inputs: torch.Tensor, state: RecurrentState | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """(embeddings, final hidden, hidden states per layer as in transformers) of `inputs` [B, T].
+    def hidden_states(self, embeds: torch.Tensor, state: RecurrentState | None = None) -> list[torch.Tensor]:
+        """Hidden states per layer as in transformers (0: the input, last: the normed output).
 
         With a `state`, reads after it and updates it in place.
         """
-        embeds = self.embed(inputs)
         x = embeds
         if self.conv is not None:
             x, conv_window = self.conv(x, state.conv if state is not None else None)
@@ -116,25 +110,62 @@ class TripleLatentLM(LogitsLM):
             state.layers = new_states
             if self.conv is not None:
                 state.conv = conv_window
-        return embeds, hidden[-1], hidden
+        return hidden
+
+    def run(self, embeds: torch.Tensor, state: RecurrentState | None = None) -> torch.Tensor:
+        return self.hidden_states(embeds, state)[-1]
+
+    def layer_states(self, embeds: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.hidden_states(embeds)[layer]
+
+
+def memory_read(
+    memory: KeyValueMemory, embeds: torch.Tensor, hidden: torch.Tensor, state: RecurrentState | None
+) -> torch.Tensor:
+    """The gated retrieved vector [B, T, d] of gated_hybrid's memory, whatever the model's I/O.
+
+    Isolation: the memory reads detached embeddings and hidden states and writes only into its own
+    cache and its output, never into the recurrent state.
+    """
+    vector, cache = memory(embeds.detach(), hidden.detach(), state.memory if state else None)
+    if state is not None:
+        state.memory = cache
+    return vector
+
+
+class TripleLatentLM(LogitsLM):
+    """triple_latent, triple_slot, triple_hybrid and gated_hybrid, chosen by the three switches."""
+
+    def __init__(
+        self, cfg: ModelConfig, slots: bool = False, conv: bool = False, memory: bool = False
+    ) -> None:
+        super().__init__()
+        bb = cfg.backbone
+        self.vocab_size = cfg.vocab_size
+        self.embed = nn.Embedding(cfg.vocab_size, bb.hidden_size)
+        nn.init.normal_(self.embed.weight, std=0.02)  # as transformers initialises Qwen3's table
+        self.stack = TripleStack(cfg, slots, conv)
+        self.head = OutputHead(bb.hidden_size, cfg.vocab_size, bias=False)
+        if bb.tie_word_embeddings:
+            self.head.weight = self.embed.weight
+        _, _, memory_dim = cfg.triple_widths()
+        self.memory = KeyValueMemory(bb.hidden_size, memory_dim, cfg.triple.memory_top_k) if memory else None
+
+    def new_cache(self) -> RecurrentState:
+        return self.stack.new_state()
 
     def _memory_logits(
         self, embeds: torch.Tensor, hidden: torch.Tensor, state: RecurrentState | None
     ) -> torch.Tensor:
-        # Isolation: the memory reads detached embeddings, hidden states and head weight and writes
-        # only into its own cache and the logits, never into the recurrent state; training adds its loss
+        # The head reads the retrieved vector with its weight detached; training adds the memory's loss
         # on logits whose recurrent part is detached (see `forward`), so no gradient of the retrieval
         # path reaches the recurrent stack, the embedding or the head.
         assert self.memory is not None
-        memory_logits, cache = self.memory(
-            embeds.detach(), hidden.detach(), self.head, state.memory if state else None
-        )
-        if state is not None:
-            state.memory = cache
-        return memory_logits
+        return self.head(memory_read(self.memory, embeds, hidden, state), detach_weight=True)
 
     def logits(self, inputs: torch.Tensor, cache: RecurrentState | None = None) -> torch.Tensor:
-        embeds, hidden, _ = self.run(inputs, cache)
+        embeds = self.embed(inputs)
+        hidden = self.stack.run(embeds, cache)
         logits = self.head(hidden)
         if self.memory is not None:
             logits = logits + self._memory_logits(embeds, hidden, cache)
@@ -146,7 +177,8 @@ class TripleLatentLM(LogitsLM):
         # Two losses: the recurrent logits learn alone (exactly the gradients of the stack without the
         # memory); the fused logits, with the recurrent part detached, train only the memory and gate.
         inputs, targets = split_rows(tokens)
-        embeds, hidden, _ = self.run(inputs)
+        embeds = self.embed(inputs)
+        hidden = self.stack.run(embeds)
         recurrent = self.head(hidden)
         fused = recurrent.detach() + self._memory_logits(embeds, hidden, None)
         recurrent_loss = F.cross_entropy(recurrent.flatten(0, 1).float(), targets.flatten())
@@ -161,7 +193,7 @@ class TripleLatentLM(LogitsLM):
         return LMOutput(recurrent_loss + fused_loss, metrics)
 
     def layer_states(self, tokens: torch.Tensor, layer: int) -> torch.Tensor:
-        return self.run(tokens)[2][layer]
+        return self.stack.layer_states(self.embed(tokens), layer)
 
 
 class TransformerPlusTriple(LogitsLM):

@@ -79,6 +79,7 @@ class DeepSpeedStepper:
     ) -> None:
         import deepspeed
 
+        self.zero_stage = zero_stage
         optimizer, scheduler = build_optimizer(model, cfg)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model,
@@ -93,8 +94,13 @@ class DeepSpeedStepper:
         lr = self.scheduler.get_last_lr()[0]
         output = self.engine(**batch)
         self.engine.backward(output.loss)
+        # DeepSpeed reports the global norm from its ZeRO optimizers only; at stage 0 every rank holds
+        # the whole all-reduced gradients, so the norm (before clipping, as DeepSpeed's) is taken here.
+        whole_norm = self._whole_grad_norm() if self.zero_stage == 0 else None
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is None:
+            grad_norm = whole_norm
         # The mean over workers, so every rank logs and checks the same number (a NaN stops all of them).
         names = list(output.metrics)
         values = torch.tensor([output.metrics[name] for name in names], dtype=torch.float64)
@@ -106,6 +112,10 @@ class DeepSpeedStepper:
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         }
+
+    def _whole_grad_norm(self) -> float | None:
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else None
 
     def whole_parameters(self) -> AbstractContextManager:
         """Inside this context every rank holds the full parameters (ZeRO-3 gathers its shards)."""

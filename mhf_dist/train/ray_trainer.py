@@ -179,6 +179,7 @@ def _tags(cfg: Config, options: TrainOptions, manifest: dict[str, Any]) -> dict[
 
     return {
         "family": cfg.model.family,
+        "backbone": cfg.model.backbone.kind,
         "preset": cfg.preset or "custom",
         "seed": cfg.train.seed,
         "param_count": param_count(cfg.model),
