@@ -10,6 +10,7 @@ Hindi tokens and continues pretraining on mixed text.
    tokenizers) on held-out PUD sentences, before and after; parameters added (mhf 0, qwen3 dV x d).
 
     python jobs/cpt_multilingual.py                      # tiny models, a few minutes on 2 CPUs
+    python jobs/cpt_multilingual.py --seeds 0 1 2        # three seeds (a rerun skips the finished ones)
     python jobs/cpt_multilingual.py --preset 100m --base-steps 5000 --cpt-steps 2000 --workers 8
     ray job submit --working-dir . -- python jobs/cpt_multilingual.py ...   # on a Ray cluster
 
@@ -19,6 +20,8 @@ Results: <workdir>/results.json and a Markdown table on stdout; every run is in 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -69,6 +72,7 @@ def main() -> None:
     parser.add_argument("--cpt-steps", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=512, help="BPE tokens learned from ar+zh+hi")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="train.seed of each repeat")
     parser.add_argument("--workdir", type=Path, default=Path("runs/jobs/cpt-multilingual"))
     parser.add_argument("--shared", type=Path, default=SHARED, help="the shared data directory")
     args = parser.parse_args()
@@ -82,10 +86,9 @@ def main() -> None:
     wiki = args.shared / "wikitext-2-raw" / "wiki.valid.raw"
     english = str(wiki) if wiki.is_file() else "builtin"
     train_text, held_out = language_texts(args.shared)
-    base = load_config(
-        args.preset,
-        [f"data.corpus={english}", f"data.path={workdir / 'english'}", f"train.steps={args.base_steps}"],
-    )
+    base_overrides = [f"data.corpus={english}", f"data.path={workdir / 'english'}"]
+    base_overrides.append(f"train.steps={args.base_steps}")
+    base = load_config(args.preset, base_overrides)
     if not (workdir / "english" / "manifest.json").is_file():
         prepare(base, base.data.path)
 
@@ -94,32 +97,39 @@ def main() -> None:
         workdir / "mixed.jsonl",
         "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in mixed_texts),
     )
-    results = []
-    for family in args.families:
-        family_cfg = base.model_copy(update={"model": base.model.model_copy(update={"family": family})})
+    settings = {k: str(v) for k, v in vars(args).items() if k != "seeds"}
+    results_file = workdir / "results.json"
+    previous = json.loads(results_file.read_text()) if results_file.is_file() else {}
+    results = previous.get("results", []) if previous.get("args") == settings else []
+    done = {(row["family"], row.get("seed", 0)) for row in results}
+    for seed, family in itertools.product(args.seeds, args.families):
+        if (family, seed) in done:
+            print(f"{family} seed {seed}: found in {results_file}; not run again")
+            continue
+        seeded = [f"train.seed={seed}"]
+        family_cfg = load_config(args.preset, [*base_overrides, *seeded, f"model.family={family}"])
+        options = TrainOptions(workers=args.workers, storage=str(workdir / "runs"))
         parent = (
-            train(
-                family_cfg,
-                TrainOptions(workers=args.workers, storage=str(workdir / "runs"), name=f"{family}-english"),
-            ).checkpoint
+            train(family_cfg, dataclasses.replace(options, name=f"{family}-english-seed{seed}")).checkpoint
             / MODEL_DIR
         )
         before = scores(parent, held_out, base.train.seq_len)
 
-        cpt_cfg = load_config(args.preset, [f"data.corpus={mixed}", f"train.steps={args.cpt_steps}"])
+        cpt_cfg = load_config(args.preset, [f"data.corpus={mixed}", f"train.steps={args.cpt_steps}", *seeded])
         cpt = run_cpt(
             cpt_cfg,
             str(parent),
             lambda old: old.with_trained_tokens(
                 [text for language in NEW_LANGUAGES for text in train_text[language]], args.new_tokens
             ),
-            TrainOptions(workers=args.workers, storage=str(workdir / "runs"), name=f"{family}-cpt"),
+            dataclasses.replace(options, name=f"{family}-cpt-seed{seed}"),
         )
         after = scores(cpt.train_result.checkpoint / MODEL_DIR, held_out, base.train.seq_len)
         for language in held_out:
             results.append(
                 {
                     "family": family,
+                    "seed": seed,
                     "language": language,
                     "bpb_before": before[language]["bits_per_byte"],
                     "bpb_after": after[language]["bits_per_byte"],
@@ -131,11 +141,10 @@ def main() -> None:
                     "params_added": cpt.expansion.params_added,
                 }
             )
-    columns = list(results[0])
-    print(markdown_table(results, columns))
-    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "english": english, "results": results}
-    write_json_atomic(workdir / "results.json", payload)
-    print(f"wrote {workdir / 'results.json'}")
+        payload = {"args": settings, "english": english, "results": results}
+        write_json_atomic(results_file, payload)  # after each run: a rerun skips what is done
+    print(markdown_table(results, list(results[0])))
+    print(f"wrote {results_file}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,229 @@
+"""The reproduction report's runs: the papers' claims at CPU scale, through mhf-dist's own commands.
+
+Tables 1, 3 and 4 are sweep files (jobs/report/, jobs/triple/) that `mhf sweep --prepare` runs as they
+are (a sweep that exists is resumed: finished trials are not rerun); this job runs them in order, reads
+every trial's final metrics back from MLflow (`mhf compare`'s reader) and draws `mhf compare`'s plots
+into benchmarks/report/. Table 2 is jobs/cpt_multilingual.py over three seeds. The numbers go to
+benchmarks/report/results.json, from which benchmarks/REPORT.md quotes its tables.
+
+    python jobs/report.py                  # every table
+    python jobs/report.py --tables 1 4     # tables 1 and 4 only (33 trials, ~1 h on 2 CPUs)
+
+Run it from the repository root: the configs name ../shared/data and runs/ relative to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from triple_benchmarks import PAPER  # the triple-latent paper's numbers, keyed by (sweep, family)
+
+from mhf_dist.compare import read_runs
+from mhf_dist.config import load_config
+from mhf_dist.data.corpus import builtin_documents
+from mhf_dist.data.prepare import is_validation
+from mhf_dist.files import write_json_atomic, write_text_atomic
+from mhf_dist.sweep.runner import SWEEP_FILE, sweep_dir
+from mhf_dist.sweep.spec import SweepConfig, load_sweep
+from mhf_dist.tables import markdown_table
+from mhf_dist.tracking import tracking_uri
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = Path("jobs")
+OUT = Path("benchmarks/report")
+RESULTS = OUT / "results.json"
+REPORT = Path("benchmarks/REPORT.md")
+# table -> its row sources: a name and the sweep files (under jobs/) whose trials it aggregates by group
+TABLES = {
+    "1": {
+        "builtin": ["report/mhf-vs-qwen3-builtin.sweep.yaml"],
+        "wikitext-8k": ["report/mhf-vs-qwen3-wikitext-8k.sweep.yaml"],
+        "wikitext-16k": ["report/mhf-vs-qwen3-wikitext-16k.sweep.yaml"],
+    },
+    "3": {
+        "bytes-width": ["triple/bytes_width.sweep.yaml"],
+        "bytes-params": ["triple/bytes_params.sweep.yaml"],
+        "minimind": ["triple/minimind.sweep.yaml"],
+        "recall": ["triple/recall.sweep.yaml", "report/triple-recall-seeds34.sweep.yaml"],  # 5 seeds
+    },
+    "4": {"hash-triple": ["report/hash-triple.sweep.yaml"]},
+}
+# metric logged by the trials -> what it is; a source reports its sweep's metric (with its siblings from
+# the same `mhf eval` task) and training throughput
+METRICS = {
+    "eval.ppl.nll": "NLL (nats/token)",
+    "eval.ppl.ppl": "perplexity",
+    "eval.ppl.bits_per_byte": "bits/byte",
+    "eval.bpb.bits_per_byte": "bits/byte",
+    "eval.recall.acc": "recall accuracy",
+    "tokens_per_s": "tokens/s",
+}
+BUILTIN_VALIDATION = Path("runs/report/builtin-validation.txt")
+CPT_SEEDS = ("0", "1", "2")
+CPT_RESULTS = Path("runs/jobs/cpt-multilingual/results.json")
+
+
+def mhf(*args: str) -> None:
+    """One `mhf` command, echoed as the report quotes it; a failure stops the job."""
+    print("$ mhf " + " ".join(args), flush=True)
+    subprocess.run([sys.executable, "-m", "mhf_dist.cli", *args], check=True)
+
+
+def write_builtin_validation() -> None:
+    """The built-in corpus's documents that `mhf prepare` holds out, one per paragraph, for `mhf eval`."""
+    val_percent = load_config(str(JOBS / "report" / "builtin.yaml")).data.val_percent
+    held_out = [doc for doc in builtin_documents() if is_validation(doc, val_percent)]
+    # `mhf eval` splits a text file at blank lines: a document keeps its lines but not its blank ones.
+    paragraphs = [re.sub(r"\n\s*\n", "\n", doc.strip()) for doc in held_out]
+    BUILTIN_VALIDATION.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(BUILTIN_VALIDATION, "\n\n".join(paragraphs) + "\n")
+
+
+def run_sweep_file(sweep_file: str) -> tuple[SweepConfig, str]:
+    """`mhf sweep` (resumed where it exists) and `mhf compare`'s plots; returns the spec and parent run."""
+    spec = load_sweep(JOBS / sweep_file)
+    resume = ["--resume"] if (sweep_dir(spec) / SWEEP_FILE).is_file() else []
+    mhf("sweep", "--config", str(JOBS / sweep_file), "--prepare", *resume)
+    parent = json.loads((sweep_dir(spec) / SWEEP_FILE).read_text())["parent_run_id"]
+    mhf("compare", "--experiment", spec.experiment, "--sweep", parent, "--metric", spec.metric,
+        "--storage", spec.storage, "--out", str(OUT / spec.name))  # fmt: skip
+    return spec, parent
+
+
+def source_rows(source: str, sweep_files: list[str]) -> list[dict[str, Any]]:
+    """One row per group over every sweep of the source: each metric's mean and std over the seeds."""
+    runs = [run_sweep_file(sweep_file) for sweep_file in sweep_files]
+    spec = runs[0][0]
+    task = spec.metric.rpartition(".")[0]
+    siblings = [metric for metric in METRICS if metric.startswith(task + ".")]
+    metrics = list(dict.fromkeys([spec.metric, *siblings, "tokens_per_s"]))
+    values: dict[str, dict[str, list[float]]] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    for sweep, parent in runs:
+        for metric in metrics:
+            for curve in read_runs(tracking_uri(sweep.storage), sweep.experiment, metric, parent):
+                row = {"source": source, "group": curve.group, "params": curve.params}
+                rows.setdefault(curve.group, row | {"param_residual": curve.param_residual})
+                values.setdefault(curve.group, {}).setdefault(metric, []).append(curve.final)
+    for group, row in rows.items():
+        row["n_seeds"] = len(values[group][spec.metric])
+        for metric in metrics:
+            found = values[group].get(metric, [])
+            row[f"{metric}.mean"] = statistics.fmean(found)
+            row[f"{metric}.std"] = statistics.stdev(found) if len(found) > 1 else 0.0
+        cv = row[f"{spec.metric}.std"] / abs(row[f"{spec.metric}.mean"])
+        row |= {"metric": spec.metric, "cv": cv, "unstable": cv > spec.unstable_cv}
+        row["paper"] = PAPER.get((spec.name, group))
+    return list(rows.values())
+
+
+def cpt_rows() -> list[dict[str, Any]]:
+    """Table 2: the vocabulary-expansion job over three seeds, per family and language."""
+    command = [sys.executable, str(JOBS / "cpt_multilingual.py"), "--seeds", *CPT_SEEDS]
+    print("$ python " + " ".join(command[1:]), flush=True)
+    subprocess.run(command, check=True)
+    found: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in json.loads(CPT_RESULTS.read_text())["results"]:
+        found.setdefault((row["family"], row["language"]), []).append(row)
+    rows = []
+    for (family, language), runs in found.items():
+        row = {"family": family, "language": language, "n_seeds": len(runs), "vocab": runs[0]["vocab"]}
+        row["params_added"] = runs[0]["params_added"]
+        for key in ("nll_before", "nll_after", "bpb_before", "bpb_after"):
+            values = [run[key] for run in runs]
+            row[f"{key}.mean"] = statistics.fmean(values)
+            row[f"{key}.std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        rows.append(row)
+    return rows
+
+
+def mean_std(mean: float, std: float) -> str:
+    return f"{mean:,.0f} +- {std:,.0f}" if abs(mean) >= 1000 else f"{mean:.4g} +- {std:.2g}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    shown = []
+    for row in rows:
+        residual = row["param_residual"]
+        cells = {
+            "source": row["source"],
+            "model": row["group"],
+            "params": row["params"],
+            "vs reference": "" if residual is None else f"{residual:+,}",
+            "seeds": row["n_seeds"],
+        }
+        for key in row:
+            if key.endswith(".mean"):
+                metric = key.removesuffix(".mean")
+                cells[METRICS.get(metric, metric)] = mean_std(row[key], row[f"{metric}.std"])
+        paper = "" if row["paper"] is None else row["paper"]
+        shown.append(cells | {"cv": f"{row['cv']:.3f}", "unstable": row["unstable"], "paper": paper})
+    return markdown_table(shown, list(dict.fromkeys(key for cells in shown for key in cells)))
+
+
+def cpt_table(rows: list[dict[str, Any]]) -> str:
+    shown = [
+        {
+            "model": row["family"],
+            "language": row["language"],
+            "vocabulary": row["vocab"],
+            "params added": row["params_added"],
+            "seeds": row["n_seeds"],
+            **{
+                label: mean_std(row[f"{key}.mean"], row[f"{key}.std"])
+                for key, label in [
+                    ("nll_before", "NLL before"),
+                    ("nll_after", "NLL after"),
+                    ("bpb_before", "bits/byte before"),
+                    ("bpb_after", "bits/byte after"),
+                ]
+            },
+        }
+        for row in rows
+    ]
+    return markdown_table(shown, list(shown[0]))
+
+
+def render(name: str, rows: list[dict[str, Any]]) -> str:
+    return cpt_table(rows) if name == "2" else table(rows)
+
+
+def fill_report(results: dict[str, list[dict[str, Any]]]) -> None:
+    """Put each table between its `<!-- table N -->` and `<!-- /table N -->` markers in REPORT.md."""
+    text = REPORT.read_text(encoding="utf-8")
+    for name, rows in results.items():
+        rendered = render(name, rows)
+        pattern = re.compile(rf"(<!-- table {name} -->\n).*?(<!-- /table {name} -->)", re.DOTALL)
+        text = pattern.sub(lambda match, r=rendered: match[1] + r + "\n" + match[2], text)
+    write_text_atomic(REPORT, text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    choices = sorted([*TABLES, "2"])
+    parser.add_argument("--tables", nargs="+", choices=choices, default=choices)
+    args = parser.parse_args()
+    os.chdir(REPO)
+    write_builtin_validation()
+    results = json.loads(RESULTS.read_text())["tables"] if RESULTS.is_file() else {}
+    for name in args.tables:
+        sources = TABLES.get(name, {})
+        rows = [row for source, files in sources.items() for row in source_rows(source, files)]
+        results[name] = cpt_rows() if name == "2" else rows
+        print(f"table {name}:\n{render(name, results[name])}", flush=True)
+        write_json_atomic(RESULTS, {"benchmark": "report", "tables": results})
+    if REPORT.is_file():
+        fill_report(results)
+    print(f"wrote {RESULTS}" + (f" and the tables of {REPORT}" if REPORT.is_file() else ""))
+
+
+if __name__ == "__main__":
+    main()
