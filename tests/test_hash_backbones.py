@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.errors import ConfigError
 from mhf_dist.models import build_model, forward_flops_per_token, hash_io, param_count
@@ -164,6 +165,18 @@ def test_a_standard_triple_hybrid_can_be_matched_in_parameters_to_mhf_over_it():
     assert abs(param_count(cfg) - target) <= one_mlp_unit // 2 + 1
     assert resolved_config(cfg).backbone.intermediate_size != cfg.backbone.intermediate_size
     assert param_count(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
+
+
+def test_a_parameter_match_out_of_reach_is_an_error_and_mhf_count_says_so(capsys):
+    """At V=8,192 and width 64 the standard model's embedding alone outweighs the whole mhf model."""
+    overrides = ["model.vocab_size=8192", "model.triple.match_params=true", "model.triple.match_to=mhf"]
+    cfg = kind_cfg("triple_hybrid", "model.family=triple_hybrid", *overrides).model
+    with pytest.raises(ConfigError, match=r"MLP width of 1 .* model\.triple\.match_params=false"):
+        param_count(cfg)
+    sets = [f"--set={override}" for override in ["model.backbone.kind=triple_hybrid", *overrides]]
+    assert main(["count", *sets]) == 0
+    out = capsys.readouterr().out
+    assert "| mhf over triple_hybrid" in out and "\ntriple_hybrid: model.triple.match_params:" in out
 
 
 def test_a_stack_kind_belongs_to_mhf_or_to_its_own_family():

@@ -100,7 +100,14 @@ def _mlp_matched(params: Callable[[ModelConfig], int]) -> Callable[[ModelConfig]
     def resolve(cfg: ModelConfig) -> ModelConfig:
         if not cfg.triple.match_params:
             return cfg
-        return counting.with_intermediate(cfg, counting.param_matched_intermediate(cfg, params)[0])
+        size, residual = counting.param_matched_intermediate(cfg, params)
+        if residual > 3 * cfg.backbone.hidden_size * cfg.backbone.num_layers:  # more than one MLP unit over
+            raise ConfigError(
+                f"model.triple.match_params: {cfg.family} keeps {residual:,} parameters more than the "
+                f"{cfg.triple.match_to} model even with an MLP width of 1 (its vocabulary tables outweigh "
+                "it); widen the backbone, shrink the vocabulary or set model.triple.match_params=false"
+            )
+        return counting.with_intermediate(cfg, size)
 
     return resolve
 
