@@ -41,6 +41,7 @@ JOBS = Path("jobs")
 OUT = Path("benchmarks/report")
 RESULTS = OUT / "results.json"
 REPORT = Path("benchmarks/REPORT.md")
+BENCHMARKS = Path("benchmarks/results")
 # table -> its row sources: a name and the sweep files (under jobs/) whose trials it aggregates by group
 TABLES = {
     "1": {
@@ -169,6 +170,51 @@ def table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(shown, list(dict.fromkeys(key for cells in shown for key in cells)))
 
 
+def benchmark_row(what: str, value: float, target: float | None, higher_is_better: bool = False) -> dict:
+    met = None if target is None else (value >= target if higher_is_better else value <= target)
+    bound = "" if target is None else f"{'>=' if higher_is_better else '<='} {target:g}"
+    return {"measurement": what, "value": value, "target": bound, "met": met}
+
+
+def benchmark_rows() -> list[dict[str, Any]]:
+    """Table 5: the latest result of every benchmark in benchmarks/results/, with its target."""
+    results = {path.stem: json.loads(path.read_text()) for path in BENCHMARKS.glob("*.json")}
+    rows = []
+
+    def add(benchmark: str, *args: Any, **kwargs: Any) -> None:
+        rows.append({"benchmark": benchmark, **benchmark_row(*args, **kwargs)})
+
+    for row in results["step_time"]["results"]:
+        v = f"V={row['vocab_size']:,}, {results['step_time']['preset']}"
+        add("step_time", f"train step mhf / qwen3 ({v})", row["step_ratio"], row["step_target"])
+        add("step_time", f"exact scoring mhf / qwen3 ({v})", row["score_ratio"], row["score_target"])
+    prepared = results["prepare_throughput"]["result"]
+    ratio, lookup = prepared["prepare_per_cpu_ratio"], prepared["lookup_tok_s"]
+    add("prepare_throughput", "mhf prepare per CPU / one-process baseline", ratio, prepared["target"], True)
+    add("prepare_throughput", "signature lookup, tokens/s", lookup, prepared["lookup_target"], True)
+    zero = results["zero_memory"]
+    for row in zero["results"][1:]:
+        target = zero["target_stage3_model_state"] if row["zero_stage"] == 3 else None
+        add("zero_memory", f"ZeRO-{row['zero_stage']} model state / ZeRO-0 (100m, 2 workers)",
+            row["model_state_vs_first"], target)  # fmt: skip
+    for row in results["triple_throughput"]["results"]:
+        if row["target"] is not None:
+            what = f"{row['family']} / qwen3 fwd+bwd time, seq {row['seq_len']}"
+            add("triple_throughput", what, row["time_ratio"], row["target"])
+    for row in results["hash_backbones"]["results"]:
+        if row["model"].endswith("+hash"):
+            what = f"{row['model']} / standard head, step time, V={row['vocab_size']:,}, seq {row['seq_len']}"
+            add("hash_backbones", what, row["step_vs_standard_io"], None)
+            add("hash_backbones", what.replace("step time", "peak memory"), row["mem_vs_standard_io"], None)
+    return rows
+
+
+def benchmark_table(rows: list[dict[str, Any]]) -> str:
+    verdict = {True: "met", False: "**missed**", None: "no target"}
+    shown = [row | {"value": f"{row['value']:.3g}", "met": verdict[row["met"]]} for row in rows]
+    return markdown_table(shown, list(shown[0]))
+
+
 def cpt_table(rows: list[dict[str, Any]]) -> str:
     shown = [
         {
@@ -193,7 +239,7 @@ def cpt_table(rows: list[dict[str, Any]]) -> str:
 
 
 def render(name: str, rows: list[dict[str, Any]]) -> str:
-    return cpt_table(rows) if name == "2" else table(rows)
+    return {"2": cpt_table, "5": benchmark_table}.get(name, table)(rows)
 
 
 def fill_report(results: dict[str, list[dict[str, Any]]]) -> None:
@@ -208,16 +254,20 @@ def fill_report(results: dict[str, list[dict[str, Any]]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    choices = sorted([*TABLES, "2"])
+    choices = sorted([*TABLES, "2", "5"])
     parser.add_argument("--tables", nargs="+", choices=choices, default=choices)
     args = parser.parse_args()
     os.chdir(REPO)
     write_builtin_validation()
     results = json.loads(RESULTS.read_text())["tables"] if RESULTS.is_file() else {}
     for name in args.tables:
-        sources = TABLES.get(name, {})
-        rows = [row for source, files in sources.items() for row in source_rows(source, files)]
-        results[name] = cpt_rows() if name == "2" else rows
+        if name == "2":
+            results[name] = cpt_rows()
+        elif name == "5":
+            results[name] = benchmark_rows()
+        else:
+            sources = TABLES[name].items()
+            results[name] = [row for source, files in sources for row in source_rows(source, files)]
         print(f"table {name}:\n{render(name, results[name])}", flush=True)
         write_json_atomic(RESULTS, {"benchmark": "report", "tables": results})
     if REPORT.is_file():
