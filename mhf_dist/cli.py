@@ -62,14 +62,15 @@ def cmd_count(args: argparse.Namespace) -> None:
         except ConfigError as err:  # a parameter match out of reach: the other families still count
             unmatched.append(f"{family}: {err}")
             continue
+        params = param_count(model_cfg)
         rows.append(
             {
                 "family": family if family != "mhf" or built.kind == "qwen3" else f"mhf over {built.kind}",
                 "layers": built.num_layers,
                 "mlp": built.intermediate_size,
-                "params": param_count(model_cfg),
-                "vs mhf": param_count(model_cfg) - mhf_total,
-                "vs qwen3": param_count(model_cfg) - qwen3_total,
+                "params": params,
+                "vs mhf": params - mhf_total,
+                "vs qwen3": params - qwen3_total,
                 "fwd GFLOP/token": forward_flops_per_token(model_cfg, cfg.train.seq_len) / 1e9,
             }
         )

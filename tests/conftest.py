@@ -28,13 +28,49 @@ def tiny_text_task():
     return vocab, torch.stack([ids[i * 40 : i * 40 + 33] for i in range(4)])
 
 
+# More logical CPUs than the 2 cores: Ray Data's read tasks need slots beside the training workers.
+# address="local": a new instance even where `ray start` left a cluster for ray.init() to join.
+RAY_INIT = {
+    "address": "local",
+    "num_cpus": 4,
+    "include_dashboard": False,
+    "logging_level": "ERROR",
+    "log_to_driver": False,
+}
+RAY_TEST_FAILED = pytest.StashKey[bool]()
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray instance for the whole test session (start-up costs seconds)."""
+    import os
+
     import ray
 
-    # More logical CPUs than the 2 cores: Ray Data's read tasks need slots beside the training workers.
-    # address="local": a new instance even where `ray start` left a cluster for ray.init() to join.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # Workers import torch and DeepSpeed before they report ready; on a busy machine that can take longer
+    # than Ray Train's 60 s default, which fails the fit instead of waiting.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
+    ray.init(**RAY_INIT)
     yield ray
     ray.shutdown()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and "ray_session" in item.fixturenames:
+        item.config.stash[RAY_TEST_FAILED] = True
+    return report
+
+
+@pytest.fixture(autouse=True)
+def fresh_ray_after_a_failed_ray_test(request):
+    """A failed (or timed-out) Ray test can leave actors holding the instance's CPUs, and every later fit
+    would wait for them forever: the next test that uses Ray gets a new instance."""
+    if "ray_session" in request.fixturenames and request.config.stash.get(RAY_TEST_FAILED, False):
+        import ray
+
+        ray.shutdown()
+        ray.init(**RAY_INIT)
+        request.config.stash[RAY_TEST_FAILED] = False
+    yield

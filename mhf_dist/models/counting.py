@@ -155,8 +155,8 @@ TRIPLE_STACKS: dict[str, dict[str, bool]] = {
 
 
 def triple_parts(kind: str) -> dict[str, bool]:
-    """{"slots", "conv", "memory"} -> whether the triple-latent variant `kind` has that part."""
-    parts = TRIPLE_STACKS[kind]
+    """{"slots", "conv", "memory"} -> whether the backbone `kind` has that part (Qwen3 has none)."""
+    parts = TRIPLE_STACKS.get(kind, {})
     return {part: parts.get(part, False) for part in ("slots", "conv", "memory")}
 
 

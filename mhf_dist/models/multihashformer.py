@@ -26,9 +26,8 @@ from mhf_dist.models.hash_io import (
     vocab_logprobs,
     vocab_logsumexp,
 )
-from mhf_dist.models.kv_memory import KeyValueMemory
 from mhf_dist.models.qwen3 import Qwen3Stack
-from mhf_dist.models.triple_latent import TripleStack, memory_read
+from mhf_dist.models.triple_latent import TripleStack, make_memory, memory_read
 
 
 def build_stack(cfg: ModelConfig) -> nn.Module:
@@ -52,10 +51,7 @@ class MultiHashFormer(CausalLM):
         self.encoder = HashEncoder(num_hashes, num_buckets, d_hash, cfg.hash.gate_hidden, d_model)
         self.backbone = build_stack(cfg)
         self.decoder = CascadedHashDecoder(d_model, num_hashes, num_buckets, d_casc, mixer_hidden)
-        self.memory = None
-        if cfg.backbone.kind != "qwen3" and triple_parts(cfg.backbone.kind)["memory"]:
-            _, _, memory_dim = cfg.triple_widths()
-            self.memory = KeyValueMemory(d_model, memory_dim, cfg.triple.memory_top_k)
+        self.memory = make_memory(cfg) if triple_parts(cfg.backbone.kind)["memory"] else None
         # The vocabulary's signatures: saved beside the weights as a SignatureTable, not in the state dict.
         self.register_buffer("vocab_signatures", vocab_signatures.long(), persistent=False)
 

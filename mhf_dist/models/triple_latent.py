@@ -46,6 +46,11 @@ def make_mixer(cfg: ModelConfig, slots: int = 0) -> TripleLatentMixer:
     return TripleLatentMixer(cfg.backbone.hidden_size, heads, state_dim, cfg.triple.chunk_size, slots)
 
 
+def make_memory(cfg: ModelConfig) -> KeyValueMemory:
+    """gated_hybrid's key-value memory at the model's width."""
+    return KeyValueMemory(cfg.backbone.hidden_size, cfg.triple_widths()[2], cfg.triple.memory_top_k)
+
+
 class OutputHead(nn.Linear):
     """The LM head (its weight may be the embedding's); the memory reads through it with the weight
     detached. A module rather than a bare tensor so that ZeRO-3 gathers the weight before each use."""
@@ -148,8 +153,7 @@ class TripleLatentLM(LogitsLM):
         self.head = OutputHead(bb.hidden_size, cfg.vocab_size, bias=False)
         if bb.tie_word_embeddings:
             self.head.weight = self.embed.weight
-        _, _, memory_dim = cfg.triple_widths()
-        self.memory = KeyValueMemory(bb.hidden_size, memory_dim, cfg.triple.memory_top_k) if memory else None
+        self.memory = make_memory(cfg) if memory else None
 
     def new_cache(self) -> RecurrentState:
         return self.stack.new_state()
