@@ -41,12 +41,14 @@ RAY_TEST_FAILED = pytest.StashKey[bool]()
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_session(tmp_path_factory):
     """One local Ray instance for the whole test session (start-up costs seconds)."""
     import os
 
     import ray
 
+    # Anything torch JIT-builds lands here, not in ~/.cache (the Ray tests check that nothing is built).
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
     # Workers import torch and DeepSpeed before they report ready; on a busy machine that can take longer
     # than Ray Train's 60 s default, which fails the fit instead of waiting.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")

@@ -1,6 +1,8 @@
 """`mhf train`: Ray Train V2 workers driving DeepSpeed ZeRO engines on CPU, checkpoints, exact resume."""
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 
@@ -88,6 +90,8 @@ def test_each_zero_stage_on_two_cpu_workers_lowers_the_loss_and_exports_the_mode
     cfg = run_cfg(shards, *TRAIN_AND_EVAL, *model)
     options = TrainOptions(zero_stage=zero_stage, storage=str(tmp_path), name="zero", peak_tflops=0.05)
     check_trained_and_exported(train(cfg, options), cfg, shards)
+    # DeepSpeed JIT-built nothing: its CPU shared-memory all-reduce is skipped (skip_cpu_shm_comm_op).
+    assert list(Path(os.environ["TORCH_EXTENSIONS_DIR"]).iterdir()) == []
 
 
 def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(shards, tmp_path):

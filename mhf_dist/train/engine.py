@@ -65,6 +65,22 @@ def deepspeed_config(
     }
 
 
+def skip_cpu_shm_comm_op() -> None:
+    """On CPU, DeepSpeed's torch backend JIT-builds a shared-memory all-reduce that only inference tensor
+    parallelism calls (`inference_all_reduce`); training's collectives go through torch.distributed (gloo).
+    Its first build takes about a minute, and torch guards every load with a lock file that a killed worker
+    (a stopped sweep, a timed-out fit) leaves behind, after which every later run on the machine waits for
+    the lock forever. Marking the op incompatible, which DeepSpeed reads before building it, skips it."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        builder = accelerator.create_op_builder("ShareMemCommBuilder")
+        if builder is not None:
+            deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 class DeepSpeedStepper:
     """One optimizer step through a DeepSpeed engine: forward, engine.backward, engine.step."""
 
@@ -79,6 +95,7 @@ class DeepSpeedStepper:
     ) -> None:
         import deepspeed
 
+        skip_cpu_shm_comm_op()
         self.zero_stage = zero_stage
         optimizer, scheduler = build_optimizer(model, cfg)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
