@@ -8,6 +8,7 @@ benchmarks/report/results.json, from which benchmarks/REPORT.md quotes its table
 
     python jobs/report.py                  # every table
     python jobs/report.py --tables 1 4     # tables 1 and 4 only (33 trials, ~1 h on 2 CPUs)
+    python jobs/report.py --no-runs        # the tables from the finished trials only; starts no run
 
 Run it from the repository root: the configs name ../shared/data and runs/ relative to it.
 """
@@ -88,20 +89,34 @@ def write_builtin_validation() -> None:
     write_text_atomic(BUILTIN_VALIDATION, "\n\n".join(paragraphs) + "\n")
 
 
-def run_sweep_file(sweep_file: str) -> tuple[SweepConfig, str]:
-    """`mhf sweep` (resumed where it exists) and `mhf compare`'s plots; returns the spec and parent run."""
+def run_sweep_file(sweep_file: str, start_runs: bool) -> tuple[SweepConfig, str] | None:
+    """`mhf sweep` (resumed where it exists) and `mhf compare`'s plots; returns the spec and parent run.
+    Without `start_runs`, a sweep with no finished trial is left out (None); one with some is compared as
+    it stands."""
     spec = load_sweep(JOBS / sweep_file)
-    resume = ["--resume"] if (sweep_dir(spec) / SWEEP_FILE).is_file() else []
-    mhf("sweep", "--config", str(JOBS / sweep_file), "--prepare", *resume)
+    started = (sweep_dir(spec) / SWEEP_FILE).is_file()
+    if start_runs:
+        mhf("sweep", "--config", str(JOBS / sweep_file), "--prepare", *(["--resume"] if started else []))
+    elif not started:
+        print(f"{sweep_file}: not run yet, left out", flush=True)
+        return None
     parent = json.loads((sweep_dir(spec) / SWEEP_FILE).read_text())["parent_run_id"]
-    mhf("compare", "--experiment", spec.experiment, "--sweep", parent, "--metric", spec.metric,
-        "--storage", spec.storage, "--out", str(OUT / spec.name))  # fmt: skip
+    try:
+        mhf("compare", "--experiment", spec.experiment, "--sweep", parent, "--metric", spec.metric,
+            "--storage", spec.storage, "--out", str(OUT / spec.name))  # fmt: skip
+    except subprocess.CalledProcessError:
+        if start_runs:
+            raise
+        print(f"{sweep_file}: no trial has finished yet, left out", flush=True)
+        return None
     return spec, parent
 
 
-def source_rows(source: str, sweep_files: list[str]) -> list[dict[str, Any]]:
+def source_rows(source: str, sweep_files: list[str], start_runs: bool) -> list[dict[str, Any]]:
     """One row per group over every sweep of the source: each metric's mean and std over the seeds."""
-    runs = [run_sweep_file(sweep_file) for sweep_file in sweep_files]
+    runs = [run for sweep_file in sweep_files if (run := run_sweep_file(sweep_file, start_runs))]
+    if not runs:
+        return []
     spec = runs[0][0]
     task = spec.metric.rpartition(".")[0]
     siblings = [metric for metric in METRICS if metric.startswith(task + ".")]
@@ -126,11 +141,14 @@ def source_rows(source: str, sweep_files: list[str]) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
-def cpt_rows() -> list[dict[str, Any]]:
+def cpt_rows(start_runs: bool) -> list[dict[str, Any]]:
     """Table 2: the vocabulary-expansion job over three seeds, per family and language."""
     command = [sys.executable, str(JOBS / "cpt_multilingual.py"), "--seeds", *CPT_SEEDS]
-    print("$ python " + " ".join(command[1:]), flush=True)
-    subprocess.run(command, check=True)
+    if start_runs:
+        print("$ python " + " ".join(command[1:]), flush=True)
+        subprocess.run(command, check=True)
+    elif not CPT_RESULTS.is_file():
+        return []
     found: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in json.loads(CPT_RESULTS.read_text())["results"]:
         found.setdefault((row["family"], row["language"]), []).append(row)
@@ -239,6 +257,8 @@ def cpt_table(rows: list[dict[str, Any]]) -> str:
 
 
 def render(name: str, rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(not run yet)"
     return {"2": cpt_table, "5": benchmark_table}.get(name, table)(rows)
 
 
@@ -256,18 +276,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     choices = sorted([*TABLES, "2", "5"])
     parser.add_argument("--tables", nargs="+", choices=choices, default=choices)
+    parser.add_argument(
+        "--no-runs", action="store_true", help="tables from the trials that finished; start no training run"
+    )
     args = parser.parse_args()
     os.chdir(REPO)
     write_builtin_validation()
     results = json.loads(RESULTS.read_text())["tables"] if RESULTS.is_file() else {}
     for name in args.tables:
         if name == "2":
-            results[name] = cpt_rows()
+            results[name] = cpt_rows(not args.no_runs)
         elif name == "5":
             results[name] = benchmark_rows()
         else:
             sources = TABLES[name].items()
-            results[name] = [row for source, files in sources for row in source_rows(source, files)]
+            rows = [source_rows(source, files, not args.no_runs) for source, files in sources]
+            results[name] = [row for source in rows for row in source]
         print(f"table {name}:\n{render(name, results[name])}", flush=True)
         write_json_atomic(RESULTS, {"benchmark": "report", "tables": results})
     if REPORT.is_file():
