@@ -8,6 +8,11 @@ import os
 # Logical CPUs a local instance adds beyond the physical cores: Ray Train's workers each hold one CPU
 # for the whole run, and the Ray Data tasks that feed them need slots of their own, or they wait forever.
 LOCAL_CPU_HEADROOM = 2
+# Ray Train's placement-group cleaner asks the State API (served by the dashboard) every second whether
+# the train controller is alive. A local instance runs without the dashboard, so every ask fails and
+# logs this warning; the instance dies with its driver, which leaves the cleaner nothing to clean.
+PLACEMENT_GROUP_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+STATE_API_UNAVAILABLE = "State API may be temporarily unavailable"
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
@@ -17,7 +22,22 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return
     cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1) + LOCAL_CPU_HEADROOM
     # "local" starts a new instance even where `ray start` left a cluster that ray.init() would join.
-    local = {} if address else {"num_cpus": cpus, "include_dashboard": False}
-    ray.init(address=address or "local", logging_level=logging.WARNING, **local)
+    ray.init(
+        address="local",
+        num_cpus=cpus,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        runtime_env={"worker_process_setup_hook": drop_state_api_warnings},
+    )
+
+
+def drop_state_api_warnings() -> None:
+    """Run in each worker of a local instance: silence the cleaner's State-API warning (see above)."""
+    logging.getLogger(PLACEMENT_GROUP_CLEANER_LOGGER).addFilter(
+        lambda record: STATE_API_UNAVAILABLE not in record.getMessage()
+    )
