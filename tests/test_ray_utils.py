@@ -37,12 +37,12 @@ from mhf_dist.ray_utils import ensure_ray
 ensure_ray(1)
 
 @ray.remote(num_cpus=1)
-def warn():
+def filter_verdicts():
     logger = logging.getLogger({PLACEMENT_GROUP_CLEANER_LOGGER!r})
     messages = ({STATE_API_WARNING!r}, "other")
     return [f(logging.makeLogRecord({{"msg": m}})) for f in logger.filters for m in messages]
 
-print("kept", ray.get(warn.remote()))
+print("kept", ray.get(filter_verdicts.remote()))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
