@@ -150,6 +150,25 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"logged to MLflow run {args.run_id}")
 
 
+def cmd_import_hf(args: argparse.Namespace) -> None:
+    from mhf_dist.hf_layout import import_hf
+    from mhf_dist.models import param_count
+
+    exported = import_hf(args.source, args.out)
+    cfg = exported.config
+    io = f", {cfg.hash.spec} {cfg.hash.io} I/O, loss {cfg.hash.loss}" if cfg.family == "mhf" else ""
+    print(
+        f"imported {cfg.family} ({param_count(cfg):,} parameters, V={cfg.vocab_size:,}{io}) "
+        f"from {args.source} to {exported.path}"
+    )
+
+
+def cmd_export_hf(args: argparse.Namespace) -> None:
+    from mhf_dist.hf_layout import export_hf
+
+    print(f"wrote {export_hf(args.model, args.out)}")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from mhf_dist.export import load_exported
     from mhf_dist.models.generation import Sampling, generate
@@ -416,6 +435,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the embedded MLflow lives, unless MLFLOW_TRACKING_URI is set",
     )
     evaluate.set_defaults(func=cmd_eval)
+
+    importer = commands.add_parser(
+        "import-hf", help="a reference MHF or transformers Qwen3 checkpoint -> an exported mhf-dist model"
+    )
+    importer.add_argument("source", help="a Hugging Face checkpoint directory (config.json, safetensors)")
+    importer.add_argument("--out", required=True, help="the exported model directory to create")
+    importer.set_defaults(func=cmd_import_hf)
+    exporter = commands.add_parser(
+        "export-hf", help="an exported model -> the reference layout (mhf) or a transformers Qwen3 directory"
+    )
+    exporter.add_argument("model", help="an exported model directory (a checkpoint's model/)")
+    exporter.add_argument("--out", required=True, help="the Hugging Face directory to create")
+    exporter.set_defaults(func=cmd_export_hf)
 
     gen = commands.add_parser("generate", help="stream tokens from an exported model")
     gen.add_argument("--model", required=True, help="an exported model directory")

@@ -75,7 +75,9 @@ class BackboneConfig(StrictModel):
     rope_theta: float = Field(1_000_000.0, gt=0)
     rms_norm_eps: float = Field(1e-6, gt=0)
     max_position_embeddings: int = Field(32768, gt=0)
-    tie_word_embeddings: bool = True
+    tie_word_embeddings: bool = Field(
+        True, description="the output layer reuses the input table (qwen3: V x d; mhf reference: H*B x d)"
+    )
 
     @model_validator(mode="after")
     def _heads_group_evenly(self) -> BackboneConfig:
@@ -88,16 +90,39 @@ class BackboneConfig(StrictModel):
 
 
 class HashConfig(StrictModel):
-    """Signature shape (`spec`, e.g. H4B16K) and the widths of the hash encoder and decoder."""
+    """Signature shape (`spec`, e.g. H4B16K), the hash I/O design, its objective and its widths.
+
+    `io: reference` is the paper's model as its authors built it (HUIYINXUE/MHF): one [H*B, d_model]
+    table shared by the encoder and the tied decoder, a full-width cascade, the `bottleneck` k inside
+    the gate and the mixers. `io: compact` is this project's cheaper variant: one narrow table shared
+    by the coordinates (`d_hash`), a reduced cascade (`d_casc`, `mixer_hidden`), `gate_hidden`.
+    """
 
     spec: str = "H4B16K"
     seed: int = Field(0, ge=0)
-    d_hash: int | None = Field(None, gt=0, description="bucket-embedding width; default: hidden_size")
-    gate_hidden: int = Field(64, gt=0, description="bottleneck of the encoder's gate")
-    d_casc: int | None = Field(None, gt=0, description="cascade width of the decoder; default hidden/4")
-    mixer_hidden: int | None = Field(
-        None, gt=0, description="bottleneck of the cascade mixer; default d_casc"
+    io: Literal["reference", "compact"] = Field(
+        "reference", description="reference: the paper's hash encoder/decoder; compact: narrower and cheaper"
     )
+    loss: Literal["coordinates", "vocab"] = Field(
+        "coordinates",
+        description="coordinates: sum of the B-way cross-entropies (the paper's); vocab: exact V likelihood",
+    )
+    scheme: Literal["reference", "murmur32"] | None = Field(
+        None, description="signature scheme; default: reference under io=reference, else murmur32"
+    )
+    bottleneck: int = Field(64, gt=0, description="reference I/O: k of the gate and the cascade mixers")
+    d_hash: int | None = Field(None, gt=0, description="compact I/O: bucket-embedding width; default hidden")
+    gate_hidden: int = Field(64, gt=0, description="compact I/O: bottleneck of the encoder's gate")
+    d_casc: int | None = Field(None, gt=0, description="compact I/O: cascade width; default hidden/4")
+    mixer_hidden: int | None = Field(
+        None, gt=0, description="compact I/O: bottleneck of the cascade mixer; default d_casc"
+    )
+
+    @property
+    def signature_scheme(self) -> str:
+        if self.scheme is not None:
+            return self.scheme
+        return "reference" if self.io == "reference" else "murmur32"
 
     @model_validator(mode="before")
     @classmethod
@@ -166,7 +191,7 @@ class ModelConfig(StrictModel):
         return self
 
     def hash_widths(self) -> tuple[int, int, int]:
-        """(d_hash, d_casc, mixer_hidden) with the defaults resolved against the backbone width."""
+        """Compact I/O: (d_hash, d_casc, mixer_hidden) with the defaults resolved against the width."""
         d_model = self.backbone.hidden_size
         d_hash = self.hash.d_hash or d_model
         d_casc = self.hash.d_casc or max(1, d_model // 4)

@@ -93,14 +93,20 @@ def io_activation_bytes(model: ModelConfig, dtype_bytes: int) -> tuple[int, int]
     if model.family != "mhf":
         vocab = model.vocab_size
         return edges + FP32 * vocab, (FP32 + dtype_bytes) * vocab
-    hash_cfg = model.hash
-    hashes, buckets = hash_cfg.num_hashes, hash_cfg.num_buckets
-    widths = (
-        (hashes + 1) * hash_cfg.d_hash
-        + 2 * hashes * hash_cfg.gate_hidden
-        + 2 * (hashes - 1) * hash_cfg.mixer_hidden
-        + (5 * hashes - 2) * hash_cfg.d_casc
-    )
+    hashes, buckets = model.hash.num_hashes, model.hash.num_buckets
+    if model.hash.io == "reference":
+        # The H table rows, the gate's hidden and scores, the pooled vector; per cascade step the
+        # [h; soft] input, the mixer's hidden and the new state.
+        k = model.hash.bottleneck
+        widths = (hashes + 1) * hidden + 2 * hashes * k + hashes + (hashes - 1) * (3 * hidden + 2 * k)
+    else:
+        d_hash, d_casc, mixer = model.hash_widths()
+        widths = (
+            (hashes + 1) * d_hash
+            + 2 * hashes * model.hash.gate_hidden
+            + 2 * (hashes - 1) * mixer
+            + (5 * hashes - 2) * d_casc
+        )
     # Each coordinate's fp32 log-probabilities; all but the last also keep exp() in fp32 and its copy
     # in the compute dtype for the soft bucket embedding (no copy when that dtype is fp32).
     copy = 0 if dtype_bytes == FP32 else dtype_bytes
@@ -121,12 +127,12 @@ def largest_layer_params(model: ModelConfig) -> int:
     from deepspeed.runtime.zero.stage3 import model_to_params
 
     from mhf_dist.models import build_model
-    from mhf_dist.signatures import SignatureTable
+    from mhf_dist.signatures import build_for_config
 
     table = None
     if model.family == "mhf":
         tokens = [str(i) for i in range(model.vocab_size)]
-        table = SignatureTable.build(tokens, model.hash.num_hashes, model.hash.num_buckets, model.hash.seed)
+        table = build_for_config(model.hash, tokens)
     with torch.device("meta"):
         built = build_model(model, table)
     return model_to_params(built)[1]

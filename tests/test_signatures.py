@@ -1,4 +1,5 @@
-"""The signature contract: MurmurHash3 coordinates, collision-free redraws, stable expansion, storage."""
+"""The signature contract: both schemes' MurmurHash3 coordinates, collision-free redraws, stable
+expansion, storage."""
 
 import mmh3
 import numpy as np
@@ -22,25 +23,58 @@ def test_murmurhash3_x86_32_reference_vectors_through_the_table_code_path():
 
 def test_unsalted_coordinate_is_mmh3_of_the_token_string_mod_b():
     tokens = ["the", "Ġcat", "<|endoftext|>", "日本"]
-    table = SignatureTable.build(tokens, num_hashes=4, num_buckets=16384, seed=7)
+    table = SignatureTable.build(tokens, num_hashes=4, num_buckets=16384, seed=7, scheme="murmur32")
     for token_id, token in enumerate(tokens):
         assert table.salts[token_id] == 0
         expected = [mmh3.hash(token, 7 + j, signed=False) % 16384 for j in range(4)]
         assert table.rows[token_id].tolist() == expected
 
 
+def test_reference_coordinates_are_one_plus_mmh3_x64_128_mod_b_minus_one_and_pad_is_zeros():
+    tokens = ["the", "Ġcat", "<pad>", "日本", "<|endoftext|>"]
+    table = SignatureTable.build(tokens, num_hashes=4, num_buckets=16384, pad_token="<pad>")
+    assert table.rows[2].tolist() == [0, 0, 0, 0] and table.pad_id == 2
+    for token_id, token in enumerate(tokens):
+        if token == "<pad>":
+            continue
+        # mmh3's defaults: x64 arch, unsigned; the str is hashed as its UTF-8 bytes
+        expected = [
+            1 + mmh3.hash128(token.encode(), seed=j, x64arch=True, signed=False) % 16383 for j in range(4)
+        ]
+        assert table.rows[token_id].tolist() == expected and table.salts[token_id] == 0
+
+
+def test_reference_collisions_redraw_only_the_last_coordinate_with_the_next_seed():
+    tokens = [f"token{i}" for i in range(1500)]
+    table = SignatureTable.build(tokens, num_hashes=2, num_buckets=64)
+    assert table.rows.min() >= 1, "bucket 0 belongs to the padding token alone"
+    redrawn = np.flatnonzero(table.salts)
+    assert len(redrawn) > 0, "1500 tokens in 63 x 63 signatures must collide"
+    earlier = {}
+    for token_id, (token, row) in enumerate(zip(tokens, table.rows.tolist(), strict=True)):
+        first = 1 + mmh3.hash128(token, seed=0) % 63
+        candidates = [
+            (first, 1 + mmh3.hash128(token, seed=1 + r) % 63) for r in range(table.salts[token_id] + 1)
+        ]
+        assert tuple(row) == candidates[-1]
+        assert all(candidate in earlier for candidate in candidates[:-1])  # each skipped draw was taken
+        earlier[tuple(row)] = token_id
+
+
 @settings(max_examples=40, deadline=None)
-@given(vocabularies, st.integers(1, 2), st.integers(0, 3))
-def test_every_token_gets_a_distinct_signature_even_when_collisions_are_frequent(tokens, num_hashes, seed):
+@given(vocabularies, st.integers(1, 2), st.integers(0, 3), st.sampled_from(["reference", "murmur32"]))
+def test_every_token_gets_a_distinct_signature_even_when_collisions_are_frequent(
+    tokens, num_hashes, seed, scheme
+):
     num_buckets = 64 if num_hashes == 2 else 256
-    table = SignatureTable.build(tokens, num_hashes, num_buckets, seed)
+    table = SignatureTable.build(tokens, num_hashes, num_buckets, seed, scheme=scheme)
     assert len({tuple(row) for row in table.rows.tolist()}) == len(tokens)
     assert table.rows.max() < num_buckets
 
 
 def test_collisions_are_redrawn_with_a_recorded_salt():
     tokens = [f"token{i}" for i in range(3000)]
-    table = SignatureTable.build(tokens, num_hashes=2, num_buckets=64)
+    table = SignatureTable.build(tokens, num_hashes=2, num_buckets=64, scheme="murmur32")
     salted = np.flatnonzero(table.salts)
     assert len(salted) > 0, "3000 tokens in 4096 signatures must collide"
     for token_id in salted[:20]:
@@ -49,10 +83,10 @@ def test_collisions_are_redrawn_with_a_recorded_salt():
 
 
 @settings(max_examples=30, deadline=None)
-@given(vocabularies, vocabularies)
-def test_expansion_keeps_old_rows_and_stays_collision_free(old, new):
+@given(vocabularies, vocabularies, st.sampled_from(["reference", "murmur32"]))
+def test_expansion_keeps_old_rows_and_stays_collision_free(old, new, scheme):
     new = [token for token in new if token not in set(old)]
-    table = SignatureTable.build(old, 2, 64)
+    table = SignatureTable.build(old, 2, 64, scheme=scheme)
     expanded = table.expand(new)
     assert np.array_equal(expanded.rows[: len(old)], table.rows)
     assert expanded.tokens[: len(old)] == table.tokens
@@ -60,19 +94,21 @@ def test_expansion_keeps_old_rows_and_stays_collision_free(old, new):
     assert expanded.fingerprint != table.fingerprint or not new
 
 
-def test_expansion_equals_building_the_whole_vocabulary_at_once():
+@pytest.mark.parametrize("scheme", ["reference", "murmur32"])
+def test_expansion_equals_building_the_whole_vocabulary_at_once(scheme):
     tokens = [f"w{i}" for i in range(500)]
-    grown = SignatureTable.build(tokens[:300], 2, 64).expand(tokens[300:])
-    assert grown.fingerprint == SignatureTable.build(tokens, 2, 64).fingerprint
+    grown = SignatureTable.build(tokens[:300], 2, 64, scheme=scheme).expand(tokens[300:])
+    assert grown.fingerprint == SignatureTable.build(tokens, 2, 64, scheme=scheme).fingerprint
 
 
 def test_save_load_round_trip_is_exact(tmp_path):
-    table = SignatureTable.build(["a", "b", "ü", "<|endoftext|>", "Ġ"], 3, 100, seed=5)
+    table = SignatureTable.build(["a", "b", "ü", "<|endoftext|>", "Ġ"], 3, 100, seed=5, pad_token="ü")
     table.save(tmp_path / "sig.safetensors")
     loaded = SignatureTable.load(tmp_path / "sig.safetensors")
     assert loaded.tokens == table.tokens
     assert np.array_equal(loaded.rows, table.rows) and loaded.rows.dtype == table.rows.dtype
     assert (loaded.num_hashes, loaded.num_buckets, loaded.seed) == (3, 100, 5)
+    assert (loaded.scheme, loaded.pad_id) == ("reference", 2)
     assert loaded.fingerprint == table.fingerprint
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -82,12 +118,14 @@ def test_saved_file_is_safetensors_not_pickle(tmp_path):
     assert not (tmp_path / "sig.safetensors").read_bytes().startswith(b"\x80")
 
 
-@pytest.mark.parametrize("change", ["num_hashes", "num_buckets", "seed", "row"])
+@pytest.mark.parametrize("change", ["num_hashes", "num_buckets", "seed", "row", "scheme"])
 def test_fingerprint_changes_when_any_ingredient_changes(change):
     tokens = [f"t{i}" for i in range(50)]
     base = SignatureTable.build(tokens, 2, 64, 0)
     if change == "row":
         other = SignatureTable.build([*tokens[:-1], "different"], 2, 64, 0)
+    elif change == "scheme":  # the same rows under another scheme's name are another table
+        other = SignatureTable(tokens, base.rows.copy(), base.salts.copy(), 2, 64, 0, "murmur32")
     else:
         kwargs = {"num_hashes": 2, "num_buckets": 64, "seed": 0}
         kwargs[change] += 1
@@ -114,7 +152,11 @@ def test_lookup_is_vectorised_for_numpy_and_torch():
 
 def test_bad_inputs_are_one_line_errors(tmp_path):
     with pytest.raises(SignatureError, match="exceeds the 4 signatures"):
-        SignatureTable.build(["a", "b", "c", "d", "e"], 2, 2)
+        SignatureTable.build(["a", "b", "c", "d", "e"], 2, 2, scheme="murmur32")
+    with pytest.raises(SignatureError, match=r"exceeds the 10 signatures of H=2, B=4 \(reference scheme\)"):
+        SignatureTable.build([f"t{i}" for i in range(11)], 2, 4)
+    with pytest.raises(SignatureError, match="all 3 last-coordinate values after its first 1 are taken"):
+        SignatureTable.build([f"t{i}" for i in range(10)], 2, 4)
     with pytest.raises(SignatureError, match=r"H>=1"):
         SignatureTable.build(["a"], 0, 8)
     with pytest.raises(SignatureError, match=r"B>=2"):

@@ -43,7 +43,7 @@ from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.signatures import SignatureTable, build_for_config
 
 TOKENIZE_BATCH = 1024
 
@@ -116,10 +116,10 @@ def prepare(
         )
         tokenizer = _resolve_tokenizer(cfg, documents)
     num_hashes, num_buckets, seed = cfg.model.hash.num_hashes, cfg.model.hash.num_buckets, cfg.model.hash.seed
-    table = SignatureTable.build(tokenizer.vocabulary(), num_hashes, num_buckets, seed)
+    table = build_for_config(cfg.model.hash, tokenizer.vocabulary(), tokenizer.pad_token)
     log(
-        f"tokenizer: {tokenizer.vocab_size} tokens (sha256 {tokenizer.sha256[:12]}); "
-        f"signatures {table.spec} seed {seed}, fingerprint {table.fingerprint[:12]}"
+        f"tokenizer: {tokenizer.vocab_size} tokens (sha256 {tokenizer.sha256[:12]}); signatures "
+        f"{table.spec} seed {seed} ({table.scheme} scheme), fingerprint {table.fingerprint[:12]}"
     )
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +150,7 @@ def prepare(
                 "num_hashes": num_hashes,
                 "num_buckets": num_buckets,
                 "seed": seed,
+                "scheme": table.scheme,
                 "fingerprint": table.fingerprint,
                 "dtype": str(table.rows.dtype),
             },

@@ -119,6 +119,7 @@ def check_compatible(manifest: dict[str, Any], cfg: Config, fingerprint: str | N
         pairs += [
             ("hash spec", hashes["spec"], cfg.model.hash.spec, "model.hash.spec"),
             ("hash seed", hashes["seed"], cfg.model.hash.seed, "model.hash.seed"),
+            ("signature scheme", hashes.get("scheme"), cfg.model.hash.signature_scheme, "model.hash.scheme"),
         ]
     for name, have, want, key in pairs:
         if have != want:

@@ -19,6 +19,7 @@ from mhf_dist.errors import DataError
 EOS = "<|endoftext|>"
 EOS_CANDIDATES = (EOS, "</s>", "<eos>")
 BYTE_SPECIALS = ("<bos>", "<eos>", "<pad>")
+PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
 
 
 def byte_level_alphabet() -> list[str]:
@@ -181,6 +182,15 @@ class TextTokenizer:
                     f"the new tokenizer renumbers old token {token!r} (id {index} is now {now!r}); "
                     "append new tokens after the old vocabulary"
                 )
+
+    @property
+    def pad_token(self) -> str:
+        """The padding token, whose reference signature is all zeros: a pad token the vocabulary has,
+        else EOS (as the reference's training sets `pad_token = eos_token`)."""
+        for token in PAD_CANDIDATES:
+            if self.tokenizer.token_to_id(token) is not None:
+                return token
+        return self.tokenizer.id_to_token(self.eos_id)
 
     @property
     def vocab_size(self) -> int:

@@ -29,6 +29,8 @@ def backbone_forward_flops(bb: BackboneConfig, seq_len: int) -> int:
 
 def hash_io_params(cfg: ModelConfig) -> int:
     """Hash encoder plus cascaded decoder: depends on B, never on V."""
+    if cfg.hash.io == "reference":
+        return reference_io_params(cfg)
     num_hashes, num_buckets = cfg.hash.num_hashes, cfg.hash.num_buckets
     d_model = cfg.backbone.hidden_size
     d_hash, d_casc, mixer = cfg.hash_widths()
@@ -38,16 +40,37 @@ def hash_io_params(cfg: ModelConfig) -> int:
     return encoder + decoder + 2 * d_casc * mixer + mixer * d_casc
 
 
+def reference_io_params(cfg: ModelConfig) -> int:
+    """The [H*B, d] table (twice when untied), the gate and projection, H-1 mixers; all with biases."""
+    num_hashes, num_buckets, k = cfg.hash.num_hashes, cfg.hash.num_buckets, cfg.hash.bottleneck
+    d_model = cfg.backbone.hidden_size
+    table = num_hashes * num_buckets * d_model
+    tables = table if cfg.backbone.tie_word_embeddings else 2 * table
+    gate = d_model * k + k + k + 1
+    projection = d_model * d_model + d_model
+    mixer = 2 * d_model * k + k + k * d_model + d_model
+    return tables + gate + projection + (num_hashes - 1) * mixer
+
+
 def hash_encoder_forward_flops(cfg: ModelConfig) -> int:
+    d_model = cfg.backbone.hidden_size
+    if cfg.hash.io == "reference":
+        k = cfg.hash.bottleneck
+        return 2 * (cfg.hash.num_hashes * (d_model * k + k) + d_model * d_model)
     d_hash = cfg.hash_widths()[0]
     gate = cfg.hash.num_hashes * (d_hash * cfg.hash.gate_hidden + cfg.hash.gate_hidden)
-    return 2 * (gate + d_hash * cfg.backbone.hidden_size)
+    return 2 * (gate + d_hash * d_model)
 
 
 def hash_decoder_forward_flops(cfg: ModelConfig) -> int:
+    """Per token: every coordinate's B-way logits, and per cascade step the soft bucket and the mixer."""
     num_hashes, num_buckets = cfg.hash.num_hashes, cfg.hash.num_buckets
-    _, d_casc, mixer = cfg.hash_widths()
     cascade_steps = num_hashes - 1
+    if cfg.hash.io == "reference":
+        d_model, k = cfg.backbone.hidden_size, cfg.hash.bottleneck
+        mixer = 3 * d_model * k
+        return 2 * (num_hashes * num_buckets * d_model + cascade_steps * (num_buckets * d_model + mixer))
+    _, d_casc, mixer = cfg.hash_widths()
     decoder = (
         cfg.backbone.hidden_size * d_casc
         + num_hashes * num_buckets * d_casc
@@ -95,17 +118,16 @@ def with_layers(cfg: ModelConfig, num_layers: int) -> ModelConfig:
 
 
 def matched_layers(cfg: ModelConfig) -> tuple[int, int]:
-    """Layers for the Qwen3 baseline closest in total parameters to the MHF model of `cfg`.
+    """Layers for the Qwen3 baseline: the fewest at which it has at least the MHF model's parameters, so
+    the baseline is never the smaller model (the paper's Standard+4L at 100M and +2L at 1B).
 
-    Returns (num_layers, residual) with residual = baseline params - MHF params.
+    Returns (num_layers, residual) with residual = baseline params - MHF params >= 0.
     """
     target = mhf_params(cfg)
-    fixed = qwen3_params(with_layers(cfg, 1)) - backbone_params(with_layers(cfg, 1).backbone)
-    per_layer = backbone_params(with_layers(cfg, 2).backbone) - backbone_params(with_layers(cfg, 1).backbone)
-    base = target - fixed - cfg.backbone.hidden_size  # minus the final norm
-    candidates = {max(1, base // per_layer), max(1, base // per_layer + 1)}
-    best = min(candidates, key=lambda layers: abs(qwen3_params(with_layers(cfg, layers)) - target))
-    return best, qwen3_params(with_layers(cfg, best)) - target
+    one_layer = qwen3_params(with_layers(cfg, 1))
+    per_layer = qwen3_params(with_layers(cfg, 2)) - one_layer
+    layers = max(1, 1 + -(-(target - one_layer) // per_layer))
+    return layers, qwen3_params(with_layers(cfg, layers)) - target
 
 
 def matched_config(cfg: ModelConfig) -> ModelConfig:

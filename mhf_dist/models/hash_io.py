@@ -1,7 +1,10 @@
-"""The hash interface that replaces a language model's embedding matrix and LM head.
+"""The hash interface that replaces a language model's embedding matrix and LM head: the compact
+variant's modules, the two training objectives, and exact scoring (the reference layout's modules are
+in `reference_io`).
 
 `HashEncoder` turns a token's signature into a vector of the backbone's width; `CascadedHashDecoder`
-turns a hidden state into H per-coordinate bucket distributions; `vocab_logprobs` / `vocab_logsumexp`
+turns a hidden state into H per-coordinate bucket distributions (this project's compact design: one
+narrow table shared by the coordinates, a reduced cascade); `vocab_logprobs` / `vocab_logsumexp`
 score real tokens exactly, renormalised over the vocabulary V_actl. The scoring functions take
 coordinate logits or log-probabilities alike: a per-(position, coordinate) shift moves every token's
 score at that position equally and cancels in the renormalisation. Nothing here knows which backbone
@@ -119,15 +122,34 @@ class CascadedHashDecoder(nn.Module):
 def signature_loss(
     coord_logps: list[torch.Tensor], target_sigs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum over coordinates of the mean cross-entropy, and per-coordinate accuracy [H]."""
-    losses, accuracies = [], []
+    """`loss: coordinates`, the paper's: sum over coordinates of the mean B-way cross-entropy, and
+    per-coordinate accuracy [H]. Packed rows hold no padding, so no target is ignored."""
+    losses = []
     for j, logp_j in enumerate(coord_logps):
         target_j = target_sigs[..., j].reshape(-1)
-        flat = logp_j.reshape(target_j.shape[0], -1)
-        losses.append(F.nll_loss(flat, target_j))
-        with torch.no_grad():
-            accuracies.append((flat.argmax(-1) == target_j).float().mean())
-    return torch.stack(losses).sum(), torch.stack(accuracies)
+        losses.append(F.nll_loss(logp_j.reshape(target_j.shape[0], -1), target_j))
+    return torch.stack(losses).sum(), coordinate_accuracy(coord_logps, target_sigs)
+
+
+def vocab_loss(
+    coord_logps: list[torch.Tensor], target_sigs: torch.Tensor, vocab_sigs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`loss: vocab` (the reference's `use_conditional_prob`): the mean exact NLL of the targets over the
+    real vocabulary, log sum_w exp(sum_j logp_j(H_j(w))) - sum_j logp_j(target_j), scored in position
+    blocks as evaluation is; never a B^H tensor. Returns it and per-coordinate accuracy [H]."""
+    num_hashes = len(coord_logps)
+    scores = torch.stack(coord_logps, dim=-2).reshape(-1, num_hashes, coord_logps[0].shape[-1])
+    targets = target_sigs.reshape(-1, num_hashes)
+    nll = vocab_logsumexp(scores, vocab_sigs) - target_scores(scores, targets)
+    return nll.mean(), coordinate_accuracy(coord_logps, target_sigs)
+
+
+@torch.no_grad()
+def coordinate_accuracy(coord_logps: list[torch.Tensor], target_sigs: torch.Tensor) -> torch.Tensor:
+    """[H]: how often each coordinate's most likely bucket is the target's."""
+    return torch.stack(
+        [(logp_j.argmax(-1) == target_sigs[..., j]).float().mean() for j, logp_j in enumerate(coord_logps)]
+    )
 
 
 def _score_blocks(coord_scores: torch.Tensor, vocab_sigs: torch.Tensor) -> Iterator[torch.Tensor]:

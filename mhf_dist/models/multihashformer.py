@@ -1,5 +1,9 @@
 """MultiHashFormer: hash encoder -> a stack (Qwen3 or triple-latent) -> cascaded hash decoder.
 
+`model.hash.io` picks the encoder/decoder pair: `reference` (the paper's, `reference_io`) or `compact`
+(`hash_io`); `model.hash.loss` the objective: the sum of coordinate cross-entropies or the exact
+vocabulary likelihood.
+
 Parameters depend on the number of buckets B, not on the vocabulary V: the vocabulary lives only in
 the [V, H] signature buffer, which exact scoring uses to renormalise over the real tokens V_actl. The
 stack (`model.backbone.kind`) sees vectors in and hidden states out, so the encoder and decoder are
@@ -25,8 +29,10 @@ from mhf_dist.models.hash_io import (
     target_scores,
     vocab_logprobs,
     vocab_logsumexp,
+    vocab_loss,
 )
 from mhf_dist.models.qwen3 import Qwen3Stack
+from mhf_dist.models.reference_io import ReferenceCascadeDecoder, ReferenceHashEncoder
 from mhf_dist.models.triple_latent import TripleStack, make_memory, memory_read
 
 
@@ -39,18 +45,31 @@ def build_stack(cfg: ModelConfig) -> nn.Module:
     return TripleStack(cfg, slots=parts["slots"], conv=parts["conv"])
 
 
+def build_hash_io(cfg: ModelConfig) -> tuple[nn.Module, nn.Module]:
+    """The (encoder, decoder) pair `model.hash.io` names; the reference pair shares one table."""
+    num_hashes, num_buckets = cfg.hash.num_hashes, cfg.hash.num_buckets
+    d_model = cfg.backbone.hidden_size
+    if cfg.hash.io == "reference":
+        encoder = ReferenceHashEncoder(num_hashes, num_buckets, d_model, cfg.hash.bottleneck)
+        tied = cfg.backbone.tie_word_embeddings
+        decoder = ReferenceCascadeDecoder(
+            encoder.table.weight, num_hashes, num_buckets, cfg.hash.bottleneck, tied
+        )
+        return encoder, decoder
+    d_hash, d_casc, mixer_hidden = cfg.hash_widths()
+    encoder = HashEncoder(num_hashes, num_buckets, d_hash, cfg.hash.gate_hidden, d_model)
+    return encoder, CascadedHashDecoder(d_model, num_hashes, num_buckets, d_casc, mixer_hidden)
+
+
 class MultiHashFormer(CausalLM):
     def __init__(self, cfg: ModelConfig, vocab_signatures: torch.Tensor) -> None:
         super().__init__()
         num_hashes, num_buckets = cfg.hash.num_hashes, cfg.hash.num_buckets
         _check_signatures(vocab_signatures, cfg.vocab_size, num_hashes, num_buckets)
-        d_model = cfg.backbone.hidden_size
-        d_hash, d_casc, mixer_hidden = cfg.hash_widths()
         self.vocab_size = cfg.vocab_size
-
-        self.encoder = HashEncoder(num_hashes, num_buckets, d_hash, cfg.hash.gate_hidden, d_model)
+        self.loss_kind = cfg.hash.loss
+        self.encoder, self.decoder = build_hash_io(cfg)
         self.backbone = build_stack(cfg)
-        self.decoder = CascadedHashDecoder(d_model, num_hashes, num_buckets, d_casc, mixer_hidden)
         self.memory = make_memory(cfg) if triple_parts(cfg.backbone.kind)["memory"] else None
         # The vocabulary's signatures: saved beside the weights as a SignatureTable, not in the state dict.
         self.register_buffer("vocab_signatures", vocab_signatures.long(), persistent=False)
@@ -83,8 +102,16 @@ class MultiHashFormer(CausalLM):
         input_sigs, target_sigs = split_rows(sigs)
         if self.memory is not None:
             return self._forward_with_memory(input_sigs, target_sigs)
-        loss, accuracy = signature_loss(self.decoder(self.hidden_states(input_sigs)), target_sigs)
+        loss, accuracy = self.objective(self.decoder(self.hidden_states(input_sigs)), target_sigs)
         return LMOutput(loss, _metrics(loss, accuracy))
+
+    def objective(
+        self, coord_logps: list[torch.Tensor], target_sigs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training loss `model.hash.loss` names, and per-coordinate accuracy."""
+        if self.loss_kind == "vocab":
+            return vocab_loss(coord_logps, target_sigs, self.vocab_signatures)
+        return signature_loss(coord_logps, target_sigs)
 
     def _forward_with_memory(self, input_sigs: torch.Tensor, target_sigs: torch.Tensor) -> LMOutput:
         # As in gated_hybrid: the recurrent path learns alone; the fused path reads the stack's output
@@ -93,9 +120,9 @@ class MultiHashFormer(CausalLM):
         # with its weight detached; the cascaded decoder cannot without bypassing ZeRO-3's gathering).
         embeds = self.encoder(input_sigs)
         hidden = self.backbone.run(embeds)
-        recurrent_loss, _ = signature_loss(self.decoder(hidden), target_sigs)
+        recurrent_loss, _ = self.objective(self.decoder(hidden), target_sigs)
         fused = hidden.detach() + memory_read(self.memory, embeds, hidden, None)
-        fused_loss, accuracy = signature_loss(self.decoder(fused), target_sigs)
+        fused_loss, accuracy = self.objective(self.decoder(fused), target_sigs)
         metrics = {**_metrics(fused_loss, accuracy), "recurrent_loss": recurrent_loss.item()}
         return LMOutput(recurrent_loss + fused_loss, metrics)
 

@@ -68,14 +68,12 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
 def _build_mhf(cfg: ModelConfig, signatures: SignatureTable | None) -> CausalLM:
     if signatures is None:
         raise SignatureError("the mhf family needs a signature table; build one with SignatureTable.build")
-    if (signatures.num_hashes, signatures.num_buckets, signatures.seed) != (
-        cfg.hash.num_hashes,
-        cfg.hash.num_buckets,
-        cfg.hash.seed,
-    ):
+    table_says = (signatures.num_hashes, signatures.num_buckets, signatures.seed, signatures.scheme)
+    if table_says != (cfg.hash.num_hashes, cfg.hash.num_buckets, cfg.hash.seed, cfg.hash.signature_scheme):
         raise SignatureError(
-            f"signature table is {signatures.spec} seed {signatures.seed} but the model config says "
-            f"{cfg.hash.spec} seed {cfg.hash.seed}; rebuild the table or change model.hash"
+            f"signature table is {signatures.spec} seed {signatures.seed} ({signatures.scheme} scheme) but "
+            f"the model config says {cfg.hash.spec} seed {cfg.hash.seed} ({cfg.hash.signature_scheme} "
+            "scheme); rebuild the table or change model.hash"
         )
     return MultiHashFormer(cfg, signatures.as_tensor())
 
