@@ -43,12 +43,18 @@ OUT = Path("benchmarks/report")
 RESULTS = OUT / "results.json"
 REPORT = Path("benchmarks/REPORT.md")
 BENCHMARKS = Path("benchmarks/results")
+# Table 1r's sweeps per source: the reference I/O (both objectives, with the baselines) and the compact I/O.
+REFERENCE_SWEEPS = [("reference-", ""), ("reference-", "-vocab"), ("compact-", "")]
 # table -> its row sources: a name and the sweep files (under jobs/) whose trials it aggregates by group
 TABLES = {
     "1": {
         "builtin": ["report/mhf-vs-qwen3-builtin.sweep.yaml"],
         "wikitext-8k": ["report/mhf-vs-qwen3-wikitext-8k.sweep.yaml"],
         "wikitext-16k": ["report/mhf-vs-qwen3-wikitext-16k.sweep.yaml"],
+    },
+    "1r": {
+        source: [f"report/{sweep}{source}{suffix}.sweep.yaml" for sweep, suffix in REFERENCE_SWEEPS]
+        for source in ("builtin", "wikitext-8k")
     },
     "3": {
         "bytes-width": ["triple/bytes_width.sweep.yaml"],
@@ -202,9 +208,11 @@ def benchmark_rows() -> list[dict[str, Any]]:
     def add(benchmark: str, *args: Any, **kwargs: Any) -> None:
         rows.append({"benchmark": benchmark, **benchmark_row(*args, **kwargs)})
 
+    flop_target = results["step_time"]["targets"]["measured_over_analytic"]
     for row in results["step_time"]["results"]:
-        v = f"V={row['vocab_size']:,}, {results['step_time']['preset']}"
+        v = f"{row['variant']}, V={row['vocab_size']:,}, {results['step_time']['preset']}"
         add("step_time", f"train step mhf / qwen3 ({v})", row["step_ratio"], row["step_target"])
+        add("step_time", f"train step measured / analytic ({v})", row["measured_over_analytic"], flop_target)
         add("step_time", f"exact scoring mhf / qwen3 ({v})", row["score_ratio"], row["score_target"])
     prepared = results["prepare_throughput"]["result"]
     ratio, lookup = prepared["prepare_per_cpu_ratio"], prepared["lookup_tok_s"]

@@ -250,6 +250,11 @@ class DataConfig(StrictModel):
     tokenizer: str = Field(
         "bpe", description="bpe (trained to model.vocab_size) | bytes | path to tokenizer.json"
     )
+    signatures: str | None = Field(
+        None,
+        description="an exported model (or its signatures.safetensors) whose table the shards carry, e.g. "
+        "one `mhf import-hf` wrote; default: built from the tokenizer by model.hash",
+    )
     val_percent: float = Field(5.0, ge=0, lt=100, description="share of documents held out for validation")
     rows_per_shard: int = Field(2048, gt=0)
     path: str = Field("runs/data", description="the prepared shard directory (prepare output, train input)")

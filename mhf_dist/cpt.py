@@ -148,7 +148,10 @@ def run_cpt(
         ]
         export_model(expansion.model, expansion.config, expansion.table, tokenizer_file, init_dir, lineage)
 
-    data = cfg.data.model_copy(update={"tokenizer": str(tokenizer_file), "path": str(workdir / "data")})
+    # The shards carry the expanded table itself: an imported parent's rows need not follow our rule.
+    data = cfg.data.model_copy(
+        update={"tokenizer": str(tokenizer_file), "path": str(workdir / "data"), "signatures": str(init_dir)}
+    )
     run_cfg = cfg.model_copy(update={"model": expansion.config, "data": data})
     if not (workdir / "data" / "manifest.json").is_file():
         prepare(run_cfg, data.path, log=log)

@@ -215,3 +215,24 @@ def test_bad_checkpoints_are_one_line_errors_and_leave_nothing(reference_checkpo
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
         assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_shards_for_an_imported_model_carry_its_own_table(reference_checkpoint, tmp_path):
+    """`mhf prepare --set data.signatures=DIR` (what `mhf train --init-from` and `mhf cpt` need)."""
+    from mhf_dist.data.prepare import signature_table
+    from mhf_dist.errors import DataError
+
+    directory, _, _, tokenizer = reference_checkpoint
+    imported = import_hf(directory, tmp_path / "imported")
+    model = imported.config.model_dump(mode="json")
+    cfg = load_config("tiny", [f"data.signatures={imported.path}"]).model_copy(
+        update={"model": imported.config}
+    )
+    assert signature_table(cfg, tokenizer).fingerprint == imported.table.fingerprint
+    with pytest.raises(DataError, match="is the table of another vocabulary"):
+        signature_table(cfg, TextTokenizer.recall(64))
+    other_seed = load_config("tiny", [f"data.signatures={imported.path}"]).model_copy(
+        update={"model": imported.config.model_validate({**model, "hash": {**model["hash"], "seed": 1}})}
+    )
+    with pytest.raises(DataError, match=r"seed 0 \(reference\) but model.hash says H3B32 seed 1"):
+        signature_table(other_seed, tokenizer)

@@ -116,7 +116,7 @@ def prepare(
         )
         tokenizer = _resolve_tokenizer(cfg, documents)
     num_hashes, num_buckets, seed = cfg.model.hash.num_hashes, cfg.model.hash.num_buckets, cfg.model.hash.seed
-    table = build_for_config(cfg.model.hash, tokenizer.vocabulary(), tokenizer.pad_token)
+    table = signature_table(cfg, tokenizer)
     log(
         f"tokenizer: {tokenizer.vocab_size} tokens (sha256 {tokenizer.sha256[:12]}); signatures "
         f"{table.spec} seed {seed} ({table.scheme} scheme), fingerprint {table.fingerprint[:12]}"
@@ -235,6 +235,28 @@ def _write_shards(
             file=sys.stderr,
         )
     return splits
+
+
+def signature_table(cfg: Config, tokenizer: TextTokenizer) -> SignatureTable:
+    """The table `data.signatures` names (checked against the tokenizer and model.hash), else a new one."""
+    if cfg.data.signatures is None:
+        return build_for_config(cfg.model.hash, tokenizer.vocabulary(), tokenizer.pad_token)
+    path = Path(cfg.data.signatures)
+    table = SignatureTable.load(path / SIGNATURES_FILE if path.is_dir() else path)
+    if table.tokens != tuple(tokenizer.vocabulary()):
+        raise DataError(
+            f"data.signatures {str(path)!r} is the table of another vocabulary ({len(table)} tokens, the "
+            f"tokenizer has {tokenizer.vocab_size}); set data.tokenizer to that model's tokenizer.json"
+        )
+    hash_cfg = cfg.model.hash
+    wanted = (hash_cfg.num_hashes, hash_cfg.num_buckets, hash_cfg.seed, hash_cfg.signature_scheme)
+    if (table.num_hashes, table.num_buckets, table.seed, table.scheme) != wanted:
+        raise DataError(
+            f"data.signatures {str(path)!r} is {table.spec} seed {table.seed} ({table.scheme}) but "
+            f"model.hash says {hash_cfg.spec} seed {hash_cfg.seed} ({hash_cfg.signature_scheme}); "
+            "make them agree"
+        )
+    return table
 
 
 def _write_recall_shards(cfg: Config, table: SignatureTable, staging: Path) -> dict[str, dict[str, Any]]:

@@ -83,7 +83,8 @@ def check_initial_model(path: Path, cfg: Config, fingerprint: str) -> None:
     if description["signature_fingerprint"] != fingerprint:
         raise TrainingError(
             f"model {str(path)!r} has signature fingerprint {description['signature_fingerprint'][:12]} but "
-            f"the data has {fingerprint[:12]}; prepare the data with the model's tokenizer.json"
+            f"the data has {fingerprint[:12]}; prepare the data with the model's tokenizer.json and "
+            f"--set data.signatures={path}"
         )
     if description["model"] != cfg.model.model_dump(mode="json"):
         raise TrainingError(
