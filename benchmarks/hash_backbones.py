@@ -28,7 +28,7 @@ from common import write_results
 
 from mhf_dist.config import load_config
 from mhf_dist.models import build_model, param_count
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.signatures import build_for_config
 from mhf_dist.tables import markdown_table
 from mhf_dist.train.loop import TorchStepper
 
@@ -40,7 +40,8 @@ MODELS = {
     "triple_hybrid": ["model.family=triple_hybrid"],
     "triple_hybrid+hash": ["model.family=mhf", "model.backbone.kind=triple_hybrid"],
 }
-# A small model of one width for every run (d=256, 4 layers) with the paper's H4B16K signatures.
+# A small model of one width for every run (d=256, 4 layers) with the paper's H4B16K signatures, through
+# the compact hash I/O these results were measured with.
 SHAPE = [
     "model.backbone.hidden_size=256",
     "model.backbone.num_layers=4",
@@ -49,6 +50,7 @@ SHAPE = [
     "model.backbone.head_dim=64",
     "model.backbone.intermediate_size=768",
     "model.hash.spec=H4B16K",
+    "model.hash.io=compact",
     "model.hash.d_hash=256",
     "model.hash.gate_hidden=64",
     "model.hash.d_casc=64",
@@ -71,8 +73,7 @@ def measure(
     cfg = load_config("tiny", [*SHAPE, *extra, *MODELS[model_name], f"model.vocab_size={vocab_size}"])
     table = None
     if cfg.model.family == "mhf":
-        hashes, buckets = cfg.model.hash.num_hashes, cfg.model.hash.num_buckets
-        table = SignatureTable.build([f"tok{i}" for i in range(vocab_size)], hashes, buckets)
+        table = build_for_config(cfg.model.hash, [f"tok{i}" for i in range(vocab_size)])
     torch.manual_seed(0)
     model = build_model(cfg.model, table)
     stepper = TorchStepper(model, cfg.train)
