@@ -118,9 +118,39 @@ def test_analytic_parameter_count_equals_the_modules(preset, family):
     assert param_count(cfg.model) == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("preset", ["100m", "1b", "3b"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.hash.io=compact"],
+        ["model.hash.io=reference", "model.backbone.tie_word_embeddings=false"],
+        ["model.hash.io=reference", "model.hash.loss=vocab", "model.hash.spec=H3B64"],
+    ],
+    ids=["compact", "reference-untied", "reference-vocab-H3"],
+)
+def test_every_hash_io_variant_is_counted_exactly_in_parameters_and_flops(small_cfg, overrides):
+    cfg = load_config(
+        "tiny", [f"model.vocab_size={small_cfg.model.vocab_size}", "model.hash.spec=H2B64", *overrides]
+    )
+    table = SignatureTable.build(
+        [f"tok{i}" for i in range(cfg.model.vocab_size)],
+        cfg.model.hash.num_hashes,
+        cfg.model.hash.num_buckets,
+        scheme=cfg.model.hash.signature_scheme,
+    )
+    model = model_of(cfg, table)
+    assert param_count(cfg.model) == sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        if hasattr(module, "set_attn_implementation"):
+            module.set_attn_implementation("eager")  # sdpa kernels on CPU are invisible to the counter
+    rows = random_rows(cfg.model.vocab_size, batch=2, length=17)
+    with FlopCounterMode(display=False) as counter:
+        model(rows).loss.backward()
+    assert counter.get_total_flops() == 3 * forward_flops_per_token(cfg.model, 16) * rows[:, 1:].numel()
+
+
+@pytest.mark.parametrize("preset", ["100m", "500m", "1b", "3b"])
 def test_baseline_preset_sizes_match_their_names(preset):
-    target = {"100m": 100e6, "1b": 1e9, "3b": 3e9}[preset]
+    target = {"100m": 100e6, "500m": 500e6, "1b": 1e9, "3b": 3e9}[preset]
     assert abs(param_count(load_config(preset, ["model.family=qwen3"]).model) / target - 1) <= 0.15
 
 

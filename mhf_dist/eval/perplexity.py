@@ -10,6 +10,7 @@ import torch
 
 from mhf_dist.data.packing import Packer
 from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.errors import DataError
 from mhf_dist.models.base import CausalLM, split_rows
 
 
@@ -53,6 +54,11 @@ def text_scores(
     stream = [token for ids in tokenizer.encode_batch(list(texts)) for token in (*ids, tokenizer.eos_id)]
     rows = Packer(seq_len).add(np.asarray(stream))  # rows overlap by one token: each target scored once
     total, count = nll_totals(model, rows, batch_size)
+    if count == 0:
+        raise DataError(
+            f"the text holds {len(stream)} tokens, fewer than one window of {seq_len} + 1; "
+            "give more text or a smaller --seq-len"
+        )
     scored_bytes = sum(len(text.encode("utf-8")) + 1 for text in texts) * count / max(1, len(stream) - 1)
     return {
         **nll_summary(total, count),
