@@ -94,6 +94,12 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     prepare(cfg, cfg.data.path, overwrite=args.overwrite, num_cpus=args.num_cpus)
 
 
+def cmd_verify_data(args: argparse.Namespace) -> None:
+    from mhf_dist.data.shards import verify_shards
+
+    print(f"{verify_shards(args.path)} shards in {args.path} match their manifest's sha256")
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from mhf_dist.data.prepare import prepare_if_missing
     from mhf_dist.train.ray_trainer import train
@@ -384,6 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     prep.add_argument("--num-cpus", type=int, help="CPUs of a local Ray instance (default: all)")
     prep.set_defaults(func=cmd_prepare)
+
+    verify = commands.add_parser(
+        "verify-data", help="check every prepared shard against its manifest's sha256 (reads all the data)"
+    )
+    verify.add_argument("path", help="a prepared shard directory (mhf prepare --out)")
+    verify.set_defaults(func=cmd_verify_data)
 
     fit = commands.add_parser("train", help="train on prepared shards with Ray Train + DeepSpeed ZeRO")
     _add_config_args(fit)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
@@ -101,8 +102,13 @@ def read_export_config(directory: str | Path) -> dict:
             f"{str(directory)!r} is not an exported model (no {CONFIG_FILE}); pass the `model` directory "
             "of a checkpoint or of `mhf train` output"
         )
-    description = json.loads(path.read_text())
-    if description.get("format") != FORMAT:
+    try:
+        description = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ExportError(
+            f"{str(path)!r} is damaged (invalid JSON at line {err.lineno}); re-export the model"
+        ) from None
+    if not isinstance(description, dict) or description.get("format") != FORMAT:
         raise ExportError(f"{str(path)!r} is not an mhf-dist model config; pass an exported model directory")
     return description
 
@@ -115,7 +121,12 @@ def load_exported(directory: str | Path) -> ExportedModel:
 
     directory = Path(directory)
     description = read_export_config(directory)
-    config = ModelConfig.model_validate(description["model"])
+    try:
+        config = ModelConfig.model_validate(description["model"])
+    except (KeyError, ValidationError) as err:
+        raise ExportError(
+            f"{str(directory)!r}: config.json holds no valid model config ({err!s:.80}); re-export"
+        ) from None
     table = SignatureTable.load(directory / SIGNATURES_FILE)
     if table.fingerprint != description["signature_fingerprint"]:
         raise SignatureError(
@@ -124,7 +135,16 @@ def load_exported(directory: str | Path) -> ExportedModel:
             "restore the exported directory's signatures.safetensors"
         )
     model = build_model(config, table)
-    load_model(model, str(directory / WEIGHTS_FILE), strict=True)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise ExportError(f"{str(directory)!r} has no {WEIGHTS_FILE}; re-export the model")
+    try:
+        load_model(model, str(weights), strict=True)
+    except Exception as err:  # safetensors raises several types for a truncated or foreign file
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ExportError(
+            f"{str(weights)!r} is damaged or from another model ({reason}); re-export it"
+        ) from None
     model.eval()
     tokenizer = TextTokenizer.load(directory / TOKENIZER_FILE)
     return ExportedModel(model, config, table, tokenizer, directory, description.get("lineage", []))

@@ -48,3 +48,20 @@ def test_bad_export_directories_are_one_line_errors(small_cfg, tokenizer_file, t
     (tmp_path / "model" / CONFIG_FILE).write_text(json.dumps(description))
     with pytest.raises(MhfError, match="differs from the one the model was trained with"):
         load_exported(tmp_path / "model")
+
+
+def test_damaged_export_files_are_one_line_errors_naming_the_file(small_cfg, tokenizer_file, tmp_path):
+    cfg = small_cfg.model.model_copy(update={"vocab_size": 259})
+    table = SignatureTable.build(TextTokenizer.bytes().vocabulary(), 2, 64)
+    export_model(build_model(cfg, table), cfg, table, tokenizer_file, tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    with pytest.raises(ExportError, match=r"model.safetensors' is damaged or from another model"):
+        load_exported(tmp_path / "model")
+    weights.unlink()
+    with pytest.raises(ExportError, match="has no model.safetensors"):
+        load_exported(tmp_path / "model")
+    (tmp_path / "model" / CONFIG_FILE).write_text('{"format": "mhf-model", "model": ')
+    with pytest.raises(ExportError, match=r"config.json' is damaged \(invalid JSON at line 1\)"):
+        load_exported(tmp_path / "model")

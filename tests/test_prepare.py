@@ -239,3 +239,28 @@ def test_the_recall_corpus_prepares_one_generated_example_per_row_without_ray(tm
         assert np.array_equal(rows, make_recall(count, 5, 3, 32, 40, seed).rows)
     tokenizer = TextTokenizer.load(tmp_path / "data" / "tokenizer.json")
     assert tokenizer.vocab_size == 40 and tokenizer.decode([1, 20, 39]) == "k1 v0 v19"
+
+
+def test_a_missing_truncated_or_swapped_shard_is_named_before_any_row_is_read(tmp_path, capsys):
+    overrides = ["data.corpus=recall", "model.vocab_size=40", "train.seq_len=32", "data.recall.examples=50"]
+    cfg = load_config("tiny", [*overrides, "data.rows_per_shard=20"])
+    prepare(cfg, tmp_path / "data", log=lambda _: None)
+    assert main(["verify-data", str(tmp_path / "data")]) == 0
+    assert "4 shards in" in capsys.readouterr().out  # 20 + 20 + 10 train rows, 2 validation rows
+    first, second = tmp_path / "data" / "train-00000.parquet", tmp_path / "data" / "train-00002.parquet"
+    whole = first.read_bytes()
+    first.write_bytes(whole[:-100])
+    with pytest.raises(DataError, match=r"shard .*train-00000.parquet is truncated or not parquet; re-run"):
+        read_rows(tmp_path / "data", "train")
+    first.write_bytes(second.read_bytes())  # another shard's file in its place: 10 rows, not 20
+    with pytest.raises(DataError, match="train-00000.parquet holds 10 rows but the manifest says 20"):
+        read_rows(tmp_path / "data", "train")
+    first.unlink()
+    with pytest.raises(DataError, match="train-00000.parquet is missing"):
+        read_rows(tmp_path / "data", "train")
+    first.write_bytes(whole)
+    table = pq.read_table(second)
+    pq.write_table(table, second, compression="snappy")  # same rows, other bytes: only sha256 tells
+    read_rows(tmp_path / "data", "train")
+    assert main(["verify-data", str(tmp_path / "data")]) == 2
+    assert "train-00002.parquet differs from the one prepared (sha256 mismatch)" in capsys.readouterr().err

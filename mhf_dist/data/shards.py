@@ -137,12 +137,50 @@ def check_compatible(manifest: dict[str, Any], cfg: Config, fingerprint: str | N
 def shard_files(path: str | Path, manifest: dict[str, Any], split: str) -> list[str]:
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    files = [str(Path(path) / shard["file"]) for shard in manifest["splits"][split]["shards"]]
-    if not files:
+    shards = manifest["splits"][split]["shards"]
+    if not shards:
         raise DataError(
             f"prepared data {str(path)!r} has no {split} rows; use more text or a smaller seq_len"
         )
-    return files
+    for shard in shards:
+        check_shard(Path(path), shard)
+    return [str(Path(path) / shard["file"]) for shard in shards]
+
+
+def check_shard(directory: Path, shard: dict[str, Any]) -> None:
+    """A shard must exist, have a readable parquet footer and the manifest's row count.
+
+    The footer is a few KB at the end of the file, so this costs one small read per shard whatever the
+    data size, and it catches what happens to files in practice (deleted, truncated by a full disk or an
+    interrupted copy, swapped for another run's shard). The manifest's sha256 of each shard catches any
+    change at all but reads every byte; `verify_shards` does that on demand.
+    """
+    path = directory / shard["file"]
+    fix = f"re-run `mhf prepare --overwrite --out {directory}`"
+    if not path.is_file():
+        raise DataError(f"shard {path} is missing; {fix}")
+    try:
+        rows = pq.read_metadata(path).num_rows
+    except (OSError, pa.ArrowException):
+        raise DataError(f"shard {path} is truncated or not parquet; {fix}") from None
+    if rows != shard["rows"]:
+        raise DataError(f"shard {path} holds {rows} rows but the manifest says {shard['rows']}; {fix}")
+
+
+def verify_shards(path: str | Path) -> int:
+    """Every shard of every split against the manifest's sha256 (reads all the data); returns the count."""
+    manifest = read_manifest(path)
+    count = 0
+    for split in SPLITS:
+        for shard in manifest["splits"][split]["shards"]:
+            check_shard(Path(path), shard)
+            if file_sha256(Path(path) / shard["file"]) != shard["sha256"]:
+                raise DataError(
+                    f"shard {Path(path) / shard['file']} differs from the one prepared (sha256 mismatch); "
+                    f"re-run `mhf prepare --overwrite --out {path}`"
+                )
+            count += 1
+    return count
 
 
 def load_shards(
