@@ -60,7 +60,7 @@ def test_damaged_export_files_are_one_line_errors_naming_the_file(small_cfg, tok
     with pytest.raises(ExportError, match=r"model.safetensors' is damaged or from another model"):
         load_exported(tmp_path / "model")
     weights.unlink()
-    with pytest.raises(ExportError, match="has no model.safetensors"):
+    with pytest.raises(ExportError, match=r"has no model\.safetensors"):
         load_exported(tmp_path / "model")
     (tmp_path / "model" / CONFIG_FILE).write_text('{"format": "mhf-model", "model": ')
     with pytest.raises(ExportError, match=r"config.json' is damaged \(invalid JSON at line 1\)"):

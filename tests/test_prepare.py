@@ -253,10 +253,10 @@ def test_a_missing_truncated_or_swapped_shard_is_named_before_any_row_is_read(tm
     with pytest.raises(DataError, match=r"shard .*train-00000.parquet is truncated or not parquet; re-run"):
         read_rows(tmp_path / "data", "train")
     first.write_bytes(second.read_bytes())  # another shard's file in its place: 10 rows, not 20
-    with pytest.raises(DataError, match="train-00000.parquet holds 10 rows but the manifest says 20"):
+    with pytest.raises(DataError, match=r"train-00000\.parquet holds 10 rows but the manifest says 20"):
         read_rows(tmp_path / "data", "train")
     first.unlink()
-    with pytest.raises(DataError, match="train-00000.parquet is missing"):
+    with pytest.raises(DataError, match=r"train-00000\.parquet is missing"):
         read_rows(tmp_path / "data", "train")
     first.write_bytes(whole)
     table = pq.read_table(second)
