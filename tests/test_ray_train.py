@@ -1,5 +1,6 @@
 """`mhf train`: Ray Train V2 workers driving DeepSpeed ZeRO engines on CPU, checkpoints, exact resume."""
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
 from mhf_dist.data.shards import read_rows
-from mhf_dist.errors import ConfigError, TrainingError
+from mhf_dist.errors import ConfigError, MhfError, TrainingError
 from mhf_dist.eval.perplexity import evaluate_rows
 from mhf_dist.export import load_exported
 from mhf_dist.tracking import TrackingError
@@ -205,3 +206,27 @@ def test_an_unreachable_tracking_server_fails_before_training(shards, tmp_path, 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
     with pytest.raises(TrackingError, match=r"cannot use MLflow tracking at 'http://127\.0\.0\.1:9'"):
         train(run_cfg(shards, "train.steps=2"), TrainOptions(storage=str(tmp_path), name="nowhere"))
+
+
+def test_a_run_the_cluster_cannot_place_fails_in_seconds_before_any_worker_starts(shards, tmp_path):
+    import time
+
+    cfg = run_cfg(shards, "train.steps=2")
+    cases = [
+        (
+            TrainOptions(workers=8),
+            r"--workers 8 x 1 CPU asks for 8 CPUs but the Ray cluster has 4; use --workers 4",
+        ),
+        (
+            TrainOptions(gpus_per_worker=1),
+            r"asks for 2 GPUs but the Ray cluster has 0; .*--gpus-per-worker 0",
+        ),
+        (TrainOptions(workers=0), r"--workers 0: a run needs at least one worker"),
+        (TrainOptions(workers=3), r"train.batch_size=8 does not split over 3 workers"),
+    ]
+    for options, message in cases:
+        start = time.monotonic()
+        with pytest.raises(MhfError, match=message):
+            train(cfg, dataclasses.replace(options, storage=str(tmp_path), name="placed"))
+        assert time.monotonic() - start < 10
+    assert not (tmp_path / "placed").exists() and not (tmp_path / "mlflow.db").exists()

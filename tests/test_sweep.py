@@ -25,6 +25,25 @@ def test_a_matched_sweep_expands_to_families_times_seeds():
 
 
 @pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"workers": 3}, r"trial mhf-seed0: train.batch_size=8 does not split over 3 workers"),
+        (
+            {"evaluate": [{"task": "ppl", "data": "nowhere.txt"}]},
+            r"ppl reads 'nowhere.txt', which does not exist",
+        ),
+    ],
+)
+def test_a_sweep_that_would_fail_in_its_trials_fails_before_ray_starts(changes, message, tmp_path):
+    spec = parse_sweep(
+        {"name": "early", "kind": "matched", "set": BYTES, "storage": str(tmp_path), **changes}
+    )
+    with pytest.raises(SweepError, match=message):
+        run_sweep(spec)
+    assert not list(tmp_path.iterdir())  # no sweep record, no MLflow parent run
+
+
+@pytest.mark.parametrize(
     ("raw", "message"),
     [
         ({"name": "x", "kind": "matched", "families": ["mhf", "gpt2"]}, "families: unknown family 'gpt2'"),

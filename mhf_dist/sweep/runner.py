@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from mhf_dist.config import Config, load_config
 from mhf_dist.data.shards import read_manifest
-from mhf_dist.errors import MhfError
+from mhf_dist.errors import ConfigError, MhfError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.sweep.spec import SweepConfig, Trial, expand_trials, trial_configs
 from mhf_dist.tracking import end_run, log_steps, reopen_run, start_run, tracking_uri
+from mhf_dist.train.engine import micro_batch_size
 
 if TYPE_CHECKING:
     from mhf_dist.compare import Comparison
@@ -66,10 +67,26 @@ def sweep_dir(spec: SweepConfig) -> Path:
     return Path(spec.storage).resolve() / spec.name
 
 
+def check_before_start(spec: SweepConfig, trials: list[Trial]) -> None:
+    """What would otherwise fail inside Tune's trials, checked before anything starts: every trial's
+    shards exist and its batch splits over the workers, and every file `evaluate` names exists."""
+    configs = {trial.name: load_config(spec.config, trial.override_args()) for trial in trials}
+    for name, cfg in configs.items():
+        try:
+            micro_batch_size(cfg.train, spec.workers)
+        except ConfigError as err:
+            raise SweepError(f"trial {name}: {err} (workers: {spec.workers})") from None
+    for task in spec.evaluate:
+        if task.data is not None and not Path(task.data).exists():
+            raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")
+    for cfg in configs.values():
+        read_manifest(cfg.data.path)
+
+
 def run_sweep(spec: SweepConfig, resume: bool = False, log: Callable[[str], None] = print) -> SweepResult:
     """Run (or with `resume`, finish) every trial of `spec`; finished trials are never rerun."""
     trials = expand_trials(spec)
-    read_manifest(load_config(spec.config, trials[0].override_args()).data.path)  # the shards exist
+    check_before_start(spec, trials)
     ensure_ray()
     from ray import tune
 

@@ -8,13 +8,14 @@ worker), and turns a worker's one-line error back into a one-line error here.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mhf_dist.config import Config
 from mhf_dist.data.shards import load_shards, read_manifest
-from mhf_dist.errors import MhfError, TrainingError
+from mhf_dist.errors import ConfigError, MhfError, TrainingError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.tracking import end_run, log_artifact, reopen_run, start_run, tracking_uri
@@ -26,6 +27,7 @@ from mhf_dist.train.checkpoints import (
     newest_checkpoint,
     resolve_resume,
 )
+from mhf_dist.train.engine import micro_batch_size
 from mhf_dist.train.worker import train_loop_per_worker
 
 TRACKING_FILE = "mlflow-run.json"  # in the run directory: the MLflow run a continued run logs to
@@ -36,6 +38,10 @@ class TrainResult:
     checkpoint: Path  # the last checkpoint directory; its exported model is checkpoint / "model"
     run_id: str  # the MLflow run
     tracking_uri: str
+
+
+# Set on a cluster whose autoscaler adds nodes on demand: resource checks then leave the waiting to Ray.
+AUTOSCALING_ENV = "MHF_AUTOSCALING_CLUSTER"
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,37 @@ class TrainOptions:
     init_from: str | None = None  # an exported model whose weights training starts from (fresh optimizer)
 
 
+def check_run_shape(cfg: Config, options: TrainOptions) -> None:
+    """What can be checked before Ray starts: the worker count, the batch split, the ZeRO stage."""
+    if options.workers < 1:
+        raise TrainingError(f"--workers {options.workers}: a run needs at least one worker")
+    if options.gpus_per_worker < 0:
+        raise TrainingError(f"--gpus-per-worker {options.gpus_per_worker}: give 0 (CPU) or more")
+    micro_batch_size(cfg.train, options.workers)
+    if options.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage {options.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
+
+
+def check_resources(options: TrainOptions, cluster: dict[str, float]) -> None:
+    """Refuse a run the Ray cluster cannot place, instead of waiting for resources that never come.
+
+    A cluster with an autoscaler may grow; there the check is skipped (Ray Train waits for the nodes).
+    """
+    if os.environ.get(AUTOSCALING_ENV):
+        return
+    wanted = {"CPU": options.workers, "GPU": options.workers * options.gpus_per_worker}
+    for resource, amount in wanted.items():
+        have = int(cluster.get(resource, 0))
+        if amount > have:
+            per_worker = 1 if resource == "CPU" else options.gpus_per_worker
+            hint = " (--gpus-per-worker 0 trains on CPUs)" if resource == "GPU" else ""
+            raise TrainingError(
+                f"--workers {options.workers} x {per_worker} {resource} asks for {amount} {resource}s but "
+                f"the Ray cluster has {have}; use --workers {max(1, have // per_worker)} or a larger "
+                f"cluster{hint}"
+            )
+
+
 def train(
     cfg: Config,
     options: TrainOptions,
@@ -65,12 +102,15 @@ def train(
     `tags` join the MLflow run's tags (a sweep adds its parent run and matching); `callbacks` are Ray
     Train callbacks (a sweep passes Tune's report callback).
     """
+    check_run_shape(cfg, options)
+    manifest = read_manifest(cfg.data.path)
     ensure_ray()
+    import ray
     import ray.data
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    manifest = read_manifest(cfg.data.path)
+    check_resources(options, ray.cluster_resources())
     fingerprint = manifest["signatures"]["fingerprint"]
     storage = Path(options.storage).resolve()
     run_dir = storage / options.name
