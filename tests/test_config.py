@@ -1,5 +1,7 @@
 """Configs: every preset loads, overrides apply, and each mistake is a one-line error naming the fix."""
 
+import json
+
 import pytest
 
 from mhf_dist.cli import main
@@ -48,9 +50,13 @@ def test_yaml_file_can_start_from_a_preset(tmp_path):
 
 
 def test_flat_keys_match_override_paths():
-    flat = load_config("tiny").flat()
+    """Every flattened key is an override path, and setting each to its own value rebuilds the config."""
+    tiny = load_config("tiny")
+    flat = tiny.flat()
     assert flat["model.backbone.hidden_size"] == 64
-    assert load_config("tiny", [f"model.backbone.hidden_size={flat['model.backbone.hidden_size'] * 2}"])
+    assert load_config("tiny", [f"{key}={json.dumps(value)}" for key, value in flat.items()]) == tiny
+    doubled = load_config("tiny", ["model.backbone.hidden_size=128"])
+    assert doubled.flat() == {**flat, "model.backbone.hidden_size": 128}
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """The demo flow end to end at a few steps: corpus -> shards -> matched sweep on Ray Tune -> comparison."""
 
+import collections
 import statistics
 
 import numpy as np
@@ -11,10 +12,21 @@ from mhf_dist.demo import run_demo
 from mhf_dist.errors import DataError
 
 
-def test_builtin_corpus_needs_no_network_and_is_english_text():
+def test_builtin_corpus_needs_no_network_and_is_english_text(monkeypatch):
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the built-in corpus opened a socket")
+
+    monkeypatch.setattr(socket, "socket", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
     documents = builtin_documents()
     assert len(documents) > 50 and sum(map(len, documents)) > 300_000
     assert documents == builtin_documents()
+    words = " ".join(documents).lower().split()
+    # English running text: its commonest words are the usual function words
+    common = {word for word, _ in collections.Counter(words).most_common(10)}
+    assert {"the", "a", "of", "is", "to"} <= common
 
 
 def test_packing_reproduces_the_token_stream_with_every_eos():

@@ -1,6 +1,9 @@
 """The signature contract: both schemes' MurmurHash3 coordinates, collision-free redraws, stable
 expansion, storage."""
 
+import json
+import pickle
+
 import mmh3
 import numpy as np
 import pytest
@@ -114,8 +117,19 @@ def test_save_load_round_trip_is_exact(tmp_path):
 
 
 def test_saved_file_is_safetensors_not_pickle(tmp_path):
+    """The safetensors layout: an 8-byte little-endian header length, a JSON header naming every tensor
+    with its dtype, shape and byte range, then raw bytes; nothing a pickle loader can run."""
     SignatureTable.build(["a", "b"], 2, 8).save(tmp_path / "sig.safetensors")
-    assert not (tmp_path / "sig.safetensors").read_bytes().startswith(b"\x80")
+    blob = (tmp_path / "sig.safetensors").read_bytes()
+    header_size = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + header_size])
+    assert set(header) == {"__metadata__", "rows", "salts", "token_bytes", "token_offsets"}
+    assert header["rows"]["dtype"] == "U8" and header["rows"]["shape"] == [2, 2]
+    assert max(entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__") == (
+        len(blob) - 8 - header_size
+    )
+    with pytest.raises(pickle.UnpicklingError):
+        pickle.loads(blob)
 
 
 @pytest.mark.parametrize("change", ["num_hashes", "num_buckets", "seed", "row", "scheme"])

@@ -5,8 +5,11 @@ import pytest
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
 from mhf_dist.errors import ConfigError
+from mhf_dist.eval.tasks import run_task
+from mhf_dist.export import load_exported
 from mhf_dist.sweep.runner import TRIALS_DIR, SweepError, run_sweep
 from mhf_dist.sweep.spec import expand_trials, load_sweep, parse_sweep
+from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 
 BYTES = {"data.tokenizer": "bytes", "model.vocab_size": 259, "model.hash.spec": "H2B64", "train.seq_len": 32}
 
@@ -108,9 +111,11 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_sess
     assert len(children) == 2 and all(run.info.status == "FINISHED" for run in children)
     for run in children:  # the crashed trial continued in its own MLflow run: every step once
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4]
-        # `evaluate`: the exported model's bits per byte on the held-out file, at the last step
+        # `evaluate`: the trial's exported model's bits per byte on the held-out file, at the last step
         (bpb,) = client.get_metric_history(run.info.run_id, "eval.bpb.bits_per_byte")
-        assert bpb.step == 4 and 0 < bpb.value < 20
+        exported = load_exported(newest_checkpoint(trials / run.info.run_name) / MODEL_DIR)
+        expected = run_task(exported, "bpb", tmp_path / "held_out.txt", seq_len=8)["bits_per_byte"]
+        assert bpb.step == 4 and bpb.value == pytest.approx(expected, rel=1e-9)
     assert client.get_run(result.parent_run_id).info.status == "FINISHED"
     with pytest.raises(SweepError, match="already exists"):
         run_sweep(spec, log=lambda _: None)
