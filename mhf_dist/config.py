@@ -226,9 +226,6 @@ class TrainConfig(StrictModel):
         0, ge=0, description="steps between validation passes (exact NLL); 0: only at the end"
     )
     eval_rows: int = Field(0, ge=0, description="validation rows per pass; 0: the whole split")
-    fail_at_step: int = Field(
-        0, ge=0, description="fault injection for tests: the last worker dies once at this step"
-    )
 
 
 class RecallDataConfig(StrictModel):

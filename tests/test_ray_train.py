@@ -18,6 +18,7 @@ from mhf_dist.tracking import TrackingError
 from mhf_dist.train.checkpoints import MODEL_DIR, read_history
 from mhf_dist.train.engine import deepspeed_config
 from mhf_dist.train.ray_trainer import TrainOptions, train
+from mhf_dist.train.worker import FAULT_PLAN
 
 TINY_BYTES = [
     "data.tokenizer=bytes",
@@ -121,7 +122,9 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(shards,
     assert [(h["step"], h["loss"]) for h in read_history(half)] == [(h["step"], h["loss"]) for h in whole[:5]]
 
     # Resumed by run name (its newest checkpoint); worker 1 dies at step 7, after the step-6 checkpoint.
-    faulty = run_cfg(shards, "train.steps=10", "train.checkpoint_every=2", "train.fail_at_step=7")
+    faulty = run_cfg(shards, "train.steps=10", "train.checkpoint_every=2")
+    (tmp_path / "rest").mkdir()
+    (tmp_path / "rest" / FAULT_PLAN).write_text("7")
     options = TrainOptions(zero_stage=1, storage=str(tmp_path), name="rest", resume="half", max_failures=1)
     rest = train(faulty, options)
     assert (tmp_path / "rest" / "fault-injected").is_file()

@@ -10,6 +10,7 @@ from mhf_dist.export import load_exported
 from mhf_dist.sweep.runner import TRIALS_DIR, SweepError, run_sweep
 from mhf_dist.sweep.spec import expand_trials, load_sweep, parse_sweep
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
+from mhf_dist.train.worker import FAULT_PLAN
 
 BYTES = {"data.tokenizer": "bytes", "model.vocab_size": 259, "model.hash.spec": "H2B64", "train.seq_len": 32}
 
@@ -77,31 +78,31 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_sess
     monkeypatch.chdir(tmp_path)  # relative paths in the sweep: trials must resolve them from here too
     prepare(load_config("tiny", [f"{k}={v}" for k, v in BYTES.items()]), "data", log=lambda _: None)
     (tmp_path / "held_out.txt").write_text("A held-out line of text.\n\nAnother one, for bits per byte.\n")
-    # Two trials; the second loses a worker at step 3 (no restarts), after its step-2 checkpoint.
+    # Two trials; the second loses a worker at step 3 (the fail-at-step test hook; no restarts), after its
+    # step-2 checkpoint.
     spec = parse_sweep(
         {
             "name": "crashy",
             "kind": "grid",
             "set": {**BYTES, "data.path": "data", "train.steps": 4, "train.checkpoint_every": 2},
-            "grid": {"train.fail_at_step": [0, 3]},
+            "grid": {"train.lr": [0.003, 0.002]},
             "storage": "sweeps",
             "workers": 1,
             "evaluate": [{"task": "bpb", "data": "held_out.txt", "seq_len": 8}],
         }
     )
-    with pytest.raises(SweepError, match=r"1 of 2 trials failed \(train.fail_at_step=3-seed0\)"):
-        run_sweep(spec, log=lambda _: None)
     trials = tmp_path / "sweeps" / "crashy" / TRIALS_DIR
-    finished_files = sorted(
-        path.stat().st_mtime_ns for path in (trials / "train.fail_at_step=0-seed0").rglob("*")
-    )
+    (trials / "train.lr=0.002-seed0").mkdir(parents=True)
+    (trials / "train.lr=0.002-seed0" / FAULT_PLAN).write_text("3")
+    with pytest.raises(SweepError, match=r"1 of 2 trials failed \(train.lr=0.002-seed0\)"):
+        run_sweep(spec, log=lambda _: None)
+    finished_files = sorted(path.stat().st_mtime_ns for path in (trials / "train.lr=0.003-seed0").rglob("*"))
 
     result = run_sweep(spec, resume=True, log=lambda _: None)
     assert sorted(t["status"] for t in result.trials) == ["FINISHED", "FINISHED"]
     # The finished trial was not rerun: none of its files changed.
     assert (
-        sorted(p.stat().st_mtime_ns for p in (trials / "train.fail_at_step=0-seed0").rglob("*"))
-        == finished_files
+        sorted(p.stat().st_mtime_ns for p in (trials / "train.lr=0.003-seed0").rglob("*")) == finished_files
     )
     client = MlflowClient(tracking_uri=result.tracking_uri)
     children = client.search_runs(

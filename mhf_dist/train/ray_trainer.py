@@ -145,7 +145,6 @@ def train(
             "stop_at_step": options.stop_at_step,
             "resume_from": str(resume) if resume else None,
             "run_dir": str(run_dir),
-            "fault_marker": str(run_dir / "fault-injected"),
             "tracking_uri": uri,
             "run_id": run_id,
         },

@@ -37,6 +37,10 @@ from mhf_dist.train.checkpoints import (
 from mhf_dist.train.engine import DeepSpeedStepper
 from mhf_dist.train.hardware import default_peak_flops, live_tensor_bytes, peak_memory_bytes
 
+# Test hooks in a run's storage directory: the step the last worker is to die at, and the proof it did.
+FAULT_PLAN = "fail-at-step"
+FAULT_INJECTED = "fault-injected"
+
 GIB = 2**30
 
 
@@ -173,12 +177,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         "lineage": lineage,
     }
     tracking = {"uri": loop_config["tracking_uri"], "run_id": loop_config["run_id"], "logged": start_step}
+    run_dir = Path(loop_config["run_dir"])
+    fail_at_step = planned_fault(run_dir)
 
     def on_step(metrics: dict[str, float]) -> None:
         step = int(metrics["step"])
-        _maybe_inject_fault(
-            step, cfg.train.fail_at_step, rank == world_size - 1, Path(loop_config["fault_marker"])
-        )
+        _maybe_inject_fault(step, fail_at_step, rank == world_size - 1, run_dir / FAULT_INJECTED)
         if validate and _due(step, cfg.train.eval_every, last_step):
             metrics.update(validate(stepper))
         if step == start_step + 1:  # optimizer states exist from the first step on
@@ -208,9 +212,17 @@ def _due(step: int, every: int, last_step: int) -> bool:
     return step == last_step or bool(every and step % every == 0)
 
 
+def planned_fault(run_dir: Path) -> int:
+    """The step a test asked the last worker to die at (0: none): the number in `<run>/fail-at-step`.
+
+    A test hook, not a setting: tests write the file before the run; users never see it in a config."""
+    plan = run_dir / FAULT_PLAN
+    return int(plan.read_text()) if plan.is_file() else 0
+
+
 def _maybe_inject_fault(step: int, fail_at_step: int, last_rank: bool, marker: Path) -> None:
-    """Kill the last worker's process once (train.fail_at_step), as a crashed node would; the marker
-    file in the run's storage keeps the restarted worker group from failing again."""
+    """Kill the last worker's process once, as a crashed node would; the marker file in the run's
+    storage keeps the restarted worker group from failing again."""
     if fail_at_step and step == fail_at_step and last_rank and not marker.exists():
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(f"the last worker was killed at step {step}\n")
