@@ -79,9 +79,12 @@ def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_
         [experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     assert len(children) == 6 and parent.info.status == "FINISHED"
+    for run in children:  # validation every train.steps / 10 steps (here 1): curves, not single points
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_nll"))
+        assert steps == list(range(1, 9))
     for family, row in rows.items():
         finals = [
-            client.get_metric_history(run.info.run_id, "val_nll")[-1].value
+            max(client.get_metric_history(run.info.run_id, "val_nll"), key=lambda m: m.step).value
             for run in children
             if run.data.tags["family"] == family
         ]
@@ -107,5 +110,18 @@ def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_
         with Image.open(png) as image:
             image.verify()
             assert image.format == "PNG"
-    assert any("greedy sample" in line for line in lines)
+    for family in rows:  # one seeded, sampled continuation per family
+        assert sum(line.startswith(f"{family} (seed 0, temperature 0.8) sample:") for line in lines) == 1
     assert any(line.startswith("MLflow UI: mlflow ui --backend-store-uri sqlite:///") for line in lines)
+
+
+def test_the_demo_trains_qwen3_matched_only_where_it_differs_from_qwen3():
+    from mhf_dist.config import load_config
+    from mhf_dist.demo import demo_families
+
+    lines = []
+    assert demo_families(load_config("tiny"), lines.append) == ["mhf", "qwen3", "qwen3_matched"]
+    assert lines == []
+    # At V=2,200 two qwen3 layers already hold mhf's parameters (mhf's do not grow with V).
+    assert demo_families(load_config("tiny", ["model.vocab_size=2200"]), lines.append) == ["mhf", "qwen3"]
+    assert lines == ["qwen3_matched skipped: at this size its closest match has qwen3's own 2 layers"]
