@@ -21,6 +21,7 @@ from mhf_dist.config import ModelConfig
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import MhfError, SignatureError
+from mhf_dist.files import read_json
 from mhf_dist.models.base import CausalLM
 from mhf_dist.signatures import SignatureTable
 
@@ -102,12 +103,7 @@ def read_export_config(directory: str | Path) -> dict:
             f"{str(directory)!r} is not an exported model (no {CONFIG_FILE}); pass the `model` directory "
             "of a checkpoint or of `mhf train` output"
         )
-    try:
-        description = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ExportError(
-            f"{str(path)!r} is damaged (invalid JSON at line {err.lineno}); re-export the model"
-        ) from None
+    description = read_json(path, ExportError, "re-export the model")
     if not isinstance(description, dict) or description.get("format") != FORMAT:
         raise ExportError(f"{str(path)!r} is not an mhf-dist model config; pass an exported model directory")
     return description

@@ -31,6 +31,7 @@ from mhf_dist.data.shards import TOKENIZER_FILE
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import MhfError
 from mhf_dist.export import CONFIG_FILE, WEIGHTS_FILE, ExportedModel, export_model, load_exported
+from mhf_dist.files import read_json
 from mhf_dist.models import build_model
 from mhf_dist.signatures import NO_PAD, SignatureTable, build_for_config, smallest_uint_dtype
 
@@ -81,15 +82,11 @@ def _read_hf_config(source: Path) -> dict:
             f"{str(source)!r} is not a Hugging Face checkpoint directory (no {CONFIG_FILE}); pass the "
             "directory save_pretrained wrote"
         )
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    config = read_json(path, LayoutError, "fix or re-download the checkpoint")
+    if not isinstance(config, dict) or config.get("model_type") != "qwen3":
+        found = config.get("model_type") if isinstance(config, dict) else type(config).__name__
         raise LayoutError(
-            f"cannot parse {path}: {err.msg} at line {err.lineno}; fix or re-download it"
-        ) from None
-    if config.get("model_type") != "qwen3":
-        raise LayoutError(
-            f"{path} has model_type {config.get('model_type')!r}; mhf-dist imports qwen3 checkpoints "
+            f"{path} has model_type {found!r}; mhf-dist imports qwen3 checkpoints "
             "(the reference MHF models and plain Qwen3)"
         )
     return config
@@ -99,7 +96,8 @@ def _read_weights(source: Path) -> dict[str, torch.Tensor]:
     """Every tensor of model.safetensors, or of the shards a model.safetensors.index.json names."""
     index = source / INDEX_FILE
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index, LayoutError, "fix or re-download the checkpoint").get("weight_map", {})
+        files = sorted(set(weight_map.values()))
     elif (source / WEIGHTS_FILE).is_file():
         files = [WEIGHTS_FILE]
     else:

@@ -210,6 +210,11 @@ def test_bad_checkpoints_are_one_line_errors_and_leave_nothing(reference_checkpo
         (variant("shape", num_buckets=64), "model.embed_tokens.weight has shape (96, 32) but"),
         (variant("llama", model_type="llama"), "has model_type 'llama'"),
     ]
+    damaged = variant("damaged")
+    (damaged / "config.json").write_text('{"model_type": "qwen3",')
+    cases.append((damaged, "config.json' is damaged (invalid JSON at line 1); fix or re-download"))
+    (variant("truncated") / "model.safetensors").write_bytes(b"\x10\x00")
+    cases.append((tmp_path / "truncated", "cannot read " + str(tmp_path / "truncated" / "model.safetensors")))
     for source, message in cases:
         assert main(["import-hf", str(source), "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err

@@ -264,3 +264,13 @@ def test_a_missing_truncated_or_swapped_shard_is_named_before_any_row_is_read(tm
     read_rows(tmp_path / "data", "train")
     assert main(["verify-data", str(tmp_path / "data")]) == 2
     assert "train-00002.parquet differs from the one prepared (sha256 mismatch)" in capsys.readouterr().err
+
+
+def test_an_unwritable_output_or_zero_cpus_fails_before_any_work(tmp_path, capsys):
+    recall = ["--set", "data.corpus=recall", "--set", "model.vocab_size=40", "--set", "train.seq_len=32"]
+    (tmp_path / "a-file").write_text("not a directory")
+    assert main(["prepare", *recall, "--out", str(tmp_path / "a-file" / "data")]) == 2
+    assert "cannot write under" in capsys.readouterr().err
+    assert main(["prepare", *recall, "--out", str(tmp_path / "data"), "--num-cpus", "0"]) == 2
+    assert "--num-cpus 0: Ray Data needs at least one CPU" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]  # nothing staged or written

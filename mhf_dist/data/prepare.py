@@ -103,6 +103,9 @@ def prepare(
         raise DataError(
             f"output {str(out)!r} exists and is not empty; pass --overwrite or choose another --out"
         )
+    if num_cpus is not None and num_cpus < 1:
+        raise DataError(f"--num-cpus {num_cpus}: Ray Data needs at least one CPU")
+    check_writable(out.parent)
     data = cfg.data
     if data.corpus == recall.CORPUS:  # generated rows: no corpus to read, no Ray needed
         tokenizer = TextTokenizer.recall(cfg.model.vocab_size)
@@ -235,6 +238,13 @@ def _write_shards(
             file=sys.stderr,
         )
     return splits
+
+
+def check_writable(directory: Path) -> None:
+    """The output's parent must exist or be creatable, and take new files, before any work starts."""
+    existing = next(parent for parent in (directory, *directory.parents) if parent.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise DataError(f"cannot write under {str(existing)!r} (not a writable directory); choose another --out")
 
 
 def signature_table(cfg: Config, tokenizer: TextTokenizer) -> SignatureTable:
