@@ -244,7 +244,9 @@ def check_writable(directory: Path) -> None:
     """The output's parent must exist or be creatable, and take new files, before any work starts."""
     existing = next(parent for parent in (directory, *directory.parents) if parent.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise DataError(f"cannot write under {str(existing)!r} (not a writable directory); choose another --out")
+        raise DataError(
+            f"cannot write under {str(existing)!r} (not a writable directory); choose another --out"
+        )
 
 
 def signature_table(cfg: Config, tokenizer: TextTokenizer) -> SignatureTable:
