@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from mhf_dist.config import Config, load_config
-from mhf_dist.errors import ConfigError, MhfError
+from mhf_dist.errors import ConfigError, Interrupted, MhfError
 from mhf_dist.submit import DEFAULT_ADDRESS
 
 if TYPE_CHECKING:
@@ -552,6 +553,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MhfError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Interrupted as err:
+        print(f"interrupted: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("interrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -22,3 +22,11 @@ class DataError(MhfError):
 
 class TrainingError(MhfError):
     """A run that cannot go on: a non-finite loss, a checkpoint that does not fit the run."""
+
+
+class Interrupted(Exception):
+    """A run stopped by SIGINT or SIGTERM; its one line says where it stopped and how to go on."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -242,3 +242,51 @@ def test_a_run_the_cluster_cannot_place_fails_in_seconds_before_any_worker_start
             train(cfg, dataclasses.replace(options, storage=str(tmp_path), name="placed"))
         assert time.monotonic() - start < 10
     assert not (tmp_path / "placed").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_sigint_stops_a_two_worker_fit_in_seconds_and_resume_continues_it(ray_session, tmp_path):
+    """Ctrl-C: exit 130 with one line naming the last checkpoint, the MLflow run KILLED, no staging left."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    recall = ["data.corpus=recall", "model.vocab_size=40", "train.seq_len=32", "data.recall.examples=2000"]
+    cfg = load_config("tiny", [*recall, f"data.path={tmp_path / 'data'}", "train.checkpoint_every=20"])
+    prepare(cfg, tmp_path / "data", log=lambda _: None)
+    sets = [arg for item in [*recall, f"data.path={tmp_path / 'data'}", "train.checkpoint_every=20",
+            "train.steps=5000"] for arg in ("--set", item)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mhf_dist.cli",
+        "train",
+        *sets,
+        "--storage",
+        str(tmp_path),
+        "--name",
+        "cut",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "cut").glob("checkpoint-*/run.json")) and time.monotonic() < deadline:
+        time.sleep(1)
+    process.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and time.monotonic() - sent < 30
+    (last_line,) = [line for line in stderr.splitlines() if line.startswith("interrupted:")]
+    assert "SIGINT after step" in last_line and "resume with --resume cut" in last_line
+    assert not list((tmp_path / "cut").glob(".staging-*"))
+    run_id = json.loads((tmp_path / "cut" / "mlflow-run.json").read_text())["run_id"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert client.get_run(run_id).info.status == "KILLED"
+    stopped_at = int(last_line.split("after step ")[1].split(";")[0])
+    more = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": stopped_at + 4})})
+    resumed = train(more, TrainOptions(storage=str(tmp_path), name="rest", resume="cut"))
+    assert [h["step"] for h in read_history(resumed.checkpoint)] == list(range(1, stopped_at + 5))
+    logged = client.get_metric_history(resumed.run_id, "loss")  # only the new steps: it did resume
+    assert sorted(metric.step for metric in logged) == list(range(stopped_at + 1, stopped_at + 5))

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mhf_dist.config import Config
 from mhf_dist.data.shards import load_shards, read_manifest
-from mhf_dist.errors import ConfigError, MhfError, TrainingError
+from mhf_dist.errors import ConfigError, Interrupted, MhfError, TrainingError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.tracking import end_run, log_artifact, reopen_run, start_run, tracking_uri
@@ -28,7 +32,7 @@ from mhf_dist.train.checkpoints import (
     resolve_resume,
 )
 from mhf_dist.train.engine import micro_batch_size
-from mhf_dist.train.worker import train_loop_per_worker
+from mhf_dist.train.worker import STAGING_PREFIX, train_loop_per_worker
 
 TRACKING_FILE = "mlflow-run.json"  # in the run directory: the MLflow run a continued run logs to
 
@@ -166,8 +170,15 @@ def train(
         datasets={"train": dataset},
         dataset_config=DataConfig(datasets_to_split=[], execution_options=in_order),
     )
+    stopped_by = {"signal": signal.SIGINT}
+    restore = _hand_sigterm_to_ray(stopped_by)
     try:
         result = trainer.fit()
+    except (KeyboardInterrupt, SystemExit):
+        # Ray Train's own SIGINT handler aborts the run and exits (before it is installed, Ctrl-C is a
+        # KeyboardInterrupt): the run is stopped on purpose, not failed.
+        end_run(uri, run_id, "KILLED")
+        raise _interrupted(stopped_by["signal"], run_dir, options.name) from None
     except BaseException as err:
         end_run(uri, run_id, "FAILED")
         user_error = _worker_user_error(err)
@@ -176,6 +187,8 @@ def train(
         last_good = newest_checkpoint(run_dir)
         kept = f"; last good checkpoint: {last_good}" if last_good else "; no checkpoint was written"
         raise TrainingError(f"{user_error}{kept}") from None
+    finally:
+        restore()
     if result.checkpoint is None:
         end_run(uri, run_id, "FAILED")
         raise TrainingError(f"run {options.name!r} ended without a checkpoint; see the worker errors above")
@@ -184,6 +197,41 @@ def train(
     log_artifact(uri, run_id, checkpoint / MODEL_DIR)
     end_run(uri, run_id, "FINISHED")
     return TrainResult(checkpoint, run_id, uri)
+
+
+def _hand_sigterm_to_ray(stopped_by: dict[str, int]) -> Callable[[], None]:
+    """SIGTERM during a fit takes Ray Train's graceful SIGINT path (abort the workers, keep the last
+    checkpoint), remembering which signal it was; returns what restores the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():  # a Tune trial: Tune owns signals
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        stopped_by["signal"] = signal.SIGTERM
+        signal.raise_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def _interrupted(sig: int, run_dir: Path, name: str) -> Interrupted:
+    """The one line of a stopped run (where it stopped, how to go on); leftover staging removed."""
+    for staging in run_dir.glob(f"{STAGING_PREFIX}*"):
+        shutil.rmtree(staging, ignore_errors=True)
+    last = newest_checkpoint(run_dir)
+    name_of = signal.Signals(sig).name
+    if last is None:
+        return Interrupted(f"{name_of} before the first checkpoint; nothing to resume from", 128 + sig)
+    step = int(last.name.rpartition("-")[2])
+    return Interrupted(
+        f"{name_of} after step {step}; last checkpoint: {last}; resume with --resume {name} --name NEW_NAME",
+        128 + sig,
+    )
 
 
 def _tracking_run(uri: str, run_dir: Path, cfg: Config, options: TrainOptions, tags: dict[str, Any]) -> str:

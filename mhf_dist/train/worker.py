@@ -40,6 +40,7 @@ from mhf_dist.train.hardware import default_peak_flops, live_tensor_bytes, peak_
 # Test hooks in a run's storage directory: the step the last worker is to die at, and the proof it did.
 FAULT_PLAN = "fail-at-step"
 FAULT_INJECTED = "fault-injected"
+STAGING_PREFIX = ".staging-"  # each rank's checkpoint files before Ray Train copies them into place
 
 GIB = 2**30
 
@@ -200,7 +201,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     (h for h in history if h["step"] > tracking["logged"]),
                 )
                 tracking["logged"] = step
-            _report_checkpoint(stepper, cfg, table, step, metrics, history, run_info, rank, world_size)
+            _report_checkpoint(
+                stepper, cfg, table, step, metrics, history, run_info, rank, world_size, run_dir
+            )
         elif is_log_step(step, cfg.train):
             ray.train.report(metrics)
 
@@ -239,13 +242,15 @@ def _report_checkpoint(
     run_info: dict[str, Any],
     rank: int,
     world_size: int,
+    run_dir: Path,
 ) -> None:
     """Every rank saves its DeepSpeed files; Ray Train merges the ranks' folders into one checkpoint."""
     import ray.train
 
     rng_states = [None] * world_size
     torch.distributed.all_gather_object(rng_states, _rng_state())
-    with tempfile.TemporaryDirectory() as tmp:
+    # Staged inside the run's own directory, where an interrupted run's driver can remove what is left.
+    with tempfile.TemporaryDirectory(dir=run_dir, prefix=STAGING_PREFIX) as tmp:
         directory = Path(tmp)
         stepper.engine.save_checkpoint(tmp, tag=STATE_TAG, client_state={"step": step, "rng": rng_states})
         with stepper.whole_parameters():
