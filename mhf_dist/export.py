@@ -81,19 +81,22 @@ def export_model(
     return directory
 
 
-def _weights(model: CausalLM) -> dict[str, torch.Tensor]:
-    """The state dict, each tied tensor once (Qwen3's lm_head is its embedding), as standalone copies.
-
-    Copies because DeepSpeed's ZeRO-1/2 parameters are views into one flat buffer, which safetensors
-    refuses to save; `load_model` restores the tied names on load.
-    """
-    weights, seen = {}, set()
+def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each tied tensor once, under its first name (Qwen3's lm_head is its
+    embedding; the reference decoder's table is the encoder's)."""
+    unique, seen = {}, set()
     for name, tensor in model.state_dict().items():
         key = (tensor.data_ptr(), tuple(tensor.shape))
         if key not in seen:
             seen.add(key)
-            weights[name] = tensor.detach().to("cpu", copy=True).contiguous()
-    return weights
+            unique[name] = tensor
+    return unique
+
+
+def _weights(model: CausalLM) -> dict[str, torch.Tensor]:
+    """`unique_tensors` as standalone copies: DeepSpeed's ZeRO-1/2 parameters are views into one flat
+    buffer, which safetensors refuses to save; `load_model` restores the tied names on load."""
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in unique_tensors(model).items()}
 
 
 def read_export_config(directory: str | Path) -> dict:

@@ -30,7 +30,14 @@ from mhf_dist.config import ModelConfig, format_hash_spec
 from mhf_dist.data.shards import TOKENIZER_FILE
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import MhfError
-from mhf_dist.export import CONFIG_FILE, WEIGHTS_FILE, ExportedModel, export_model, load_exported
+from mhf_dist.export import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ExportedModel,
+    export_model,
+    load_exported,
+    unique_tensors,
+)
 from mhf_dist.files import read_json
 from mhf_dist.models import build_model
 from mhf_dist.signatures import NO_PAD, SignatureTable, build_for_config, smallest_uint_dtype
@@ -225,11 +232,7 @@ def _from_qwen3(
 
 def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
     """Load `state` into `model`; each tied tensor (the decoder's table, Qwen3's lm_head) once."""
-    expected, seen = {}, set()
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            expected[name] = tensor
+    expected = unique_tensors(model)
     wanted = set(expected)
     missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
     if missing or unexpected:

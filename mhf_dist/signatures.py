@@ -178,8 +178,6 @@ class SignatureTable:
         taken = {tuple(row) for row in self._rows.tolist()}
         # The reference scheme redraws only the last coordinate: a prefix holds at most B-1 tokens.
         prefix_room = collections.Counter(signature[:-1] for signature in taken)
-        if self.scheme == "reference":
-            taken.add((0,) * self.num_hashes)  # bucket 0 is the padding token's, present or not
         rows, salts = [], []
         for token in new_tokens:
             salt, signature = self._first_free(token, taken, prefix_room)
@@ -352,6 +350,11 @@ class SignatureTable:
                 f"signature table {str(path)!r} is corrupted (fingerprint mismatch); rebuild it"
             )
         return table
+
+    def follows(self, hash_cfg: HashConfig) -> bool:
+        """Whether this table is of the shape, seed and scheme `model.hash` describes."""
+        mine = (self.num_hashes, self.num_buckets, self.seed, self.scheme)
+        return mine == (hash_cfg.num_hashes, hash_cfg.num_buckets, hash_cfg.seed, hash_cfg.signature_scheme)
 
     def describe(self) -> dict[str, str | int]:
         return {

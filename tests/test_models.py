@@ -148,6 +148,19 @@ def test_every_hash_io_variant_is_counted_exactly_in_parameters_and_flops(small_
     assert counter.get_total_flops() == 3 * forward_flops_per_token(cfg.model, 16) * rows[:, 1:].numel()
 
 
+def test_the_vocab_objective_is_the_exact_nll_that_evaluation_scores(small_cfg, small_table):
+    cfg = small_cfg.model.model_copy(
+        update={"hash": small_cfg.model.hash.model_copy(update={"loss": "vocab"})}
+    )
+    model = build_model(cfg, small_table)
+    rows = random_rows(cfg.vocab_size, batch=3)
+    out = model(rows)
+    exact = model.token_nll(rows[:, :-1], rows[:, 1:]).mean()
+    assert out.loss.item() == pytest.approx(exact.item(), rel=1e-5)
+    out.loss.backward()
+    assert model.encoder.table.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("preset", ["100m", "500m", "1b", "3b"])
 def test_baseline_preset_sizes_match_their_names(preset):
     target = {"100m": 100e6, "500m": 500e6, "1b": 1e9, "3b": 3e9}[preset]

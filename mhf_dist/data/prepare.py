@@ -261,8 +261,7 @@ def signature_table(cfg: Config, tokenizer: TextTokenizer) -> SignatureTable:
             f"tokenizer has {tokenizer.vocab_size}); set data.tokenizer to that model's tokenizer.json"
         )
     hash_cfg = cfg.model.hash
-    wanted = (hash_cfg.num_hashes, hash_cfg.num_buckets, hash_cfg.seed, hash_cfg.signature_scheme)
-    if (table.num_hashes, table.num_buckets, table.seed, table.scheme) != wanted:
+    if not table.follows(hash_cfg):
         raise DataError(
             f"data.signatures {str(path)!r} is {table.spec} seed {table.seed} ({table.scheme}) but "
             f"model.hash says {hash_cfg.spec} seed {hash_cfg.seed} ({hash_cfg.signature_scheme}); "

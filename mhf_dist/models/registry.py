@@ -68,8 +68,7 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
 def _build_mhf(cfg: ModelConfig, signatures: SignatureTable | None) -> CausalLM:
     if signatures is None:
         raise SignatureError("the mhf family needs a signature table; build one with SignatureTable.build")
-    table_says = (signatures.num_hashes, signatures.num_buckets, signatures.seed, signatures.scheme)
-    if table_says != (cfg.hash.num_hashes, cfg.hash.num_buckets, cfg.hash.seed, cfg.hash.signature_scheme):
+    if not signatures.follows(cfg.hash):
         raise SignatureError(
             f"signature table is {signatures.spec} seed {signatures.seed} ({signatures.scheme} scheme) but "
             f"the model config says {cfg.hash.spec} seed {cfg.hash.seed} ({cfg.hash.signature_scheme} "

@@ -26,6 +26,11 @@ def checkpoint_name(step: int) -> str:
     return f"checkpoint-{step:07d}"
 
 
+def checkpoint_step(path: Path) -> int:
+    """The inverse of `checkpoint_name`."""
+    return int(path.name.removeprefix("checkpoint-"))
+
+
 def newest_checkpoint(run_dir: Path) -> Path | None:
     """The run's newest complete checkpoint on storage (run.json is written last by rank 0)."""
     complete = [path for path in sorted(run_dir.glob("checkpoint-*")) if (path / RUN_FILE).is_file()]

@@ -47,11 +47,15 @@ def zero_config(stage: int, hidden_size: int) -> dict[str, Any]:
     }
 
 
+def check_zero_stage(stage: int) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage {stage} is not a ZeRO stage; use 0, 1, 2 or 3")
+
+
 def deepspeed_config(
     cfg: TrainConfig, zero_stage: int, world_size: int, bf16: bool, hidden_size: int
 ) -> dict[str, Any]:
-    if zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero-stage {zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
+    check_zero_stage(zero_stage)
     return {
         "train_batch_size": cfg.batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size(cfg, world_size),

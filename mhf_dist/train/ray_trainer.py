@@ -19,7 +19,7 @@ from typing import Any
 
 from mhf_dist.config import Config
 from mhf_dist.data.shards import load_shards, read_manifest
-from mhf_dist.errors import ConfigError, Interrupted, MhfError, TrainingError
+from mhf_dist.errors import Interrupted, MhfError, TrainingError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.tracking import end_run, log_artifact, reopen_run, start_run, tracking_uri
@@ -28,10 +28,11 @@ from mhf_dist.train.checkpoints import (
     RUN_FILE,
     check_initial_model,
     check_resumable,
+    checkpoint_step,
     newest_checkpoint,
     resolve_resume,
 )
-from mhf_dist.train.engine import micro_batch_size
+from mhf_dist.train.engine import check_zero_stage, micro_batch_size
 from mhf_dist.train.worker import STAGING_PREFIX, train_loop_per_worker
 
 TRACKING_FILE = "mlflow-run.json"  # in the run directory: the MLflow run a continued run logs to
@@ -71,8 +72,7 @@ def check_run_shape(cfg: Config, options: TrainOptions) -> None:
     if options.gpus_per_worker < 0:
         raise TrainingError(f"--gpus-per-worker {options.gpus_per_worker}: give 0 (CPU) or more")
     micro_batch_size(cfg.train, options.workers)
-    if options.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero-stage {options.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
+    check_zero_stage(options.zero_stage)
 
 
 def check_resources(options: TrainOptions, cluster: dict[str, float]) -> None:
@@ -227,7 +227,7 @@ def _interrupted(sig: int, run_dir: Path, name: str) -> Interrupted:
     name_of = signal.Signals(sig).name
     if last is None:
         return Interrupted(f"{name_of} before the first checkpoint; nothing to resume from", 128 + sig)
-    step = int(last.name.rpartition("-")[2])
+    step = checkpoint_step(last)
     return Interrupted(
         f"{name_of} after step {step}; last checkpoint: {last}; resume with --resume {name} --name NEW_NAME",
         128 + sig,
