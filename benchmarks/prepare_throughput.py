@@ -23,7 +23,7 @@ from common import write_results
 
 from mhf_dist.config import load_config
 from mhf_dist.data.corpus import split_text_file
-from mhf_dist.data.packing import Packer
+from mhf_dist.data.packing import pack_rows
 from mhf_dist.data.prepare import prepare
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.ray_utils import ensure_ray

@@ -210,7 +210,13 @@ class ModelConfig(StrictModel):
 class TrainConfig(StrictModel):
     seed: int = 0
     steps: int = Field(100, gt=0)
-    batch_size: int = Field(8, gt=0)
+    batch_size: int = Field(8, gt=0, description="the global batch: rows per optimizer step, all workers")
+    micro_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="rows per worker per forward; batch_size / (micro x workers) steps are accumulated; "
+        "default: batch_size / workers (no accumulation)",
+    )
     seq_len: int = Field(128, ge=2)
     lr: float = Field(3e-4, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -254,6 +260,12 @@ class DataConfig(StrictModel):
     )
     val_percent: float = Field(5.0, ge=0, lt=100, description="share of documents held out for validation")
     rows_per_shard: int = Field(2048, gt=0)
+    shuffle: bool = Field(
+        True, description="train on a seeded permutation of the rows each epoch; false: prepared order"
+    )
+    shuffle_window: int = Field(
+        64, gt=0, description="shards whose rows are mixed together (the shard order is shuffled too)"
+    )
     path: str = Field("runs/data", description="the prepared shard directory (prepare output, train input)")
     recall: RecallDataConfig = RecallDataConfig()
 

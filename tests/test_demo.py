@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mhf_dist.data.corpus import builtin_documents
-from mhf_dist.data.packing import Packer
+from mhf_dist.data.packing import dropped_tokens, pack_rows, row_count, token_range
 from mhf_dist.demo import run_demo
 from mhf_dist.errors import DataError
 
@@ -32,24 +32,24 @@ def test_builtin_corpus_needs_no_network_and_is_english_text(monkeypatch):
 def test_packing_reproduces_the_token_stream_with_every_eos():
     documents = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]
     stream = [token for doc in documents for token in (*doc, 0)]
-    packer = Packer(3)
-    rows = packer.add(np.array(stream))
+    rows = pack_rows(np.array(stream), 3)
     rebuilt = [token for row in rows.tolist() for token in row[:3]] + [rows[-1, -1]]
-    assert rebuilt == stream[: len(rebuilt)] and len(rebuilt) + packer.dropped_tokens == len(stream)
-    assert rows.shape == ((len(stream) - 1) // 3, 4)
+    assert rebuilt == stream[: len(rebuilt)] and len(rebuilt) + dropped_tokens(len(stream), 3) == len(stream)
+    assert rows.shape == (row_count(len(stream), 3), 4) == ((len(stream) - 1) // 3, 4)
 
 
-def test_streaming_packer_gives_the_same_rows_however_the_stream_is_cut():
+def test_any_range_of_rows_packs_alone_from_its_token_range():
+    """What lets `mhf prepare` pack each shard in its own task."""
     stream = np.arange(100)
-    whole = Packer(7).add(stream)
-    packer = Packer(7)
-    pieces = np.concatenate([packer.add(part) for part in np.split(stream, [1, 2, 30, 31, 64])])
-    assert np.array_equal(whole, pieces) and packer.dropped_tokens == (100 - 1) % 7
+    whole = pack_rows(stream, 7)
+    parts = [pack_rows(stream[slice(*token_range(a, b, 7))], 7) for a, b in [(0, 3), (3, 4), (4, 14)]]
+    assert np.array_equal(whole, np.concatenate(parts)) and len(whole) == 14
+    assert dropped_tokens(100, 7) == (100 - 1) % 7 and dropped_tokens(5, 7) == 5
 
 
-def test_packer_rejects_a_seq_len_below_two():
+def test_packing_rejects_a_seq_len_below_two():
     with pytest.raises(DataError, match="seq_len >= 2"):
-        Packer(1)
+        pack_rows(np.arange(10), 1)
 
 
 def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_path):

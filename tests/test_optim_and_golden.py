@@ -19,7 +19,7 @@ import torch
 
 from mhf_dist.config import load_config
 from mhf_dist.data.corpus import builtin_documents
-from mhf_dist.data.packing import Packer
+from mhf_dist.data.packing import pack_rows
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.models import build_model
 from mhf_dist.signatures import build_for_config
@@ -70,7 +70,7 @@ def golden_losses() -> list[float]:
     cfg = load_config("tiny", ["model.vocab_size=259", "train.steps=20", "data.tokenizer=bytes"])
     tokenizer = TextTokenizer.bytes()
     stream = [t for ids in tokenizer.encode_batch(builtin_documents()[:8]) for t in (*ids, tokenizer.eos_id)]
-    rows = torch.from_numpy(Packer(cfg.train.seq_len).add(np.asarray(stream)).astype(np.int64))
+    rows = torch.from_numpy(pack_rows(np.asarray(stream), cfg.train.seq_len).astype(np.int64))
     batch = cfg.train.batch_size
     batches = ({"tokens": rows[step * batch : (step + 1) * batch]} for step in range(cfg.train.steps))
     table = build_for_config(cfg.model.hash, tokenizer.vocabulary(), tokenizer.pad_token)

@@ -12,7 +12,8 @@ from mhf_dist.config import load_config
 from mhf_dist.data import prepare as prepare_module
 from mhf_dist.data.corpus import read_corpus
 from mhf_dist.data.prepare import is_validation, prepare
-from mhf_dist.data.shards import check_compatible, load_shards, read_manifest, read_rows
+from mhf_dist.data.reader import RowReader
+from mhf_dist.data.shards import check_compatible, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
 from mhf_dist.signatures import SignatureTable
@@ -59,6 +60,11 @@ def prepared(ray_session, corpus_dir, tmp_path_factory):
     return cfg, out, manifest
 
 
+def read_rows(path, split):
+    rows = RowReader(path, split).read_range()
+    return rows["tokens"], rows["signatures"]
+
+
 def corpus_stream(split: str, val_percent: float = 20) -> list[int]:
     tokenizer = TextTokenizer.bytes()
     documents = [p for p in PARAGRAPHS if (split == "validation") == is_validation(p, val_percent)]
@@ -94,22 +100,31 @@ def test_split_is_disjoint_by_document_and_matches_the_stable_hash(prepared):
     assert 0 < validation_docs < len(PARAGRAPHS)
 
 
-def test_same_inputs_give_byte_identical_shards_whatever_the_block_layout(prepared, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cpus", [1, 3])
+def test_same_inputs_give_byte_identical_shards_whatever_the_parallelism(
+    prepared, tmp_path, monkeypatch, cpus
+):
+    """The fixture ran 2 CPUs and 1024-document blocks; here 1 or 3 CPUs (a Ray Data limit) and
+    3-document blocks: many more tokenize and write tasks, shards cut across many more blocks."""
+    import ray.data
+
     cfg, out, manifest = prepared
-    monkeypatch.setattr(prepare_module, "TOKENIZE_BATCH", 3)  # many more, smaller blocks and tasks
+    monkeypatch.setattr(prepare_module, "TOKENIZE_BATCH", 3)
+    options = ray.data.DataContext.get_current().execution_options
+    monkeypatch.setattr(options, "resource_limits", ray.data.ExecutionResources(cpu=cpus))
     again = prepare(byte_cfg(cfg.data.corpus, tmp_path / "again"), tmp_path / "again", log=lambda _: None)
     assert again["content_sha256"] == manifest["content_sha256"]
     assert (tmp_path / "again" / "manifest.json").read_bytes() == (out / "manifest.json").read_bytes()
 
 
-def test_load_shards_gives_a_ray_dataset_and_refuses_a_mismatched_model(prepared):
-    cfg, out, manifest = prepared
-    dataset = load_shards(out, "train", cfg)
-    assert dataset.count() == manifest["splits"]["train"]["rows"]
+def test_the_shards_are_checked_against_the_model_config(prepared):
+    cfg, out, _ = prepared
     with pytest.raises(
         DataError, match=r"shards have seq_len 32 but the model has 64; set --set train\.seq_len=32"
     ):
-        load_shards(out, "train", load_config("tiny", ["model.vocab_size=259", "model.hash.spec=H2B64"]))
+        check_compatible(
+            read_manifest(out), load_config("tiny", ["model.vocab_size=259", "model.hash.spec=H2B64"])
+        )
     other = cfg.model_copy(
         update={
             "model": cfg.model.model_copy(
@@ -123,10 +138,11 @@ def test_load_shards_gives_a_ray_dataset_and_refuses_a_mismatched_model(prepared
         check_compatible(read_manifest(out), cfg, fingerprint="0" * 64)
 
 
-def test_shard_files_hold_fixed_size_rows(prepared):
+def test_shard_files_hold_fixed_size_rows_one_per_row_group(prepared):
     _, out, manifest = prepared
     first = pq.read_table(out / manifest["splits"]["train"]["shards"][0]["file"])
     assert first.num_rows == 16
+    assert pq.ParquetFile(out / manifest["splits"]["train"]["shards"][0]["file"]).num_row_groups == 16
     assert first.schema.field("input_ids").type.list_size == 33
     assert first.schema.field("signatures").type.list_size == 33 * 2
 
@@ -260,7 +276,10 @@ def test_a_missing_truncated_or_swapped_shard_is_named_before_any_row_is_read(tm
         read_rows(tmp_path / "data", "train")
     first.write_bytes(whole)
     table = pq.read_table(second)
-    pq.write_table(table, second, compression="snappy")  # same rows, other bytes: only sha256 tells
+    pq.write_table(table, second)  # one row group for all rows: the reader needs one row per group
+    with pytest.raises(DataError, match=r"train-00002\.parquet is not one row per row group as prepared"):
+        read_rows(tmp_path / "data", "train")
+    pq.write_table(table, second, row_group_size=1, compression="snappy")  # only sha256 tells this one
     read_rows(tmp_path / "data", "train")
     assert main(["verify-data", str(tmp_path / "data")]) == 2
     assert "train-00002.parquet differs from the one prepared (sha256 mismatch)" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """`mhf train`: Ray Train V2 workers driving DeepSpeed ZeRO engines on CPU, checkpoints, exact resume."""
 
 import dataclasses
+import json
 import math
 import os
 from pathlib import Path
@@ -9,13 +10,13 @@ import pytest
 
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
-from mhf_dist.data.shards import read_rows
+from mhf_dist.data.reader import RowReader
 from mhf_dist.errors import ConfigError, MhfError, TrainingError
 from mhf_dist.eval.perplexity import evaluate_rows
 from mhf_dist.export import load_exported
 from mhf_dist.models import param_count, train_flops_per_token
 from mhf_dist.tracking import TrackingError
-from mhf_dist.train.checkpoints import MODEL_DIR, read_history
+from mhf_dist.train.checkpoints import MODEL_DIR, check_resumable, read_history
 from mhf_dist.train.engine import deepspeed_config
 from mhf_dist.train.ray_trainer import TrainOptions, train
 from mhf_dist.train.worker import FAULT_PLAN
@@ -71,13 +72,13 @@ def check_trained_and_exported(result, cfg, shards, zero_stage):
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len  # the global batch, over both workers
     flops_per_token = train_flops_per_token(cfg.model, cfg.train.seq_len)
     for h in history:
-        assert h["tokens_per_s"] == pytest.approx(tokens_per_step / h["step_time"])
+        assert h["tokens_per_s"] == pytest.approx(tokens_per_step / (h["step_time"] + h["data_wait_s"]))
         assert h["mfu"] == pytest.approx(h["tokens_per_s"] * flops_per_token / (2 * PEAK_TFLOPS * 1e12))
     # The exported model (ZeRO-3 shards gathered) scores the validation rows exactly as training did:
     # eval_rows=41 cut to 40, 20 per worker.
     exported = load_exported(result.checkpoint / MODEL_DIR)
     assert exported.config == cfg.model
-    val_rows, _ = read_rows(shards, "validation")
+    val_rows = RowReader(shards, "validation").read_range()["tokens"]
     local = evaluate_rows(exported.model, val_rows[:40])
     assert local["val_tokens"] == history[-1]["val_tokens"] == 40 * 32
     assert local["val_nll"] == pytest.approx(history[-1]["val_nll"], rel=1e-5)
@@ -88,7 +89,7 @@ PEAK_TFLOPS = 0.05  # per worker, as --peak-tflops gives it: MFU is measured aga
 TRAIN_AND_EVAL = ("train.steps=20", "train.eval_every=10", "train.eval_rows=41", "train.checkpoint_every=10")
 
 
-# Stages 0 (the MLflow server test) and 1 (resume) train mhf over qwen3; these two train the
+# Stages 1 (the MLflow server test) and 0 (resume) train mhf over qwen3; these two train the
 # triple-latent family's standard form, and mhf on the exact-V objective under ZeRO-3, where the decoder
 # reads the encoder's partitioned table (tied, registered in both modules so both gather it).
 @pytest.mark.parametrize(
@@ -106,26 +107,45 @@ def test_each_zero_stage_on_two_cpu_workers_lowers_the_loss_and_exports_the_mode
     assert list(Path(os.environ["TORCH_EXTENSIONS_DIR"]).iterdir()) == []
 
 
-def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(shards, tmp_path):
-    """10 steps == 5 + resume + 5, where the resumed run also loses a worker at step 7 and restarts."""
+@pytest.fixture(scope="module")
+def few_rows(tmp_path_factory):
+    """60 training rows in 4 shards: an epoch is 7 steps of 8, so 10 steps cross into the second."""
+    path = tmp_path_factory.mktemp("few") / "data"
+    prepare(load_config("tiny", [*FEW_ROWS, f"data.path={path}"]), path, log=lambda _: None)
+    return path
+
+
+FEW_ROWS = [
+    "data.corpus=recall",
+    "model.vocab_size=40",
+    "train.seq_len=32",
+    "data.recall.examples=60",
+    "data.rows_per_shard=16",
+    "train.batch_size=8",
+    "train.micro_batch_size=4",
+    "train.lr=3e-3",
+]
+
+
+def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_rows, tmp_path):
+    """10 shuffled steps over an epoch boundary == 5 + resume + 5, where the 2-worker ZeRO-0 run resumes
+    on 1 worker (accumulating 2 micro-batches where each worker took one) and loses it at step 7."""
     from mlflow.tracking import MlflowClient
 
-    cfg = run_cfg(shards, "train.steps=10", "train.checkpoint_every=5")
-    whole = read_history(
-        train(cfg, TrainOptions(zero_stage=1, storage=str(tmp_path), name="whole")).checkpoint
+    cfg = load_config(
+        "tiny", [*FEW_ROWS, f"data.path={few_rows}", "train.steps=10", "train.checkpoint_every=5"]
     )
-    assert whole[-1]["loss"] < whole[0]["loss"]  # ZeRO-1 learns too
-    half = train(
-        cfg, TrainOptions(zero_stage=1, storage=str(tmp_path), name="half", stop_at_step=5)
-    ).checkpoint
+    whole = read_history(train(cfg, TrainOptions(storage=str(tmp_path), name="whole")).checkpoint)
+    assert whole[-1]["loss"] < whole[0]["loss"]
+    half = train(cfg, TrainOptions(storage=str(tmp_path), name="half", stop_at_step=5)).checkpoint
     # The same seed gives the same curve, bit for bit.
     assert [(h["step"], h["loss"]) for h in read_history(half)] == [(h["step"], h["loss"]) for h in whole[:5]]
 
-    # Resumed by run name (its newest checkpoint); worker 1 dies at step 7, after the step-6 checkpoint.
-    faulty = run_cfg(shards, "train.steps=10", "train.checkpoint_every=2")
+    # Resumed by run name (its newest checkpoint); the worker dies at step 7, after the step-6 checkpoint.
+    faulty = cfg.model_copy(update={"train": cfg.train.model_copy(update={"checkpoint_every": 2})})
     (tmp_path / "rest").mkdir()
     (tmp_path / "rest" / FAULT_PLAN).write_text("7")
-    options = TrainOptions(zero_stage=1, storage=str(tmp_path), name="rest", resume="half", max_failures=1)
+    options = TrainOptions(workers=1, storage=str(tmp_path), name="rest", resume="half", max_failures=1)
     rest = train(faulty, options)
     assert (tmp_path / "rest" / "fault-injected").is_file()
     resumed = read_history(rest.checkpoint)
@@ -136,13 +156,26 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(shards,
     logged = MlflowClient(tracking_uri=rest.tracking_uri).get_metric_history(rest.run_id, "loss")
     assert sorted(metric.step for metric in logged) == list(range(6, 11))  # each once, crash or not
 
-    other = run_cfg(shards, "train.steps=10", "model.backbone.num_layers=3")
+    other = load_config("tiny", [*FEW_ROWS, f"data.path={few_rows}", "model.backbone.num_layers=3"])
     with pytest.raises(TrainingError, match=r"different model config \(backbone\)"):
         train(other, TrainOptions(storage=str(tmp_path), name="bad", resume=str(half)))
+    with pytest.raises(TrainingError, match="saved under ZeRO-0; resume it with --zero-stage 0"):
+        train(cfg, TrainOptions(zero_stage=1, storage=str(tmp_path), name="bad", resume=str(half)))
     with pytest.raises(TrainingError, match="already holds checkpoints; continue it with --resume"):
         train(cfg, TrainOptions(storage=str(tmp_path), name="whole"))
     with pytest.raises(TrainingError, match="is neither a checkpoint directory nor a run"):
         train(cfg, TrainOptions(storage=str(tmp_path), name="bad", resume="nowhere"))
+
+
+def test_a_partitioned_checkpoint_resumes_only_on_its_own_worker_count(few_rows, tmp_path):
+    cfg = load_config("tiny", [*FEW_ROWS, f"data.path={few_rows}"])
+    run = {"fingerprint": "f" * 64, "model": cfg.model.model_dump(mode="json"), "workers": 2, "zero_stage": 2}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    check_resumable(tmp_path, cfg, "f" * 64, workers=2, zero_stage=2)
+    with pytest.raises(
+        TrainingError, match="ZeRO-2 optimizer shards of 2 workers; resume it with --workers 2"
+    ):
+        check_resumable(tmp_path, cfg, "f" * 64, workers=4, zero_stage=2)
 
 
 @pytest.fixture
@@ -196,10 +229,10 @@ def test_training_logs_every_step_once_to_a_real_mlflow_server(shards, tmp_path,
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     cfg = run_cfg(shards, *TRAIN_AND_EVAL)
     options = TrainOptions(
-        zero_stage=0, storage=str(tmp_path), name="tracked", experiment="served", peak_tflops=PEAK_TFLOPS
+        zero_stage=1, storage=str(tmp_path), name="tracked", experiment="served", peak_tflops=PEAK_TFLOPS
     )
     result = train(cfg, options)
-    history = check_trained_and_exported(result, cfg, shards, zero_stage=0)
+    history = check_trained_and_exported(result, cfg, shards, zero_stage=1)
     client = MlflowClient(tracking_uri=mlflow_server)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["family"] == "mhf"

@@ -1,9 +1,15 @@
-"""`mhf prepare`: corpus -> tokenize -> pack -> signatures -> parquet shards + manifest, on Ray Data.
+"""`mhf prepare`: corpus -> tokenize -> pack -> signatures -> parquet shards + manifest, on Ray.
 
-Ray Data reads the corpus and tokenizes documents in parallel tasks (order preserved); the driver
-streams the token ids of each split through a `Packer` into `ShardWriter`s, which add the signatures.
-Packing runs in one place on purpose: it makes the rows independent of how Ray cut the data into
-blocks, so the same inputs give byte-identical shards on any number of workers.
+Two passes, both in parallel Ray tasks; the driver handles only counts, offsets and the manifest:
+1. Ray Data reads the corpus and tokenizes documents (order preserved); the tokenized blocks stay in
+   Ray's object store (spilled to local disk past its memory), and a small task per block counts its
+   documents and tokens per split.
+2. From the counts the driver knows where every shard's rows start in each split's token stream
+   (`packing.token_range`), and one task per shard fetches the blocks that cover its range, packs the
+   rows, looks up the signatures and writes the parquet file.
+A shard's rows depend only on the token stream, never on how Ray cut it into blocks or how many CPUs
+ran the tasks, so the same inputs give byte-identical shards on any cluster. On a multi-node cluster the
+output must be on storage every node can write (the tasks write the shards where they run).
 
 Everything is written to a hidden staging directory beside the output; `manifest.json` is written last
 and the directory is renamed into place only when complete, so an interrupted run never leaves a
@@ -22,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import mmh3
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from tokenizers import Tokenizer
@@ -29,15 +36,17 @@ from tokenizers import Tokenizer
 from mhf_dist.config import Config
 from mhf_dist.data import recall
 from mhf_dist.data.corpus import read_corpus
-from mhf_dist.data.packing import Packer
+from mhf_dist.data.packing import dropped_tokens, pack_rows, row_count, token_range
 from mhf_dist.data.shards import (
     FORMAT,
     MANIFEST,
+    ROWS_PER_GROUP,
     SIGNATURES_FILE,
     SPLITS,
     TOKENIZER_FILE,
-    ShardWriter,
     content_hash,
+    shard_name,
+    write_shard,
 )
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
@@ -137,8 +146,9 @@ def prepare(
         table.save(staging / SIGNATURES_FILE)
         manifest = {
             "format": FORMAT,
-            "version": 1,
+            "version": 2,
             "seq_len": cfg.train.seq_len,
+            "rows_per_group": ROWS_PER_GROUP,
             "splits": splits,
             "content_sha256": content_hash(splits),
             "tokenizer": {
@@ -198,46 +208,118 @@ def _write_shards(
     documents: Any,
     staging: Path,
 ) -> dict[str, dict[str, Any]]:
+    import ray
+
     tokenized = documents.map_batches(
         tokenize_batch,
         fn_kwargs={"tokenizer_json": tokenizer.tokenizer.to_str(), "eos_id": tokenizer.eos_id},
         batch_format="pyarrow",
         batch_size=TOKENIZE_BATCH,
     )
-    packers = {split: Packer(cfg.train.seq_len) for split in SPLITS}
-    writers = {
-        split: ShardWriter(staging, split, table, cfg.train.seq_len, cfg.data.rows_per_shard)
-        for split in SPLITS
-    }
-    counts = {split: {"documents": 0, "replaced": 0} for split in SPLITS}
-    for batch in tokenized.iter_batches(batch_format="pyarrow", batch_size=None):
-        for split in SPLITS:
-            selected = batch.filter(pc.equal(batch["split"], split))
-            if selected.num_rows == 0:
-                continue
-            ids = selected["ids"].combine_chunks().flatten().to_numpy()
-            writers[split].add(packers[split].add(ids))
-            counts[split]["documents"] += selected.num_rows
-            counts[split]["replaced"] += int(pc.sum(selected["replaced"]).as_py() or 0)
-    splits = {
-        split: {**writers[split].close(), **counts[split], "dropped_tokens": packers[split].dropped_tokens}
-        for split in SPLITS
-    }
-    total_docs = sum(counts[split]["documents"] for split in SPLITS)
-    if total_docs == 0:
+    blocks = tokenized.to_arrow_refs()  # in document order (preserve_order)
+    counts = ray.get([ray.remote(count_block).remote(block) for block in blocks])
+    seq_len = cfg.train.seq_len
+    keys = ("documents", "replaced", "tokens")
+    totals = {split: {key: sum(block[split][key] for block in counts) for key in keys} for split in SPLITS}
+    if sum(totals[split]["documents"] for split in SPLITS) == 0:
         raise DataError(f"corpus {cfg.data.corpus!r} holds no text; pass a corpus with at least one document")
-    if splits["train"]["rows"] == 0:
+    if row_count(totals["train"]["tokens"], seq_len) == 0:
         raise DataError(
-            f"the training split has {splits['train']['dropped_tokens']} tokens, fewer than one row of "
-            f"seq_len+1={cfg.train.seq_len + 1}; use more text or a smaller train.seq_len"
+            f"the training split has {totals['train']['tokens']} tokens, fewer than one row of "
+            f"seq_len+1={seq_len + 1}; use more text or a smaller train.seq_len"
         )
-    replaced = sum(counts[split]["replaced"] for split in SPLITS)
+    write_task = ray.remote(write_shard_from_blocks)
+    table_ref = ray.put(table)
+    pending: dict[str, list[Any]] = {}
+    for split in SPLITS:
+        lengths = np.array([block[split]["tokens"] for block in counts], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        bounds = shard_bounds(row_count(totals[split]["tokens"], seq_len), cfg.data.rows_per_shard)
+        pending[split] = [
+            write_task.remote(
+                block_pieces(blocks, starts, *token_range(first, end, seq_len)),
+                split,
+                seq_len,
+                table_ref,
+                str(staging),
+                shard_name(split, index),
+            )
+            for index, (first, end) in enumerate(bounds)
+        ]
+    splits = {}
+    for split in SPLITS:
+        shards = ray.get(pending[split])
+        rows = sum(shard["rows"] for shard in shards)
+        splits[split] = {
+            "rows": rows,
+            "target_tokens": rows * seq_len,
+            "shards": shards,
+            "documents": totals[split]["documents"],
+            "replaced": totals[split]["replaced"],
+            "dropped_tokens": dropped_tokens(totals[split]["tokens"], seq_len),
+        }
+    replaced = sum(totals[split]["replaced"] for split in SPLITS)
     if replaced:
         print(
             f"warning: {replaced} invalid UTF-8 sequences in {cfg.data.corpus!r} were replaced by U+FFFD",
             file=sys.stderr,
         )
     return splits
+
+
+def count_block(block: pa.Table) -> dict[str, dict[str, int]]:
+    """Ray task: documents, replaced documents and tokens of each split in one tokenized block."""
+    counts = {}
+    for split in SPLITS:
+        if block.num_rows == 0:  # an empty block carries no columns
+            counts[split] = {"documents": 0, "replaced": 0, "tokens": 0}
+            continue
+        selected = block.filter(pc.equal(block["split"], split))
+        counts[split] = {
+            "documents": selected.num_rows,
+            "replaced": int(pc.sum(selected["replaced"]).as_py() or 0),
+            "tokens": int(pc.sum(pc.list_value_length(selected["ids"])).as_py() or 0),
+        }
+    return counts
+
+
+def shard_bounds(rows: int, rows_per_shard: int) -> list[tuple[int, int]]:
+    """[first, end) rows of each shard of a split of `rows` rows."""
+    return [(first, min(first + rows_per_shard, rows)) for first in range(0, rows, rows_per_shard)]
+
+
+def block_pieces(blocks: list[Any], starts: np.ndarray, start: int, stop: int) -> list[tuple[Any, int, int]]:
+    """(block, first, end) slices of the blocks' token streams that make up stream positions [start, stop)."""
+    first = int(np.searchsorted(starts, start, side="right")) - 1
+    pieces = []
+    for index in range(first, len(blocks)):
+        if starts[index] >= stop:
+            break
+        lo, hi = max(start, starts[index]), min(stop, starts[index + 1])
+        if hi > lo:
+            pieces.append((blocks[index], int(lo - starts[index]), int(hi - starts[index])))
+    return pieces
+
+
+def write_shard_from_blocks(
+    pieces: list[tuple[Any, int, int]],
+    split: str,
+    seq_len: int,
+    table: SignatureTable,
+    directory: str,
+    name: str,
+) -> dict[str, Any]:
+    """Ray task: one shard's rows packed from its pieces of the tokenized blocks, written to `directory`."""
+    import ray
+
+    blocks = ray.get([block for block, _, _ in pieces])
+    stream = np.concatenate(
+        [
+            block.filter(pc.equal(block["split"], split))["ids"].combine_chunks().flatten().to_numpy()[lo:hi]
+            for block, (_, lo, hi) in zip(blocks, pieces, strict=True)
+        ]
+    )
+    return write_shard(pack_rows(stream, seq_len), table, Path(directory), name)
 
 
 def check_writable(directory: Path) -> None:
@@ -288,9 +370,18 @@ def _write_recall_shards(cfg: Config, table: SignatureTable, staging: Path) -> d
             cfg.model.vocab_size,
             seeds[split],
         ).rows
-        writer = ShardWriter(staging, split, table, cfg.train.seq_len, cfg.data.rows_per_shard)
-        writer.add(rows)
-        splits[split] = {**writer.close(), "documents": len(rows), "replaced": 0, "dropped_tokens": 0}
+        shards = [
+            write_shard(rows[first:end], table, staging, shard_name(split, index))
+            for index, (first, end) in enumerate(shard_bounds(len(rows), cfg.data.rows_per_shard))
+        ]
+        splits[split] = {
+            "rows": len(rows),
+            "target_tokens": len(rows) * cfg.train.seq_len,
+            "shards": shards,
+            "documents": len(rows),
+            "replaced": 0,
+            "dropped_tokens": 0,
+        }
     return splits
 
 

@@ -3,7 +3,8 @@
 A prepared directory holds `manifest.json` (written last: its presence means the directory is
 complete), `tokenizer.json`, `signatures.safetensors` and `{split}-{index:05d}.parquet` shards with two
 columns: `input_ids` (fixed-size list of seq_len+1 int32) and `signatures` (fixed-size list of
-(seq_len+1)*H unsigned ints, row-major [T+1, H], in the smallest type that holds B).
+(seq_len+1)*H unsigned ints, row-major [T+1, H], in the smallest type that holds B), one row per row
+group (`rows_per_group` in the manifest; `mhf_dist.data.reader` reads rows by index through it).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -21,14 +22,12 @@ from mhf_dist.config import Config
 from mhf_dist.errors import DataError
 from mhf_dist.signatures import SignatureTable
 
-if TYPE_CHECKING:
-    import ray.data
-
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 SIGNATURES_FILE = "signatures.safetensors"
 SPLITS = ("train", "validation")
 FORMAT = "mhf-shards"
+ROWS_PER_GROUP = 1  # every parquet row group is one row: the unit the training reader reads
 
 
 def file_sha256(path: Path) -> str:
@@ -39,48 +38,33 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-class ShardWriter:
-    """Buffers packed rows of one split and writes them as fixed-size parquet shards."""
+def write_shard(rows: np.ndarray, table: SignatureTable, directory: Path, name: str) -> dict[str, Any]:
+    """Write packed rows [n, T+1] with their signatures as `directory/name`; returns its manifest entry.
 
-    def __init__(self, directory: Path, split: str, table: SignatureTable, seq_len: int, rows_per_shard: int):
-        self.directory, self.split, self.table = directory, split, table
-        self.seq_len, self.rows_per_shard = seq_len, rows_per_shard
-        self._pending: list[np.ndarray] = []
-        self._pending_rows = 0
-        self.shards: list[dict[str, Any]] = []
+    One row per row group: the training reader decodes single rows (`mhf_dist.data.reader` says why).
+    """
+    width = rows.shape[1]
+    signatures = table.lookup(rows)  # [n, T+1, H], the table's own small dtype
+    columns = {
+        "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1).astype(np.int32)), width),
+        "signatures": pa.FixedSizeListArray.from_arrays(
+            pa.array(signatures.reshape(-1)), width * table.num_hashes
+        ),
+    }
+    path = directory / name
+    pq.write_table(
+        pa.table(columns),
+        path,
+        compression="zstd",
+        row_group_size=1,
+        use_dictionary=False,  # a dictionary page per one-row group would cost more than it saves
+        write_statistics=False,
+    )
+    return {"file": name, "rows": len(rows), "sha256": file_sha256(path)}
 
-    def add(self, rows: np.ndarray) -> None:
-        if len(rows):
-            self._pending.append(rows)
-            self._pending_rows += len(rows)
-        while self._pending_rows >= self.rows_per_shard:
-            stacked = np.concatenate(self._pending)
-            self._write(stacked[: self.rows_per_shard])
-            rest = stacked[self.rows_per_shard :]
-            self._pending, self._pending_rows = ([rest] if len(rest) else []), len(rest)
 
-    def close(self) -> dict[str, Any]:
-        if self._pending_rows:
-            self._write(np.concatenate(self._pending))
-        self._pending, self._pending_rows = [], 0
-        rows = sum(shard["rows"] for shard in self.shards)
-        return {"rows": rows, "target_tokens": rows * self.seq_len, "shards": self.shards}
-
-    def _write(self, rows: np.ndarray) -> None:
-        width = self.seq_len + 1
-        signatures = self.table.lookup(rows)  # [n, T+1, H], the table's own small dtype
-        columns = {
-            "input_ids": pa.FixedSizeListArray.from_arrays(
-                pa.array(rows.reshape(-1).astype(np.int32)), width
-            ),
-            "signatures": pa.FixedSizeListArray.from_arrays(
-                pa.array(signatures.reshape(-1)), width * self.table.num_hashes
-            ),
-        }
-        name = f"{self.split}-{len(self.shards):05d}.parquet"
-        path = self.directory / name
-        pq.write_table(pa.table(columns), path, compression="zstd")
-        self.shards.append({"file": name, "rows": len(rows), "sha256": file_sha256(path)})
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:05d}.parquet"
 
 
 def content_hash(splits: dict[str, dict[str, Any]]) -> str:
@@ -181,31 +165,3 @@ def verify_shards(path: str | Path) -> int:
                 )
             count += 1
     return count
-
-
-def load_shards(
-    path: str | Path, split: str, cfg: Config | None = None, fingerprint: str | None = None
-) -> ray.data.Dataset:
-    """The rows of one split as a Ray Dataset, after checking the manifest against the model config."""
-    import ray.data
-
-    manifest = read_manifest(path)
-    if cfg is not None:
-        check_compatible(manifest, cfg, fingerprint)
-    return ray.data.read_parquet(shard_files(path, manifest, split))
-
-
-def read_rows(path: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """All rows of one split in this process: (input_ids [N, T+1] int64, signatures [N, T+1, H])."""
-    manifest = read_manifest(path)
-    tables = [pq.read_table(file) for file in shard_files(path, manifest, split)]
-    return arrow_to_arrays(
-        pa.concat_tables(tables), manifest["seq_len"], manifest["signatures"]["num_hashes"]
-    )
-
-
-def arrow_to_arrays(table: pa.Table, seq_len: int, num_hashes: int) -> tuple[np.ndarray, np.ndarray]:
-    width = seq_len + 1
-    ids = table.column("input_ids").combine_chunks().flatten().to_numpy().astype(np.int64)
-    sigs = table.column("signatures").combine_chunks().flatten().to_numpy()
-    return ids.reshape(-1, width), sigs.reshape(-1, width, num_hashes)

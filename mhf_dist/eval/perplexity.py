@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from mhf_dist.data.packing import Packer
+from mhf_dist.data.packing import pack_rows
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
 from mhf_dist.models.base import CausalLM, split_rows
@@ -52,7 +52,7 @@ def text_scores(
     by the share of tokens scored.
     """
     stream = [token for ids in tokenizer.encode_batch(list(texts)) for token in (*ids, tokenizer.eos_id)]
-    rows = Packer(seq_len).add(np.asarray(stream))  # rows overlap by one token: each target scored once
+    rows = pack_rows(np.asarray(stream), seq_len)  # rows overlap by one token: each target scored once
     total, count = nll_totals(model, rows, batch_size)
     if count == 0:
         raise DataError(

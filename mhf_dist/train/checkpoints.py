@@ -63,9 +63,22 @@ def resolve_resume(target: str, storage: Path) -> Path:
     )
 
 
-def check_resumable(path: Path, cfg: Config, fingerprint: str) -> None:
-    """The checkpoint must belong to the same model and signature table as the run resuming it."""
+def check_resumable(path: Path, cfg: Config, fingerprint: str, workers: int, zero_stage: int) -> None:
+    """The checkpoint must belong to the same model and signature table as the run resuming it, and to
+    the same ZeRO stage; ZeRO 1-3 partition the optimizer state per worker, so only a ZeRO-0 checkpoint
+    resumes on another worker count (the batches do not depend on it)."""
     run = json.loads((path / RUN_FILE).read_text())
+    saved_stage, saved_workers = run.get("zero_stage", zero_stage), run.get("workers", workers)
+    if saved_stage != zero_stage:
+        raise TrainingError(
+            f"checkpoint {str(path)!r} was saved under ZeRO-{saved_stage}; resume it with --zero-stage "
+            f"{saved_stage}"
+        )
+    if saved_workers != workers and zero_stage != 0:
+        raise TrainingError(
+            f"checkpoint {str(path)!r} holds ZeRO-{zero_stage} optimizer shards of {saved_workers} workers; "
+            f"resume it with --workers {saved_workers} (only ZeRO-0 checkpoints resume on another count)"
+        )
     if run["fingerprint"] != fingerprint:
         raise TrainingError(
             f"checkpoint {str(path)!r} has signature fingerprint {run['fingerprint'][:12]} but the data has "

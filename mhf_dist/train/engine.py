@@ -17,14 +17,30 @@ from mhf_dist.models.base import CausalLM
 from mhf_dist.train.optim import build_optimizer
 
 
-def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
-    """train.batch_size is the global batch; each worker takes an equal share."""
+def rows_per_worker(cfg: TrainConfig, world_size: int) -> int:
+    """train.batch_size is the global batch; each worker takes an equal share of it every step."""
     if cfg.batch_size % world_size:
         raise ConfigError(
             f"train.batch_size={cfg.batch_size} does not split over {world_size} workers; "
             f"use a multiple of {world_size}"
         )
     return cfg.batch_size // world_size
+
+
+def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """Rows per worker per forward: train.micro_batch_size, which must divide the worker's share."""
+    share = rows_per_worker(cfg, world_size)
+    micro = cfg.micro_batch_size or share
+    if share % micro:
+        raise ConfigError(
+            f"train.micro_batch_size={micro} does not divide the {share} rows each of {world_size} workers "
+            f"gets per step (train.batch_size={cfg.batch_size}); use a divisor of {share}"
+        )
+    return micro
+
+
+def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
+    return rows_per_worker(cfg, world_size) // micro_batch_size(cfg, world_size)
 
 
 def zero_config(stage: int, hidden_size: int) -> dict[str, Any]:
@@ -59,7 +75,7 @@ def deepspeed_config(
     return {
         "train_batch_size": cfg.batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size(cfg, world_size),
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": accumulation_steps(cfg, world_size),
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": zero_config(zero_stage, hidden_size),
         "zero_allow_untested_optimizer": True,  # torch AdamW: the same optimizer as local training
@@ -86,7 +102,9 @@ def skip_cpu_shm_comm_op() -> None:
 
 
 class DeepSpeedStepper:
-    """One optimizer step through a DeepSpeed engine: forward, engine.backward, engine.step."""
+    """One optimizer step through a DeepSpeed engine: for each micro-batch of the worker's rows forward,
+    engine.backward and engine.step (DeepSpeed scales each loss by 1/accumulation and steps the
+    optimizer only at the last micro-batch)."""
 
     def __init__(
         self,
@@ -101,6 +119,7 @@ class DeepSpeedStepper:
 
         skip_cpu_shm_comm_op()
         self.zero_stage = zero_stage
+        self.micro = micro_batch_size(cfg, world_size)
         optimizer, scheduler = build_optimizer(model, cfg)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model,
@@ -110,21 +129,31 @@ class DeepSpeedStepper:
         )
 
     def step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step on this worker's rows of the global batch (train.batch_size / workers)."""
         self.engine.train()
-        batch = {key: value.to(self.engine.device) for key, value in batch.items()}
         lr = self.scheduler.get_last_lr()[0]
-        output = self.engine(**batch)
-        self.engine.backward(output.loss)
-        # DeepSpeed reports the global norm from its ZeRO optimizers only; at stage 0 every rank holds
-        # the whole all-reduced gradients, so the norm (before clipping, as DeepSpeed's) is taken here.
-        whole_norm = self._whole_grad_norm() if self.zero_stage == 0 else None
-        self.engine.step()
+        rows = len(batch["tokens"])
+        totals: dict[str, float] = {}
+        for start in range(0, rows, self.micro):
+            micro = {
+                key: value[start : start + self.micro].to(self.engine.device) for key, value in batch.items()
+            }
+            output = self.engine(**micro)
+            self.engine.backward(output.loss)
+            for name, value in output.metrics.items():
+                totals[name] = totals.get(name, 0.0) + value * self.micro / rows
+            # DeepSpeed reports the global norm from its ZeRO optimizers only; at stage 0 every rank holds
+            # the whole all-reduced gradients after the last backward, so the norm (before clipping, as
+            # DeepSpeed's) is taken here.
+            last = start + self.micro >= rows
+            whole_norm = self._whole_grad_norm() if self.zero_stage == 0 and last else None
+            self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is None:
             grad_norm = whole_norm
         # The mean over workers, so every rank logs and checks the same number (a NaN stops all of them).
-        names = list(output.metrics)
-        values = torch.tensor([output.metrics[name] for name in names], dtype=torch.float64)
+        names = list(totals)
+        values = torch.tensor([totals[name] for name in names], dtype=torch.float64)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(values)
             values /= torch.distributed.get_world_size()

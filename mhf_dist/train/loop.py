@@ -72,12 +72,14 @@ def run_training(
     """Run steps start_step+1 .. stop_step (default: steps) of a `steps`-step run.
 
     Returns one metrics dict per step; `on_step` sees each (with `eta_s`) for logging and checkpoints.
+    `step_time` is the step's compute, `data_wait_s` the time it waited for its batch; tokens/s counts both.
     """
     history: list[dict[str, float]] = []
     batch_iter: Iterator[Batch] = iter(batches)
     started = time.perf_counter()
     last = steps if stop_step is None else min(stop_step, steps)
     for step in range(start_step + 1, last + 1):
+        wait_start = time.perf_counter()
         try:
             batch = next(batch_iter)
         except StopIteration:
@@ -87,14 +89,16 @@ def run_training(
         step_start = time.perf_counter()
         metrics = stepper.step(batch)
         seconds = time.perf_counter() - step_start
+        data_wait = step_start - wait_start
         if not math.isfinite(metrics["loss"]):
             raise TrainingError(
                 f"loss is {metrics['loss']} at step {step}; lower train.lr or raise train.warmup_steps"
             )
-        tokens_per_s = throughput.tokens_per_step / seconds
+        tokens_per_s = throughput.tokens_per_step / (seconds + data_wait)
         metrics.update(
             step=step,
             step_time=seconds,
+            data_wait_s=data_wait,
             tokens_per_s=tokens_per_s,
             tokens_per_s_per_worker=tokens_per_s / throughput.workers,
         )

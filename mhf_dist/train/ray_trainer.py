@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from mhf_dist.config import Config
-from mhf_dist.data.shards import load_shards, read_manifest
+from mhf_dist.data.reader import RowReader, training_plan
+from mhf_dist.data.shards import check_compatible, read_manifest
 from mhf_dist.errors import Interrupted, MhfError, TrainingError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
@@ -110,8 +111,7 @@ def train(
     manifest = read_manifest(cfg.data.path)
     ensure_ray()
     import ray
-    import ray.data
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     check_resources(options, ray.cluster_resources())
@@ -128,16 +128,14 @@ def train(
     resume = None
     if options.resume is not None:
         resume = resolve_resume(options.resume, storage)
-        check_resumable(resume, cfg, fingerprint)
+        check_resumable(resume, cfg, fingerprint, options.workers, options.zero_stage)
     # Workers run in their own working directories: hand them absolute paths.
     data = cfg.data.model_copy(update={"path": str(Path(cfg.data.path).resolve())})
     worker_cfg = cfg.model_copy(update={"data": data})
-    # The workers print a progress line every train.log_every steps; Ray Data's bars would interleave.
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    dataset = load_shards(data.path, "train", cfg, fingerprint=fingerprint)
+    check_compatible(manifest, cfg, fingerprint)
+    training_plan(RowReader(data.path, "train"), cfg)  # the shards' footers, layout and row count
     uri = tracking_uri(storage)
     run_id = _tracking_run(uri, run_dir, cfg, options, {**_tags(cfg, options, manifest), **(tags or {})})
-    in_order = ray.data.ExecutionOptions(preserve_order=True)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -167,8 +165,6 @@ def train(
             failure_config=FailureConfig(max_failures=options.max_failures),
             callbacks=callbacks,
         ),
-        datasets={"train": dataset},
-        dataset_config=DataConfig(datasets_to_split=[], execution_options=in_order),
     )
     stopped_by = {"signal": signal.SIGINT}
     restore = _hand_sigterm_to_ray(stopped_by)

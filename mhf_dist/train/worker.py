@@ -1,10 +1,9 @@
 """What every Ray Train worker runs: a DeepSpeed ZeRO engine driven by the shared step loop.
 
 Each worker builds the model from the registry and runs `run_training` with a `DeepSpeedStepper`.
-Data: every worker iterates the training rows in the same fixed order (the dataset is not split;
-preserve_order is on) and keeps its own micro-batch slice of each global batch, so the batch of step s
-is a pure function of s. That is what makes resume exact: a resumed worker skips the first s global
-batches and continues with batch s + 1, none repeated, none skipped.
+Data: the rows of step s's global batch are a pure function of (seed, s) (`data.reader.BatchPlan`), and
+each worker reads only its own share of them from the shards, one step ahead. That is what makes resume
+exact and immediate: a resumed worker computes the rows of step s + 1 and reads them, nothing before.
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ import numpy as np
 import torch
 
 from mhf_dist.config import Config, validate_config
-from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE, arrow_to_arrays, read_rows
-from mhf_dist.errors import TrainingError
+from mhf_dist.data.reader import RowReader, step_batches, training_plan
+from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
 from mhf_dist.eval.perplexity import nll_summary, nll_totals
 from mhf_dist.export import export_model, load_exported
 from mhf_dist.signatures import SignatureTable
@@ -45,38 +44,28 @@ STAGING_PREFIX = ".staging-"  # each rank's checkpoint files before Ray Train co
 GIB = 2**30
 
 
-def global_batches(
-    shard: Any, batch_size: int, micro: int, rank: int, seq_len: int, num_hashes: int, skip: int
+def training_batches(
+    cfg: Config, rank: int, world_size: int, start_step: int, signatures: bool
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """This worker's slice of every global batch, epoch after epoch, after skipping `skip` batches."""
-    seen = 0
-    while True:
-        for table in shard.iter_batches(batch_size=batch_size, batch_format="pyarrow", drop_last=True):
-            seen += 1
-            if seen <= skip:
-                continue
-            ids, signatures = arrow_to_arrays(table.slice(rank * micro, micro), seq_len, num_hashes)
-            yield {
-                "tokens": torch.from_numpy(ids),
-                "signatures": torch.from_numpy(signatures.astype(np.int64)),
-            }
-        if seen == 0:
-            raise TrainingError(f"the training split has fewer rows than one batch of {batch_size}")
+    """This worker's rows of every global batch after `start_step`, as tensors."""
+    reader = RowReader(cfg.data.path, "train", signatures=signatures)
+    for batch in step_batches(reader, training_plan(reader, cfg), start_step, rank, world_size):
+        yield {key: torch.from_numpy(value.astype(np.int64, copy=False)) for key, value in batch.items()}
 
 
 class Validator:
     """Exact NLL on the validation split; each rank scores an equal share of the rows, then all-reduce.
 
-    Equal shares keep ZeRO-3's collective parameter gathers in step: the last len(rows) % world_size
-    rows are left out, and `val_tokens` says how many tokens were scored.
+    Only the rows scored are read: the first `train.eval_rows` (all with 0), each rank its contiguous
+    share. Equal shares keep ZeRO-3's collective parameter gathers in step: the last len(rows) %
+    world_size rows are left out, and `val_tokens` says how many tokens were scored.
     """
 
     def __init__(self, cfg: Config, rank: int, world_size: int, batch_size: int) -> None:
-        rows, _ = read_rows(cfg.data.path, "validation")
-        if cfg.train.eval_rows:
-            rows = rows[: cfg.train.eval_rows]
-        share = len(rows) // world_size
-        self.rows = rows[rank * share : (rank + 1) * share]
+        reader = RowReader(cfg.data.path, "validation", signatures=False)
+        scored = min(cfg.train.eval_rows or reader.num_rows, reader.num_rows)
+        share = scored // world_size
+        self.rows = reader.read_range(rank * share, (rank + 1) * share)["tokens"]
         self.batch_size = batch_size
 
     def __bool__(self) -> bool:
@@ -151,15 +140,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             _, client_state = stepper.engine.load_checkpoint(directory, tag=STATE_TAG)
             history = read_history(directory)
         start_step = client_state["step"]
-        _set_rng_state(client_state["rng"][rank])
+        saved_rng = client_state["rng"]  # one per rank of the saving run (a ZeRO-0 run may resize)
+        _set_rng_state(saved_rng[rank % len(saved_rng)])
         if rank == 0:
             print(f"resumed from {checkpoint.path} at step {start_step}", flush=True)
 
     micro = micro_batch_size(cfg.train, world_size)
-    batches = global_batches(
-        ray.train.get_dataset_shard("train"), cfg.train.batch_size, micro, rank, cfg.train.seq_len,
-        table.num_hashes, skip=start_step,
-    )  # fmt: skip
+    batches = training_batches(cfg, rank, world_size, start_step, signatures=cfg.model.family == "mhf")
     peak_flops = loop_config["peak_tflops"] * 1e12 or default_peak_flops(device)
     throughput = Throughput(
         tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
@@ -174,6 +161,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     run_info = {
         "model": cfg.model.model_dump(mode="json"),
+        "workers": world_size,
+        "zero_stage": loop_config["zero_stage"],
         "fingerprint": table.fingerprint,
         "lineage": lineage,
     }

@@ -1,0 +1,200 @@
+"""Reading prepared rows by index: each worker reads only its own rows, and a resume costs nothing.
+
+**Layout.** `mhf prepare` writes every parquet row group as exactly one row (`shards.ShardWriter`), so
+a row is parquet's unit of random access: reading row i decodes row i and nothing else, while the
+shards stay ordinary parquet files with their signature column (Ray Data, pyarrow and DuckDB read them
+as they are). The footer grows by about 200 bytes per row, 1% of a 1b-preset row (seq 2048: 8 KB of
+ids plus the signatures); a memory-mapped array beside the parquet would read faster but store every
+token twice. The manifest names the layout (`rows_per_group: 1`); shards of an older layout are refused.
+
+**Order.** The global batch of step s is a pure function of (seed, epoch, s), never of the worker
+count: `BatchPlan` draws each epoch's order of the row indices and cuts it into batches of
+`train.batch_size`; rank r of W takes the r-th 1/W of each batch. Each epoch's order is a seeded
+permutation in two levels, the way MosaicML Streaming's block shuffles do it: the shards in a random
+order, cut into windows of `data.shuffle_window` shards, the rows of each window permuted. A worker
+then keeps at most one window of shards open, and any batch is computed directly from the step
+(O(1) resume: no batch before it is read). `data.shuffle: false` keeps the prepared stream order.
+The last `rows % batch_size` rows of an epoch's order are left for that epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from mhf_dist.config import Config
+from mhf_dist.data.shards import ROWS_PER_GROUP, read_manifest, shard_files
+from mhf_dist.errors import DataError
+
+
+class RowReader:
+    """Rows of one split by global index: `read(rows)` decodes exactly those rows, in the order given.
+
+    `rows_decoded` counts the rows read so far (the data-loading benchmark reports it per worker).
+    """
+
+    def __init__(self, path: str | Path, split: str, signatures: bool = True, open_files: int = 64) -> None:
+        manifest = read_manifest(path)
+        if manifest.get("rows_per_group") != ROWS_PER_GROUP:
+            raise DataError(
+                f"prepared data {str(path)!r} was written by an older mhf-dist (whole-shard row groups: no "
+                f"row can be read alone); re-run `mhf prepare --overwrite --out {path}`"
+            )
+        self.files = shard_files(path, manifest, split)
+        rows = [shard["rows"] for shard in manifest["splits"][split]["shards"]]
+        self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        self.width = manifest["seq_len"] + 1
+        self.num_hashes = manifest["signatures"]["num_hashes"]
+        self.signature_dtype = np.dtype(manifest["signatures"]["dtype"])
+        self.columns = ["input_ids", "signatures"] if signatures else ["input_ids"]
+        self.open_files = open_files
+        self._handles: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+        self.rows_decoded = 0
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def shard_rows(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def read(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """`tokens` [n, T+1] int64 and, if asked for, `signatures` [n, T+1, H] of the given rows."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows):
+            raise IndexError(f"row index out of range 0..{self.num_rows - 1}")
+        batch = {"tokens": np.empty((len(rows), self.width), dtype=np.int64)}
+        if "signatures" in self.columns:
+            shape = (len(rows), self.width, self.num_hashes)
+            batch["signatures"] = np.empty(shape, dtype=self.signature_dtype)
+        shards = np.searchsorted(self.offsets, rows, side="right") - 1
+        for shard in np.unique(shards):
+            at = np.flatnonzero(shards == shard)
+            local = rows[at] - self.offsets[shard]
+            groups = np.unique(local)
+            table = self._handle(int(shard)).read_row_groups(groups.tolist(), columns=self.columns)
+            self.rows_decoded += len(groups)
+            where = np.searchsorted(groups, local)
+            for column, key in zip(self.columns, batch, strict=True):
+                values = table.column(column).combine_chunks().flatten().to_numpy()
+                batch[key][at] = values.reshape(len(groups), *batch[key].shape[1:])[where]
+        return batch
+
+    def read_range(self, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
+        """Rows start .. stop-1 in prepared order (default: the whole split)."""
+        return self.read(np.arange(start, self.num_rows if stop is None else stop))
+
+    def _handle(self, shard: int) -> pq.ParquetFile:
+        """Open files are kept (their footers parsed once), the least recently used closed past the limit."""
+        if shard in self._handles:
+            self._handles.move_to_end(shard)
+            return self._handles[shard]
+        handle = pq.ParquetFile(self.files[shard])
+        if handle.num_row_groups != self.shard_rows[shard]:
+            raise DataError(
+                f"shard {self.files[shard]} is not one row per row group as prepared; re-run "
+                f"`mhf prepare --overwrite --out {Path(self.files[shard]).parent}`"
+            )
+        self._handles[shard] = handle
+        if len(self._handles) > self.open_files:
+            self._handles.popitem(last=False)[1].close()
+        return handle
+
+
+class BatchPlan:
+    """Which rows make the global batch of each step (1-based), epoch after epoch."""
+
+    def __init__(
+        self, shard_rows: np.ndarray, batch_size: int, seed: int, shuffle: bool = True, window: int = 64
+    ) -> None:
+        self.shard_rows = np.asarray(shard_rows, dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.shard_rows)])
+        self.batch_size, self.seed, self.shuffle, self.window = batch_size, seed, shuffle, window
+        self.steps_per_epoch = int(self.offsets[-1]) // batch_size
+        if self.steps_per_epoch == 0:
+            raise DataError(
+                f"the training split has {int(self.offsets[-1])} rows, fewer than one batch of {batch_size}; "
+                "use more data or a smaller train.batch_size"
+            )
+
+    def epoch_of(self, step: int) -> int:
+        return (step - 1) // self.steps_per_epoch
+
+    def global_rows(self, step: int) -> np.ndarray:
+        """The batch_size row indices of step `step`."""
+        epoch, index = divmod(step - 1, self.steps_per_epoch)
+        start = index * self.batch_size
+        return self._positions(epoch, start, start + self.batch_size)
+
+    def rank_rows(self, step: int, rank: int, world_size: int) -> np.ndarray:
+        """Rank `rank`'s equal share of the global batch of `step`."""
+        share = self.batch_size // world_size
+        return self.global_rows(step)[rank * share : (rank + 1) * share]
+
+    def _positions(self, epoch: int, start: int, stop: int) -> np.ndarray:
+        shards, window_starts = self._epoch_windows(epoch)
+        first = int(np.searchsorted(window_starts, start, side="right")) - 1
+        last = int(np.searchsorted(window_starts, stop, side="left"))
+        rows = np.concatenate([self._window_rows(epoch, w, shards) for w in range(first, last)])
+        base = window_starts[first]
+        return rows[start - base : stop - base]
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 - one plan per worker, alive for the whole run
+    def _epoch_windows(self, epoch: int) -> tuple[tuple[int, ...], np.ndarray]:
+        """The epoch's shard order and where each window of it starts, in rows."""
+        count = len(self.shard_rows)
+        order = self._rng(epoch).permutation(count) if self.shuffle else np.arange(count)
+        sizes = [self.shard_rows[order[i : i + self.window]].sum() for i in range(0, count, self.window)]
+        return tuple(int(shard) for shard in order), np.concatenate([[0], np.cumsum(sizes)])
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019
+    def _window_rows(self, epoch: int, window: int, shards: tuple[int, ...]) -> np.ndarray:
+        members = shards[window * self.window : (window + 1) * self.window]
+        rows = np.concatenate([np.arange(self.offsets[s], self.offsets[s + 1]) for s in members])
+        return self._rng(epoch, window + 1).permutation(rows) if self.shuffle else rows
+
+    def _rng(self, *key: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, *key])
+
+
+def training_plan(reader: RowReader, cfg: Config) -> BatchPlan:
+    """The run's plan over the reader's training rows: train.batch_size, train.seed, data.shuffle*."""
+    return BatchPlan(
+        reader.shard_rows, cfg.train.batch_size, cfg.train.seed, cfg.data.shuffle, cfg.data.shuffle_window
+    )
+
+
+def step_batches(
+    reader: RowReader, plan: BatchPlan, start_step: int, rank: int, world_size: int
+) -> Iterator[dict[str, Any]]:
+    """This rank's rows of every step after `start_step`, read one step ahead in a thread."""
+
+    def rows_of_steps() -> Iterator[dict[str, Any]]:
+        step = start_step
+        while True:
+            step += 1
+            yield reader.read(plan.rank_rows(step, rank, world_size))
+
+    return read_ahead(rows_of_steps())
+
+
+T = TypeVar("T")
+_END = object()
+
+
+def read_ahead(items: Iterator[T]) -> Iterator[T]:
+    """`items`, with the next one produced in a background thread while the caller uses this one
+    (parquet decoding releases the GIL, so reading overlaps the training step)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead") as pool:
+        pending = pool.submit(next, items, _END)
+        while (item := pending.result()) is not _END:
+            pending = pool.submit(next, items, _END)
+            yield item

@@ -1,0 +1,55 @@
+"""Gradient accumulation: train.micro_batch_size splits a worker's rows into forwards, same step."""
+
+import socket
+
+import pytest
+import torch
+
+from mhf_dist.config import load_config
+from mhf_dist.errors import ConfigError
+from mhf_dist.models import build_model
+from mhf_dist.train.engine import DeepSpeedStepper, accumulation_steps, deepspeed_config
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    """A gloo group of one process, as a single Ray Train worker has; destroyed after the test."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
+                       "WORLD_SIZE": "1"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_accumulated_micro_batches_give_the_unaccumulated_steps(one_process_group, small_cfg, small_table):
+    batches = [torch.randint(0, 300, (8, 33), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    runs = {}
+    for micro in (8, 2):
+        cfg = small_cfg.train.model_copy(update={"batch_size": 8, "micro_batch_size": micro, "lr": 1e-2})
+        torch.manual_seed(0)
+        model = build_model(small_cfg.model, small_table)
+        stepper = DeepSpeedStepper(model, cfg, zero_stage=0, world_size=1, bf16=False, hidden_size=64)
+        losses = [stepper.step({"tokens": batch}) for batch in batches]
+        runs[micro] = losses, dict(stepper.engine.module.named_parameters())
+    (whole, whole_params), (accumulated, accumulated_params) = runs[8], runs[2]
+    assert deepspeed_config(cfg, 0, 1, False, 64)["gradient_accumulation_steps"] == 4
+    for a, b in zip(whole, accumulated, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert whole[2]["loss"] < whole[0]["loss"]  # the steps did train
+    # The gate's output bias shifts every coordinate's score alike, which the softmax over coordinates
+    # cancels: its gradient is zero up to rounding, and AdamW turns rounding noise into steps of +-lr.
+    del whole_params["encoder.gate.2.bias"], accumulated_params["encoder.gate.2.bias"]
+    for name, param in whole_params.items():
+        assert torch.allclose(param, accumulated_params[name], atol=1e-5), name
+
+
+def test_a_micro_batch_that_does_not_divide_a_workers_rows_is_a_one_line_error():
+    cfg = load_config("tiny", ["train.batch_size=16", "train.micro_batch_size=3"]).train
+    with pytest.raises(ConfigError, match=r"micro_batch_size=3 does not divide the 8 rows each of 2 workers"):
+        accumulation_steps(cfg, 2)
+    assert accumulation_steps(cfg.model_copy(update={"micro_batch_size": 2}), 2) == 4
