@@ -1,11 +1,12 @@
-"""Throughput of `mhf prepare` (Ray Data, local, N CPUs) vs a single-process baseline, same run.
+"""Throughput of `mhf prepare` at 1 and 2 CPUs and on a local 2-node cluster vs a one-process baseline.
 
 Corpus: WikiText-2 raw valid + test from ../shared/data, repeated to make a longer run; a byte-level BPE
 trained on it; H4B16K signatures. The baseline does the same work in one process on one core:
 `encode_batch` (rayon held to one thread) + packing + numpy signature lookup, without writing files.
-`mhf prepare` also writes compressed parquet shards and the manifest. Ray start-up is excluded.
+`mhf prepare` also writes compressed parquet shards and the manifest. Ray start-up is excluded; each
+setting gets a fresh Ray instance (the cluster: a head and a worker node of 1 CPU each, `mhf cluster`'s).
 
-    python benchmarks/prepare_throughput.py [--repeat 16] [--cpus 2]
+    python benchmarks/prepare_throughput.py [--repeat 16] [--cpus 1 2] [--no-cluster]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 os.environ.setdefault("RAYON_NUM_THREADS", "1")  # the baseline is one core; must precede tokenizers' pool
 
 import numpy as np
+import ray
 from common import write_results
 
 from mhf_dist.config import load_config
@@ -26,6 +28,7 @@ from mhf_dist.data.corpus import split_text_file
 from mhf_dist.data.packing import pack_rows
 from mhf_dist.data.prepare import prepare
 from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.local_cluster import AUTH_MODE_VARIABLE, free_port, start_local_cluster, stop_local_cluster
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.tables import markdown_table
@@ -40,14 +43,14 @@ def baseline(
     files: list[Path], tokenizer: TextTokenizer, table: SignatureTable, seq_len: int
 ) -> tuple[int, float]:
     start = time.perf_counter()
-    packer, tokens = Packer(seq_len), 0
+    streams = []
     for path in files:
         documents = [doc["text"] for doc in split_text_file({"bytes": path.read_bytes()})]
         ids = [[*row, tokenizer.eos_id] for row in tokenizer.encode_batch(documents)]
-        stream = np.fromiter((token for doc in ids for token in doc), dtype=np.int64)
-        tokens += len(stream)
-        table.lookup(packer.add(stream))
-    return tokens, time.perf_counter() - start
+        streams.append(np.fromiter((token for doc in ids for token in doc), dtype=np.int64))
+    stream = np.concatenate(streams)
+    table.lookup(pack_rows(stream, seq_len))
+    return len(stream), time.perf_counter() - start
 
 
 def lookup_rate(table: SignatureTable, tokens: int = 50_000_000) -> float:
@@ -64,7 +67,8 @@ def lookup_rate(table: SignatureTable, tokens: int = 50_000_000) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=16, help="copies of valid+test in the corpus")
-    parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument("--cpus", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--no-cluster", dest="cluster", action="store_false", help="skip the 2-node run")
     parser.add_argument("--vocab-size", type=int, default=16384)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -100,36 +104,67 @@ def main() -> None:
         table = SignatureTable.build(tokenizer.vocabulary(), 4, 16384)
 
         base_tokens, base_seconds = baseline(files, tokenizer, table, args.seq_len)
-        ensure_ray(args.cpus)
-        start = time.perf_counter()
-        manifest = prepare(cfg, Path(tmp) / "shards", num_cpus=args.cpus, log=lambda _: None)
-        prep_seconds = time.perf_counter() - start
-    prep_tokens = sum(
-        info["target_tokens"] + info["dropped_tokens"] + (1 if info["rows"] else 0)
-        for info in manifest["splits"].values()
-    )
-    base_rate, prep_rate = base_tokens / base_seconds, prep_tokens / prep_seconds
-    row = {
-        "corpus_tokens": base_tokens,
-        "baseline_tok_s": base_rate,
-        "prepare_tok_s": prep_rate,
-        "cpus": args.cpus,
-        "prepare_per_cpu_ratio": prep_rate / args.cpus / base_rate,
-        "target": PREPARE_TARGET,
-        "lookup_tok_s": lookup_rate(table),
-        "lookup_target": LOOKUP_TARGET,
-    }
-    print(markdown_table([row], list(row)))
+        base_rate = base_tokens / base_seconds
+        settings = [(f"local, {cpus} CPU", cpus, None) for cpus in args.cpus]
+        if args.cluster:
+            settings.append(("local 2-node cluster", 2, Path(tmp) / "cluster"))
+        rows, hashes = [], set()
+        for name, cpus, cluster_dir in settings:
+            ray.shutdown()
+            cluster = None
+            if cluster_dir is not None:
+                cluster = start_local_cluster(
+                    cluster_dir, workers=1, cpus_per_node=1, dashboard_port=free_port()
+                )
+                os.environ[AUTH_MODE_VARIABLE] = "token"
+                ray.init(address=cluster.address, logging_level="ERROR")
+            else:
+                ensure_ray(cpus)
+            try:
+                out = Path(tmp) / f"shards-{len(rows)}"
+                start = time.perf_counter()
+                manifest = prepare(cfg, out, num_cpus=cpus, log=lambda _: None)
+                seconds = time.perf_counter() - start
+            finally:
+                ray.shutdown()
+                if cluster_dir is not None:
+                    stop_local_cluster(cluster_dir)
+            hashes.add(manifest["content_sha256"])
+            tokens = sum(
+                info["target_tokens"] + info["dropped_tokens"] + (1 if info["rows"] else 0)
+                for info in manifest["splits"].values()
+            )
+            rate = tokens / seconds
+            rows.append(
+                {
+                    "setting": name,
+                    "cpus": cpus,
+                    "tokens": tokens,
+                    "seconds": round(seconds, 2),
+                    "prepare_tok_s": round(rate),
+                    "baseline_tok_s": round(base_rate),
+                    "per_cpu_ratio": round(rate / cpus / base_rate, 3),
+                    "target": PREPARE_TARGET,
+                }
+            )
+    print(markdown_table(rows, list(rows[0])))
+    if len(hashes) != 1:
+        raise SystemExit("error: the settings wrote different shards; prepare is not deterministic")
+    lookup = lookup_rate(table)
+    print(f"signature lookup: {lookup / 1e6:,.0f}M tokens/s (target {LOOKUP_TARGET / 1e6:.0f}M)")
     payload = {
         "benchmark": "prepare_throughput",
         "repeat": args.repeat,
         "vocab_size": tokenizer.vocab_size,
         "hash": "H4B16K",
         "seq_len": args.seq_len,
-        "prepare_tokens": prep_tokens,
+        "baseline_tokens": base_tokens,
         "baseline_seconds": base_seconds,
-        "prepare_seconds": prep_seconds,
-        "result": row,
+        "identical_shards": True,
+        "content_sha256": hashes.pop(),
+        "lookup_tok_s": lookup,
+        "lookup_target": LOOKUP_TARGET,
+        "results": rows,
     }
     write_results(args.out, payload)
 

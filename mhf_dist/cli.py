@@ -247,7 +247,16 @@ def cmd_plan(args: argparse.Namespace) -> None:
     tokens = args.tokens or cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len
     cluster = Cluster(args.gpus, args.nodes, args.gpu_mem_gb, args.peak_tflops)
     plans = [
-        plan(cfg, family, vocab, cluster, seq_len, args.micro_batch, tokens, args.mfu)
+        plan(
+            cfg,
+            family,
+            vocab,
+            cluster,
+            seq_len,
+            args.micro_batch or cfg.train.micro_batch_size,
+            tokens,
+            args.mfu,
+        )
         for vocab in args.vocab or [32000, 151936]
         for family in args.family or ["mhf", "qwen3"]
     ]
@@ -260,7 +269,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(markdown_table(rows, list(rows[0])))
     print(
         "GB: GiB per GPU. ZeRO-k GB: weights, grads and Adam states (bf16 mixed precision); act GB/seq: "
-        "activations of one sequence, no checkpointing; stage and micro-batch: what fits in 90% of a GPU."
+        "activations of one sequence, no checkpointing; stage and micro-batch: what fits in 90% of a GPU "
+        "(train with --zero-stage S --set train.micro_batch_size=M)."
     )
 
 
@@ -494,7 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--gpu-mem-gb", type=float, required=True, help="memory of one GPU in GiB")
     planner.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
     planner.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
-    planner.add_argument("--micro-batch", type=int, help="sequences per GPU per step (default: recommended)")
+    planner.add_argument(
+        "--micro-batch",
+        type=int,
+        help="sequences per GPU per forward (default: train.micro_batch_size, else recommended)",
+    )
     planner.add_argument(
         "--vocab", type=int, action="append", help="vocabulary size (repeatable; default: 32000 and 151936)"
     )

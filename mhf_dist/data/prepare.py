@@ -241,7 +241,7 @@ def _write_shards(
                 split,
                 seq_len,
                 table_ref,
-                str(staging),
+                str(staging.resolve()),  # tasks run in working directories of their own
                 shard_name(split, index),
             )
             for index, (first, end) in enumerate(bounds)
