@@ -130,8 +130,8 @@ def main() -> None:
             )
         resume = {
             step: {
-                "reader_s": best_of(3, lambda step=step: first_batch_after_resume(cfg, step)),
-                "replay_s": best_of(3, lambda step=step: replay_first_batch(files, step, args.batch)),
+                "reader_s": best_of(5, lambda step=step: first_batch_after_resume(cfg, step)),
+                "replay_s": best_of(5, lambda step=step: replay_first_batch(files, step, args.batch)),
             }
             for step in RESUME_STEPS
         }

@@ -45,7 +45,7 @@ def baseline(
     start = time.perf_counter()
     streams = []
     for path in files:
-        documents = [doc["text"] for doc in split_text_file({"bytes": path.read_bytes()})]
+        documents, _ = split_text_file(path.read_bytes())
         ids = [[*row, tokenizer.eos_id] for row in tokenizer.encode_batch(documents)]
         streams.append(np.fromiter((token for doc in ids for token in doc), dtype=np.int64))
     stream = np.concatenate(streams)
@@ -85,9 +85,7 @@ def main() -> None:
                     (WIKITEXT / f"wiki.{split}.raw").read_bytes()
                 )
         files = sorted(corpus.iterdir())
-        texts = [
-            doc["text"] for doc in split_text_file({"bytes": (WIKITEXT / "wiki.valid.raw").read_bytes()})
-        ]
+        texts, _ = split_text_file((WIKITEXT / "wiki.valid.raw").read_bytes())
         tokenizer = TextTokenizer.train_bpe(texts, args.vocab_size)
         tokenizer.save(Path(tmp) / "tokenizer.json")
         cfg = load_config(

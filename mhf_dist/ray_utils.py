@@ -6,7 +6,8 @@ import logging
 import os
 
 # Logical CPUs a local instance adds beyond the physical cores: Ray Train's workers each hold one CPU
-# for the whole run, and the Ray Data tasks that feed them need slots of their own, or they wait forever.
+# for the whole run, and whatever runs beside them (a `--prepare` job's Ray Data tasks, a second sweep
+# trial) needs slots of its own, or it waits for the run to end.
 LOCAL_CPU_HEADROOM = 2
 # Ray Train's placement-group cleaner asks the State API (served by the dashboard) every second whether
 # the train controller is alive. A local instance runs without the dashboard, so every ask fails and

@@ -22,18 +22,24 @@ import hashlib
 import itertools
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mmh3
 import numpy as np
-import torch
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from mhf_dist.config import HashConfig, format_hash_spec
 from mhf_dist.errors import SignatureError
+
+# torch is imported only where a tensor is asked for: `mhf prepare`'s Ray tasks load tables and look up
+# numpy rows, and importing torch cost each of their worker processes about a second of CPU.
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 2  # 2: the scheme and the padding id are stored and covered by the fingerprint
 MAX_SALT = 1_000_000
@@ -255,10 +261,10 @@ class SignatureTable:
 
     def lookup(self, ids: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """Signatures of `ids` with shape [..., H]; numpy in, numpy out; torch in, int64 torch out."""
-        if isinstance(ids, torch.Tensor):
+        if "torch" in sys.modules and isinstance(ids, sys.modules["torch"].Tensor):  # no torch, no tensor
             self._check_ids(ids.min().item(), ids.max().item(), ids.numel())
             if self._torch_rows is None:
-                self._torch_rows = torch.from_numpy(self._rows.astype(np.int64))
+                self._torch_rows = self.as_tensor()
             return self._torch_rows.to(ids.device)[ids.long()]
         ids = np.asarray(ids)
         if ids.size:
@@ -269,6 +275,8 @@ class SignatureTable:
 
     def as_tensor(self) -> torch.Tensor:
         """The table as an int64 [V, H] tensor, as models hold it."""
+        import torch
+
         return torch.from_numpy(self._rows.astype(np.int64))
 
     def _check_ids(self, low: int, high: int, count: int) -> None:

@@ -28,7 +28,7 @@ def tiny_text_task():
     return vocab, torch.stack([ids[i * 40 : i * 40 + 33] for i in range(4)])
 
 
-# More logical CPUs than the 2 cores: Ray Data's read tasks need slots beside the training workers.
+# More logical CPUs than the 2 cores: prepare's tasks and a sweep's trials need slots beside 2 workers.
 # address="local": a new instance even where `ray start` left a cluster for ray.init() to join.
 RAY_INIT = {
     "address": "local",

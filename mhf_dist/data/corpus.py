@@ -12,7 +12,9 @@ import glob
 import pydoc_data.topics
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
 
 from mhf_dist.errors import DataError
 
@@ -57,20 +59,31 @@ def corpus_files(spec: str) -> list[Path]:
     return files
 
 
-def split_text_file(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """One raw text file -> its documents (blank-line separated), invalid UTF-8 replaced and counted.
+def split_text_file(raw: bytes) -> tuple[list[str], list[int]]:
+    """One raw text file -> its documents (blank-line separated) and the invalid UTF-8 sequences
+    replaced in each.
 
     In a file that is not valid UTF-8, every U+FFFD after decoding counts as replaced (one written in
     the file on purpose cannot be told apart from a decoding error there).
     """
-    raw: bytes = row["bytes"]
     try:
         text, invalid = raw.decode("utf-8"), False
     except UnicodeDecodeError:
         text, invalid = raw.decode("utf-8", errors="replace"), True
-    return [
-        {"text": doc, "replaced": doc.count(REPLACEMENT) if invalid else 0} for doc in split_documents(text)
-    ]
+    documents = split_documents(text)
+    return documents, [doc.count(REPLACEMENT) if invalid else 0 for doc in documents]
+
+
+def split_text_files(batch: pa.Table) -> pa.Table:
+    """Ray Data task: files (a `bytes` column) -> documents as one Arrow table (a row-wise flat_map
+    spent 6 s of Ray Data's per-row overhead on WikiText-2 x 16 where the splitting takes 0.3 s)."""
+    texts: list[str] = []
+    replaced: list[int] = []
+    for raw in batch["bytes"].to_pylist():
+        documents, counts = split_text_file(raw)
+        texts += documents
+        replaced += counts
+    return pa.table({"text": pa.array(texts, type=pa.string()), "replaced": pa.array(replaced, pa.int64())})
 
 
 def split_documents(text: str) -> list[str]:
@@ -90,7 +103,9 @@ def read_corpus(spec: str, text_field: str = "text") -> ray.data.Dataset:
     files = [str(f) for f in corpus_files(spec)]
     suffix = Path(files[0]).suffix
     if suffix in TEXT_SUFFIXES:
-        return ray.data.read_binary_files(files).flat_map(split_text_file)
+        return ray.data.read_binary_files(files).map_batches(
+            split_text_files, batch_format="pyarrow", batch_size=None
+        )
     dataset = ray.data.read_json(files, lines=True) if suffix == ".jsonl" else ray.data.read_parquet(files)
     if text_field not in dataset.columns():
         raise DataError(

@@ -54,8 +54,6 @@ from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.signatures import SignatureTable, build_for_config
 
-TOKENIZE_BATCH = 1024
-
 
 def is_validation(text: str, val_percent: float) -> bool:
     """Stable split by document content: the same document lands in the same split on any cluster."""
@@ -214,7 +212,9 @@ def _write_shards(
         tokenize_batch,
         fn_kwargs={"tokenizer_json": tokenizer.tokenizer.to_str(), "eos_id": tokenizer.eos_id},
         batch_format="pyarrow",
-        batch_size=TOKENIZE_BATCH,
+        # One task per block as read (one file, or a read block of a .jsonl/.parquet corpus): a row count
+        # here would make Ray Data bundle the files themselves (one row each) into a single task.
+        batch_size=None,
     )
     blocks = tokenized.to_arrow_refs()  # in document order (preserve_order)
     counts = ray.get([ray.remote(count_block).remote(block) for block in blocks])
