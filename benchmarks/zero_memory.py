@@ -1,9 +1,13 @@
 """Per-worker memory and step time of DeepSpeed ZeRO stages 0-3 under `mhf train` (2 workers).
 
 Each stage is one real `mhf train` run (Ray Train, DeepSpeed, checkpoints) of a few steps on the same
-prepared shards. Per worker, the largest over the workers:
+prepared shards, in bf16 by default (`train.precision`; DeepSpeed's CPU accelerator runs bf16 too), so
+the states are what a GPU user gets: bf16 weights and gradients, fp32 master weights, gradients and
+Adam moments. Per worker, the largest over the workers:
 - model_state_gb: live tensor bytes after the first step (parameters or their shards, gradients,
-  optimizer states, DeepSpeed's buffers; activations are freed by then),
+  optimizer states, DeepSpeed's buffers; activations are freed by then), beside DeepSpeed's own
+  estimator for the same model and stage (`mhf plan`'s accounting),
+- param_share: the share of the parameters the rank holds (about 1/W under ZeRO-3),
 - peak_mem_gb: peak resident set size (CPU) or peak CUDA allocation (GPU), which also counts the
   whole model every rank builds before DeepSpeed partitions it, the libraries and the activations.
 Step time is the median after the first step. Ratios are against stage 0 measured in the same run.
@@ -24,12 +28,19 @@ from common import write_results
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
 from mhf_dist.models import param_count
+from mhf_dist.plan import Cluster, largest_layer_params, model_state_bytes
 from mhf_dist.tables import markdown_table
 from mhf_dist.train.checkpoints import read_history
 from mhf_dist.train.ray_trainer import TrainOptions, train
 
 TARGET_STAGE3_MODEL_STATE = 0.6
 RESULTS = Path(__file__).parent / "results" / "zero_memory.json"
+
+
+def estimate_gb(params: int, largest: int, stage: int, workers: int) -> float:
+    """DeepSpeed's estimator for the same model (bf16 weights and grads, fp32 master and Adam), as
+    `mhf plan` calls it: one node of `workers` devices."""
+    return model_state_bytes(params, largest, stage, Cluster(workers, 1, 1.0)) / 2**30
 
 
 def measure_stage(cfg, stage: int, workers: int, gpus: int, workdir: Path) -> dict:
@@ -43,6 +54,7 @@ def measure_stage(cfg, stage: int, workers: int, gpus: int, workdir: Path) -> di
     return {
         "zero_stage": stage,
         "model_state_gb": history[0]["model_state_gb"],
+        "param_share": history[0]["param_share"],
         "peak_mem_gb": history[-1]["peak_mem_gb"],
         "step_s": step_s,
         "tokens_per_s": tokens_per_step / step_s,
@@ -61,6 +73,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2, help="global batch (rows)")
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -77,6 +90,7 @@ def main() -> None:
             "train.warmup_steps=1",
             "train.log_every=1",
             "train.eval_rows=2",
+            f"train.precision={args.precision}",
         ]
         cfg = load_config(args.preset, overrides)
         prepare(cfg, cfg.data.path, log=lambda _: None)
@@ -84,8 +98,11 @@ def main() -> None:
         results = [
             measure_stage(cfg, stage, args.workers, args.gpus_per_worker, workdir) for stage in args.stages
         ]
+    params, largest = param_count(cfg.model), largest_layer_params(cfg.model)
     base = next(r for r in results if r["zero_stage"] == args.stages[0])
     for row in results:
+        row["estimate_gb"] = estimate_gb(params, largest, row["zero_stage"], args.workers)
+        row["measured_vs_estimate"] = row["model_state_gb"] / row["estimate_gb"]
         row["model_state_vs_first"] = row["model_state_gb"] / base["model_state_gb"]
         row["peak_vs_first"] = row["peak_mem_gb"] / base["peak_mem_gb"]
         row["step_vs_first"] = row["step_s"] / base["step_s"]
@@ -93,6 +110,9 @@ def main() -> None:
         "zero_stage",
         "model_state_gb",
         "model_state_vs_first",
+        "estimate_gb",
+        "measured_vs_estimate",
+        "param_share",
         "peak_mem_gb",
         "peak_vs_first",
         "step_s",
@@ -114,7 +134,8 @@ def main() -> None:
             "benchmark": "zero_memory",
             "preset": args.preset,
             "family": args.family,
-            "params": param_count(cfg.model),
+            "params": params,
+            "precision": args.precision,
             "workers": args.workers,
             "gpus_per_worker": args.gpus_per_worker,
             "steps": args.steps,

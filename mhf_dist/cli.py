@@ -253,7 +253,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
             vocab,
             cluster,
             seq_len,
-            args.micro_batch or cfg.train.micro_batch_size,
+            args.micro_batch,
             tokens,
             args.mfu,
         )
@@ -267,9 +267,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
     )
     rows = plan_rows(plans)
     print(markdown_table(rows, list(rows[0])))
+    checkpointing = {"none": "no checkpointing", "layers": "layers checkpointed"}[
+        cfg.train.activation_checkpointing
+    ]
     print(
         "GB: GiB per GPU. ZeRO-k GB: weights, grads and Adam states (bf16 mixed precision); act GB/seq: "
-        "activations of one sequence, no checkpointing; stage and micro-batch: what fits in 90% of a GPU "
+        f"activations of one sequence, {checkpointing}; stage and micro-batch: what fits in 90% of a GPU "
         "(train with --zero-stage S --set train.micro_batch_size=M)."
     )
 
@@ -507,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument(
         "--micro-batch",
         type=int,
-        help="sequences per GPU per forward (default: train.micro_batch_size, else recommended)",
+        help="sequences per GPU per forward (default: recommended)",
     )
     planner.add_argument(
         "--vocab", type=int, action="append", help="vocabulary size (repeatable; default: 32000 and 151936)"

@@ -232,6 +232,13 @@ class TrainConfig(StrictModel):
         0, ge=0, description="steps between validation passes (exact NLL); 0: only at the end"
     )
     eval_rows: int = Field(0, ge=0, description="validation rows per pass; 0: the whole split")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 on GPUs, fp32 on CPUs (DeepSpeed's bf16: fp32 master weights)"
+    )
+    activation_checkpointing: Literal["none", "layers"] = Field(
+        "none", description="layers: recompute each layer (and mhf's cascade) in the backward"
+    )
+    compile: bool = Field(False, description="torch.compile the model before DeepSpeed wraps it (ZeRO 0-2)")
 
 
 class RecallDataConfig(StrictModel):

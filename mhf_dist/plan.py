@@ -6,8 +6,9 @@ them: 2 bf16 weights, 2 bf16 grads + 4 fp32 grads, 4 fp32 master weights, 8 Adam
   `estimate_zero3_model_states_mem_needs`, no offload); DeepSpeed has none for stages 0 and 1, so they
   use the same accounting with nothing partitioned (0: 20 B/param) or only the fp32 states and
   optimizer partitioned (1: 4 + 16/N B/param).
-Activations: the tensors autograd keeps for the backward pass per token, without activation
-  checkpointing, with fused (flash/SDPA) attention so no T x T scores are kept. Per Qwen3 layer
+Activations: the tensors autograd keeps for the backward pass per token (with
+  `train.activation_checkpointing: layers`, each layer's input plus one layer recomputed), with fused
+  (flash/SDPA) attention so no T x T scores are kept. Per Qwen3 layer
   4h + 6q + 5kv + 4I elements (h hidden, q/kv query/key-value widths, I the MLP width): two RMSNorm
   inputs and outputs, Q/K norms, RoPE, attention inputs and output, the SwiGLU products. Output side:
   qwen3 keeps fp32 log-probabilities over V (and its backward briefly holds V-wide gradients in fp32
@@ -114,11 +115,21 @@ def io_activation_bytes(model: ModelConfig, dtype_bytes: int) -> tuple[int, int]
     return edges + widths * dtype_bytes + coordinates, hashes * buckets * (FP32 + dtype_bytes)
 
 
-def activation_bytes(model: ModelConfig, seq_len: int, micro_batch: int, dtype_bytes: int = 2) -> int:
-    """Peak activation bytes of one micro-batch: everything kept, plus the output layer's backward."""
+def activation_bytes(
+    model: ModelConfig, seq_len: int, micro_batch: int, dtype_bytes: int = 2, checkpointing: bool = False
+) -> int:
+    """Peak activation bytes of one micro-batch: everything kept, plus the output layer's backward.
+
+    With activation checkpointing each layer keeps only its input, and one layer's activations live
+    again while its backward recomputes them; the output side is counted as without (an upper bound for
+    `mhf`, whose cascade is recomputed too).
+    """
     kept, transient = io_activation_bytes(model, dtype_bytes)
-    per_token = model.backbone.num_layers * layer_activation_elements(model.backbone) * dtype_bytes + kept
-    return micro_batch * seq_len * (per_token + transient)
+    layer = layer_activation_elements(model.backbone)
+    layers = model.backbone.num_layers * (model.backbone.hidden_size if checkpointing else layer)
+    if checkpointing:
+        layers += layer
+    return micro_batch * seq_len * (layers * dtype_bytes + kept + transient)
 
 
 def largest_layer_params(model: ModelConfig) -> int:
@@ -185,7 +196,8 @@ def plan(
     params = param_count(model)
     largest = largest_layer_params(model)
     states = {stage: model_state_bytes(params, largest, stage, cluster) for stage in ZERO_STAGES}
-    per_sequence = activation_bytes(model, seq_len, 1)
+    checkpointing = cfg.train.activation_checkpointing == "layers"
+    per_sequence = activation_bytes(model, seq_len, 1, checkpointing=checkpointing)
     usable = cluster.gpu_mem_gb * GIB * (1 - MEMORY_RESERVE)
     stage, size = recommend(states, per_sequence, usable, micro_batch)
     tokens_per_s = mfu * cluster.peak_tflops * 1e12 * cluster.gpus / train_flops_per_token(model, seq_len)

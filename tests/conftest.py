@@ -1,3 +1,6 @@
+import os
+import socket
+
 import pytest
 
 from mhf_dist.config import Config, load_config
@@ -26,6 +29,24 @@ def tiny_text_task():
     vocab = sorted(set(text))
     ids = torch.tensor([vocab.index(char) for char in text])
     return vocab, torch.stack([ids[i * 40 : i * 40 + 33] for i in range(4)])
+
+
+@pytest.fixture(scope="session")
+def one_process_group():
+    """A gloo group of one process, as a single Ray Train worker has, for the rest of the session
+    (DeepSpeed caches its groups: a group destroyed after one test would break the next)."""
+    import torch
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    os.environ.update({**rendezvous, "LOCAL_RANK": "0"})  # DeepSpeed reads LOCAL_RANK at every initialize
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    for key in rendezvous:  # read once; Ray's workers, which Ray Train sets up, must not inherit them
+        del os.environ[key]
+    yield
+    torch.distributed.destroy_process_group()
 
 
 # More logical CPUs than the 2 cores: prepare's tasks and a sweep's trials need slots beside 2 workers.

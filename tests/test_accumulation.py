@@ -1,7 +1,5 @@
 """Gradient accumulation: train.micro_batch_size splits a worker's rows into forwards, same step."""
 
-import socket
-
 import pytest
 import torch
 
@@ -9,20 +7,6 @@ from mhf_dist.config import load_config
 from mhf_dist.errors import ConfigError
 from mhf_dist.models import build_model
 from mhf_dist.train.engine import DeepSpeedStepper, accumulation_steps, deepspeed_config
-
-
-@pytest.fixture
-def one_process_group(monkeypatch):
-    """A gloo group of one process, as a single Ray Train worker has; destroyed after the test."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
-                       "WORLD_SIZE": "1"}.items():  # fmt: skip
-        monkeypatch.setenv(key, value)
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
 
 
 def test_accumulated_micro_batches_give_the_unaccumulated_steps(one_process_group, small_cfg, small_table):

@@ -8,9 +8,11 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.models import build_model, param_count
+from mhf_dist.models.checkpointing import checkpoint_layers
 from mhf_dist.plan import (
     GIB,
     Cluster,
+    activation_bytes,
     io_activation_bytes,
     largest_layer_params,
     layer_activation_elements,
@@ -81,6 +83,27 @@ def test_activation_counts_match_what_autograd_keeps(overrides):
     layers = model_cfg.backbone.num_layers * layer_activation_elements(model_cfg.backbone) * 4
     predicted = layers + io_activation_bytes(model_cfg, dtype_bytes=4)[0]
     assert predicted == pytest.approx(measured, rel=0.02)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mhf"])
+def test_checkpointed_activations_are_what_autograd_keeps_outside_the_recomputed_layers(family):
+    """Kept: each layer's input and the output side (all of it for qwen3; mhf recomputes its cascade, so
+    the plan's output side is an upper bound there)."""
+    model_cfg = load_config("tiny", [f"model.family={family}"]).model
+    batch, seq_len = 2, 64
+    tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq_len + 1))
+    model = _built(model_cfg)
+    checkpoint_layers(model)
+    measured = _kept_by_autograd(model, tokens) / (batch * seq_len)
+    kept = model_cfg.backbone.num_layers * model_cfg.backbone.hidden_size * 4
+    output_side = io_activation_bytes(model_cfg, dtype_bytes=4)[0]
+    if family == "qwen3":
+        assert kept + output_side == pytest.approx(measured, rel=0.02)
+    else:
+        assert kept < measured < kept + output_side
+    big = load_config("1b").model  # where the layers dominate: 20 x 2048 wide
+    full = activation_bytes(big, 2048, 1)
+    assert activation_bytes(big, 2048, 1, checkpointing=True) < 0.5 * full
 
 
 def test_recommendation_prefers_big_micro_batches_below_zero3():

@@ -16,7 +16,13 @@ from mhf_dist.eval.perplexity import evaluate_rows
 from mhf_dist.export import load_exported
 from mhf_dist.models import param_count, train_flops_per_token
 from mhf_dist.tracking import TrackingError
-from mhf_dist.train.checkpoints import MODEL_DIR, check_resumable, read_history
+from mhf_dist.train.checkpoints import (
+    MODEL_DIR,
+    check_resumable,
+    newest_checkpoint,
+    read_history,
+    resolve_resume,
+)
 from mhf_dist.train.engine import deepspeed_config
 from mhf_dist.train.ray_trainer import TrainOptions, train
 from mhf_dist.train.worker import FAULT_PLAN
@@ -67,6 +73,8 @@ def check_trained_and_exported(result, cfg, shards, zero_stage):
     # Every rank holds at least its own fp32 weights (a half of them under ZeRO-3 on two workers).
     own_weights = 4 * param_count(cfg.model) / (2 if zero_stage == 3 else 1)
     assert history[0]["model_state_gb"] * 2**30 >= own_weights
+    # ZeRO-3 partitions the parameters: each of the two ranks holds half of them (plus padding).
+    assert (0.5 <= history[0]["param_share"] < 0.52) if zero_stage == 3 else history[0]["param_share"] == 1
     assert history[-1]["peak_mem_gb"] >= history[0]["model_state_gb"]
     assert all(math.isfinite(h["grad_norm"]) and h["grad_norm"] > 0 for h in history)
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len  # the global batch, over both workers
@@ -135,8 +143,17 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
     cfg = load_config(
         "tiny", [*FEW_ROWS, f"data.path={few_rows}", "train.steps=10", "train.checkpoint_every=5"]
     )
-    whole = read_history(train(cfg, TrainOptions(storage=str(tmp_path), name="whole")).checkpoint)
+    last = train(cfg, TrainOptions(storage=str(tmp_path), name="whole")).checkpoint
+    whole = read_history(last)
     assert whole[-1]["loss"] < whole[0]["loss"]
+    # A checkpoint missing one rank's file is incomplete: the fall-back passes over it to the step-5 one.
+    assert newest_checkpoint(tmp_path / "whole") == last and last.name == "checkpoint-0000010"
+    listed = {rank: json.loads((last / f"rank-{rank}.json").read_text()) for rank in (0, 1)}
+    name = next(name for rank in (1, 0) for name in sorted(listed[rank]) if "state" in name)  # rank 1's first
+    (last / name).unlink()
+    assert newest_checkpoint(tmp_path / "whole").name == "checkpoint-0000005"
+    with pytest.raises(TrainingError, match="is incomplete"):
+        resolve_resume(str(last), tmp_path)
     half = train(cfg, TrainOptions(storage=str(tmp_path), name="half", stop_at_step=5)).checkpoint
     # The same seed gives the same curve, bit for bit.
     assert [(h["step"], h["loss"]) for h in read_history(half)] == [(h["step"], h["loss"]) for h in whole[:5]]
@@ -239,6 +256,13 @@ def test_training_logs_every_step_once_to_a_real_mlflow_server(shards, tmp_path,
     assert run.data.params["model.hash.spec"] == "H2B64"
     losses = client.get_metric_history(result.run_id, "loss")
     assert sorted(metric.step for metric in losses) == list(range(1, 21))
+    # Live: logged every train.log_every (5) steps as they ran, not at the two checkpoints.
+    batches = {}
+    for metric in losses:
+        batches.setdefault(metric.timestamp, []).append(metric.step)
+    assert sorted(sorted(steps) for steps in batches.values()) == [
+        list(range(k, k + 5)) for k in (1, 6, 11, 16)
+    ]
     assert [m.step for m in client.get_metric_history(result.run_id, "val_nll")] == [10, 20]
     artifacts = {entry.path for entry in client.list_artifacts(result.run_id)}
     assert {"model", "run.json"} <= artifacts

@@ -55,6 +55,8 @@ class Qwen3Stack(Qwen3Model):
     (here transformers' KV cache) and `layer_states(embeds, layer)`; `TripleStack` offers the same.
     """
 
+    main_input_name = "inputs_embeds"  # its input is vectors; transformers hooks no token table then
+
     def __init__(self, backbone: BackboneConfig) -> None:
         super().__init__(qwen3_config(backbone, vocab_size=1))
         del self.embed_tokens

@@ -3,8 +3,10 @@
 `checkpoint-0000100/` holds `state/` (DeepSpeed: every rank's model and optimizer shards, the LR
 schedule, and a client state with the step and every rank's RNG states), `history.jsonl` (the metrics
 of every step so far), `run.json` (the model config and signature fingerprint it belongs to) and
-`model/`, the exported model (see `mhf_dist.export`). The step is the data position: batches are a pure
-function of the step, so a resumed run skips exactly the batches already trained on.
+`model/`, the exported model (see `mhf_dist.export`), and `rank-N.json` per rank: the files that rank
+wrote, with their sizes. A checkpoint is complete when every rank's files are there as listed (Ray Train
+copies the ranks' folders in one by one, and a node can die in between). The step is the data position:
+batches are a pure function of the step, so a resumed run skips exactly the batches already trained on.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ HISTORY_FILE = "history.jsonl"
 RUN_FILE = "run.json"
 STATE_TAG = "state"  # DeepSpeed's checkpoint tag
 MODEL_DIR = "model"  # the exported model inside each checkpoint
+RANK_FILES = "rank-{rank}.json"
 
 
 def checkpoint_name(step: int) -> str:
@@ -32,9 +35,33 @@ def checkpoint_step(path: Path) -> int:
 
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
-    """The run's newest complete checkpoint on storage (run.json is written last by rank 0)."""
-    complete = [path for path in sorted(run_dir.glob("checkpoint-*")) if (path / RUN_FILE).is_file()]
+    """The run's newest complete checkpoint on storage; incomplete ones are passed over."""
+    complete = [path for path in sorted(run_dir.glob("checkpoint-*")) if is_complete(path)]
     return complete[-1] if complete else None
+
+
+def write_rank_files(directory: Path, rank: int) -> None:
+    """List the files this rank put in its part of a checkpoint (call after writing them all)."""
+    files = {
+        str(path.relative_to(directory)): path.stat().st_size
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and not path.name.startswith("rank-")
+    }
+    (directory / RANK_FILES.format(rank=rank)).write_text(json.dumps(files, indent=1))
+
+
+def is_complete(path: Path) -> bool:
+    """Every rank's listed files are in the checkpoint with their sizes (and rank 0's run.json)."""
+    try:
+        workers = json.loads((path / RUN_FILE).read_text())["workers"]
+        for rank in range(workers):
+            listed = json.loads((path / RANK_FILES.format(rank=rank)).read_text())
+            for name, size in listed.items():
+                if (path / name).stat().st_size != size:
+                    return False
+    except (OSError, ValueError, KeyError):  # a file missing, half written or from an older layout
+        return False
+    return True
 
 
 def read_history(checkpoint: str | Path) -> list[dict[str, float]]:
@@ -53,6 +80,11 @@ def resolve_resume(target: str, storage: Path) -> Path:
     """`--resume` takes a checkpoint directory or the name of a run under the storage path (its newest)."""
     path = Path(target)
     if (path / RUN_FILE).is_file():
+        if not is_complete(path):
+            raise TrainingError(
+                f"checkpoint {target!r} is incomplete (a rank's files are missing or cut short); resume "
+                "from an earlier checkpoint or the run's name (its newest complete one)"
+            )
         return path.resolve()
     for run_dir in (path, storage / target):
         if run_dir.is_dir() and newest_checkpoint(run_dir) is not None:

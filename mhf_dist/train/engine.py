@@ -63,6 +63,25 @@ def zero_config(stage: int, hidden_size: int) -> dict[str, Any]:
     }
 
 
+def uses_bf16(cfg: TrainConfig, use_gpu: bool) -> bool:
+    """train.precision: bf16 or fp32 as asked; auto is bf16 on GPUs and fp32 on CPUs."""
+    return cfg.precision == "bf16" or (cfg.precision == "auto" and use_gpu)
+
+
+def check_training_options(cfg: TrainConfig, zero_stage: int, use_gpu: bool) -> None:
+    """Combinations that cannot run, refused before any worker starts."""
+    check_zero_stage(zero_stage)
+    if cfg.compile and zero_stage == 3:
+        raise ConfigError(
+            "train.compile under ZeRO-3 is not supported; use --zero-stage 2 or lower, or train.compile=false"
+        )
+    if uses_bf16(cfg, use_gpu) and not use_gpu:
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() == "cpu" and not get_accelerator().is_bf16_supported():
+            raise ConfigError("train.precision=bf16: DeepSpeed's CPU accelerator here has no bf16; use fp32")
+
+
 def check_zero_stage(stage: int) -> None:
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"--zero-stage {stage} is not a ZeRO stage; use 0, 1, 2 or 3")
@@ -166,6 +185,13 @@ class DeepSpeedStepper:
     def _whole_grad_norm(self) -> float | None:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else None
+
+    def parameter_share(self) -> float:
+        """The share of the model's parameters this rank holds: about 1/W under ZeRO-3, else 1."""
+        params = list(self.engine.module.parameters())
+        if self.zero_stage < 3:
+            return 1.0
+        return sum(p.ds_tensor.numel() for p in params) / sum(p.ds_numel for p in params)
 
     def whole_parameters(self) -> AbstractContextManager:
         """Inside this context every rank holds the full parameters (ZeRO-3 gathers its shards)."""

@@ -33,7 +33,7 @@ from mhf_dist.train.checkpoints import (
     newest_checkpoint,
     resolve_resume,
 )
-from mhf_dist.train.engine import check_zero_stage, micro_batch_size
+from mhf_dist.train.engine import check_training_options, micro_batch_size
 from mhf_dist.train.worker import STAGING_PREFIX, train_loop_per_worker
 
 TRACKING_FILE = "mlflow-run.json"  # in the run directory: the MLflow run a continued run logs to
@@ -73,7 +73,7 @@ def check_run_shape(cfg: Config, options: TrainOptions) -> None:
     if options.gpus_per_worker < 0:
         raise TrainingError(f"--gpus-per-worker {options.gpus_per_worker}: give 0 (CPU) or more")
     micro_batch_size(cfg.train, options.workers)
-    check_zero_stage(options.zero_stage)
+    check_training_options(cfg.train, options.zero_stage, options.gpus_per_worker > 0)
 
 
 def check_resources(options: TrainOptions, cluster: dict[str, float]) -> None:

@@ -8,6 +8,7 @@ exact and immediate: a resumed worker computes the rows of step s + 1 and reads 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import tempfile
@@ -23,6 +24,8 @@ from mhf_dist.data.reader import RowReader, step_batches, training_plan
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
 from mhf_dist.eval.perplexity import nll_summary, nll_totals
 from mhf_dist.export import export_model, load_exported
+from mhf_dist.files import write_json_atomic
+from mhf_dist.models.checkpointing import checkpoint_layers
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.tracking import log_steps
 from mhf_dist.train.checkpoints import (
@@ -32,13 +35,15 @@ from mhf_dist.train.checkpoints import (
     newest_checkpoint,
     read_history,
     write_history,
+    write_rank_files,
 )
-from mhf_dist.train.engine import DeepSpeedStepper
+from mhf_dist.train.engine import DeepSpeedStepper, uses_bf16
 from mhf_dist.train.hardware import default_peak_flops, live_tensor_bytes, peak_memory_bytes
 
 # Test hooks in a run's storage directory: the step the last worker is to die at, and the proof it did.
 FAULT_PLAN = "fail-at-step"
 FAULT_INJECTED = "fault-injected"
+LOGGED_FILE = "mlflow-logged.json"  # in the run directory: the last step logged to its MLflow run
 STAGING_PREFIX = ".staging-"  # each rank's checkpoint files before Ray Train copies them into place
 
 GIB = 2**30
@@ -120,8 +125,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     use_gpu = loop_config["gpus_per_worker"] > 0
     if use_gpu:
         model = model.to(ray.train.torch.get_device())
+    if cfg.train.activation_checkpointing == "layers":
+        checkpoint_layers(model)
+    if cfg.train.compile:
+        model.compile()  # in place: parameter names and the exported model stay as they are
     stepper = DeepSpeedStepper(
-        model, cfg.train, loop_config["zero_stage"], world_size, use_gpu, cfg.model.backbone.hidden_size
+        model,
+        cfg.train,
+        loop_config["zero_stage"],
+        world_size,
+        uses_bf16(cfg.train, use_gpu),
+        cfg.model.backbone.hidden_size,
     )
     device = stepper.engine.device
 
@@ -166,8 +180,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         "fingerprint": table.fingerprint,
         "lineage": lineage,
     }
-    tracking = {"uri": loop_config["tracking_uri"], "run_id": loop_config["run_id"], "logged": start_step}
     run_dir = Path(loop_config["run_dir"])
+    tracking = StepLogger(loop_config["tracking_uri"], loop_config["run_id"], run_dir, start_step)
     fail_at_step = planned_fault(run_dir)
 
     def on_step(metrics: dict[str, float]) -> None:
@@ -176,20 +190,20 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if validate and _due(step, cfg.train.eval_every, last_step):
             metrics.update(validate(stepper))
         if step == start_step + 1:  # optimizer states exist from the first step on
-            metrics.update(max_over_workers({"model_state_gb": live_tensor_bytes(device.type) / GIB}))
+            state = {
+                "model_state_gb": live_tensor_bytes(device.type) / GIB,
+                "param_share": stepper.parameter_share(),
+            }
+            metrics.update(max_over_workers(state))
         if is_log_step(step, cfg.train) or step == last_step:
             metrics.update(max_over_workers({"peak_mem_gb": peak_memory_bytes(device) / GIB}))
         history.append(metrics)
         if rank == 0 and is_log_step(step, cfg.train):
             print(format_progress(metrics, cfg.train.steps), flush=True)
-        if _due(step, cfg.train.checkpoint_every, last_step):
-            if rank == 0:
-                log_steps(
-                    tracking["uri"],
-                    tracking["run_id"],
-                    (h for h in history if h["step"] > tracking["logged"]),
-                )
-                tracking["logged"] = step
+        checkpoint_due = _due(step, cfg.train.checkpoint_every, last_step)
+        if rank == 0 and (checkpoint_due or is_log_step(step, cfg.train)):
+            tracking.log(history)
+        if checkpoint_due:
             _report_checkpoint(
                 stepper, cfg, table, step, metrics, history, run_info, rank, world_size, run_dir
             )
@@ -197,6 +211,28 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             ray.train.report(metrics)
 
     run_training(stepper, batches, cfg.train.steps, throughput, start_step, last_step, on_step)
+
+
+class StepLogger:
+    """Rank 0's metrics to MLflow every log step, each step once even across restarts.
+
+    Training is deterministic, so the steps a restarted run recomputes after its checkpoint were logged
+    with the same values before the failure: the last step logged to this MLflow run is kept in the run
+    directory (`LOGGED_FILE`) and nothing up to it is logged again.
+    """
+
+    def __init__(self, uri: str, run_id: str, run_dir: Path, start_step: int) -> None:
+        self.uri, self.run_id, self.record = uri, run_id, run_dir / LOGGED_FILE
+        logged = json.loads(self.record.read_text()) if self.record.is_file() else {}
+        self.logged = max(start_step, logged.get("step", 0) if logged.get("run_id") == run_id else 0)
+
+    def log(self, history: list[dict[str, float]]) -> None:
+        new = [entry for entry in history if entry["step"] > self.logged]
+        if not new:
+            return
+        log_steps(self.uri, self.run_id, new)
+        self.logged = int(new[-1]["step"])
+        write_json_atomic(self.record, {"run_id": self.run_id, "step": self.logged})
 
 
 def _due(step: int, every: int, last_step: int) -> bool:
@@ -254,7 +290,8 @@ def _report_checkpoint(
                     run_info["lineage"],
                 )
         if rank == 0:
-            write_history(directory, history, run_info)  # last: its run.json marks the checkpoint complete
+            write_history(directory, history, run_info)
+        write_rank_files(directory, rank)  # last: what makes this rank's part count as complete
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(tmp),
