@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 
 PREPARE_HELP = "first prepare data.path from data.corpus unless it holds shards (for jobs)"
+VERBOSE_HELP = "also show Ray Train's and Tune's own progress lines (by default only in Ray's session logs)"
 
 
 def _add_config_args(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
@@ -203,7 +204,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from mhf_dist.demo import run_demo
 
-    run_demo(args.config, args.overrides, Path(args.workdir), seeds=args.seeds, workers=args.workers)
+    run_demo(
+        args.config,
+        args.overrides,
+        Path(args.workdir),
+        seeds=args.seeds,
+        workers=args.workers,
+        verbose=args.verbose,
+    )
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
@@ -221,7 +229,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
         for cfg in {cfg.data.path: cfg for cfg in trial_configs(spec).values()}.values():
             prepare_if_missing(cfg)
-    result = run_sweep(spec, resume=args.resume)
+    result = run_sweep(spec, resume=args.resume, verbose=args.verbose)
     comparison = compare_sweep(spec, result)
     print(comparison.table)
     print(f"tables and plots: {result.directory / 'compare'}; MLflow parent run {result.parent_run_id}")
@@ -340,6 +348,7 @@ def _add_train_options(parser: argparse.ArgumentParser, storage: str, name: str)
         default=0.0,
         help="peak TFLOP/s per worker for the MFU estimate (default: bf16 peak of known GPUs)",
     )
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
 
 
 def _train_options(args: argparse.Namespace) -> TrainOptions:
@@ -358,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default="runs/demo", help="where results are written (default: runs/demo)")
     demo.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds per family (default: 0 1)")
     demo.add_argument("--workers", type=int, default=2, help="Ray Train workers per trial (default: 2)")
+    demo.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     demo.set_defaults(func=cmd_demo)
 
     sweep = commands.add_parser("sweep", help="matched-baseline, seed or grid sweeps on Ray Tune")
@@ -375,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("--storage", help="where the sweep, its trials and MLflow live (default: the file's)")
     sweep.add_argument("--prepare", action="store_true", help=PREPARE_HELP)
+    sweep.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sweep.set_defaults(func=cmd_sweep)
 
     compare = commands.add_parser("compare", help="compare runs across seeds from MLflow: table, CSV, plots")
@@ -557,6 +568,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise Interrupted(
+        "SIGTERM; rerun the command to start again (`mhf sweep --resume` keeps finished trials)", 143
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -565,6 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and args.command != "submit":
         parser.error("arguments after -- are for `mhf submit` only")
     args.extra = extra
+    previous = signal.signal(signal.SIGTERM, _terminated)  # unwinds like Ctrl-C: staging removed
     try:
         return args.func(args) or 0
     except MhfError as err:
@@ -576,6 +594,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted (SIGINT)", file=sys.stderr)
         return 128 + signal.SIGINT
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def run_demo(
     seeds: Sequence[int] = (0, 1),
     workers: int = 2,
     log: Callable[[str], None] = print,
+    verbose: bool = False,
 ) -> Comparison:
     workdir = workdir.resolve()
     data_dir = workdir / "data"
@@ -66,7 +67,7 @@ def run_demo(
         f"[2/3] matched sweep on Ray Tune: {len(families)} families x seeds {list(seeds)}, "
         f"{workers} Ray Train workers per trial"
     )
-    result = run_sweep(spec, log=log)
+    result = run_sweep(spec, log=log, verbose=verbose)
 
     log("[3/3] comparing the runs from MLflow")
     out_dir = result.directory / "compare"

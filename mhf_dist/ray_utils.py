@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 
 # Logical CPUs a local instance adds beyond the physical cores: Ray Train's workers each hold one CPU
 # for the whole run, and whatever runs beside them (a `--prepare` job's Ray Data tasks, a second sweep
@@ -22,6 +24,19 @@ def ensure_ray(num_cpus: int | None = None) -> None:
 
     if ray.is_initialized():
         return
+    # ray.init replaces a driver's SIGTERM handler with sys.exit(15); the CLI's own (one line, exit 143,
+    # the same clean-up as Ctrl-C) is put back.
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        _init(num_cpus)
+    finally:
+        if callable(handler) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
+
+
+def _init(num_cpus: int | None) -> None:
+    import ray
+
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, logging_level=logging.WARNING)

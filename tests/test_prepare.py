@@ -297,3 +297,27 @@ def test_an_unwritable_output_or_zero_cpus_fails_before_any_work(tmp_path, capsy
     assert main(["prepare", *recall, "--out", str(tmp_path / "data"), "--num-cpus", "0"]) == 2
     assert "--num-cpus 0: Ray Data needs at least one CPU" in capsys.readouterr().err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]  # nothing staged or written
+
+
+def test_sigterm_stops_prepare_with_one_line_and_leaves_no_staging(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mhf_dist.data.corpus import builtin_documents
+
+    (tmp_path / "big.txt").write_text("\n\n".join(builtin_documents() * 40))  # ~19M characters
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "mhf_dist.cli", "prepare", "--corpus", str(tmp_path / "big.txt"),
+               "--tokenizer", "bytes", "--set", "model.vocab_size=259", "--out", str(out)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.partial-*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert process.poll() is None, "prepare ended before it could be stopped: give it more text"
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143
+    assert stderr.strip().splitlines()[-1].startswith("interrupted: SIGTERM")
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))

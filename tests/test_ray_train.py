@@ -338,6 +338,7 @@ def test_sigint_stops_a_two_worker_fit_in_seconds_and_resume_continues_it(ray_se
     (last_line,) = [line for line in stderr.splitlines() if line.startswith("interrupted:")]
     assert "SIGINT after step" in last_line and "resume with --resume cut" in last_line
     assert not list((tmp_path / "cut").glob(".staging-*"))
+    assert len(list((tmp_path / "cut").glob("checkpoint-*"))) <= cfg.train.keep_checkpoints
     run_id = json.loads((tmp_path / "cut" / "mlflow-run.json").read_text())["run_id"]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert client.get_run(run_id).info.status == "KILLED"

@@ -83,8 +83,13 @@ def check_before_start(spec: SweepConfig, trials: list[Trial]) -> None:
         read_manifest(cfg.data.path)
 
 
-def run_sweep(spec: SweepConfig, resume: bool = False, log: Callable[[str], None] = print) -> SweepResult:
-    """Run (or with `resume`, finish) every trial of `spec`; finished trials are never rerun."""
+def run_sweep(
+    spec: SweepConfig, resume: bool = False, log: Callable[[str], None] = print, verbose: bool = False
+) -> SweepResult:
+    """Run (or with `resume`, finish) every trial of `spec`; finished trials are never rerun.
+
+    The console shows each trial's progress lines; Tune's status tables and Ray Train's internals go to
+    the Ray session's logs unless `verbose`."""
     trials = expand_trials(spec)
     check_before_start(spec, trials)
     ensure_ray()
@@ -99,7 +104,7 @@ def run_sweep(spec: SweepConfig, resume: bool = False, log: Callable[[str], None
         log(f"resuming sweep {spec.name!r}: finished trials are kept, the others continue")
         tuner = tune.Tuner.restore(
             str(directory / TUNE_DIR),
-            trainable=_trainable(spec, parent_run_id, uri),
+            trainable=_trainable(spec, parent_run_id, uri, verbose),
             resume_unfinished=True,
             resume_errored=True,
         )
@@ -120,7 +125,7 @@ def run_sweep(spec: SweepConfig, resume: bool = False, log: Callable[[str], None
         write_json_atomic(record, {"spec": spec.model_dump(mode="json"), "parent_run_id": parent_run_id})
         log(f"sweep {spec.name!r}: {len(trials)} trials ({spec.kind}); MLflow parent run {parent_run_id}")
         tuner = tune.Tuner(
-            _trainable(spec, parent_run_id, uri),
+            _trainable(spec, parent_run_id, uri, verbose),
             param_space={"trial": tune.grid_search([dataclasses.asdict(trial) for trial in trials])},
             tune_config=tune.TuneConfig(
                 max_concurrent_trials=spec.max_concurrent or _concurrency(spec),
@@ -128,7 +133,7 @@ def run_sweep(spec: SweepConfig, resume: bool = False, log: Callable[[str], None
                 trial_dirname_creator=_trial_name,
                 **_scheduler(spec),
             ),
-            run_config=tune.RunConfig(name=TUNE_DIR, storage_path=str(directory), verbose=1),
+            run_config=tune.RunConfig(name=TUNE_DIR, storage_path=str(directory), verbose=int(verbose)),
         )
     grid = tuner.fit()
     outcomes = []
@@ -147,7 +152,7 @@ def run_sweep(spec: SweepConfig, resume: bool = False, log: Callable[[str], None
 
 
 def run_trial(
-    params: dict[str, Any], sweep: dict[str, Any], parent_run_id: str, uri: str, workdir: str
+    params: dict[str, Any], sweep: dict[str, Any], parent_run_id: str, uri: str, workdir: str, verbose: bool
 ) -> None:
     """One Tune trial: one `mhf train` run, a child of the sweep's MLflow run.
 
@@ -171,6 +176,7 @@ def run_trial(
         name=trial.name,
         experiment=spec.experiment,
         continue_run=True,
+        verbose=verbose,
     )
     result = train(
         cfg, options, tags=_trial_tags(spec, trial, cfg, parent_run_id), callbacks=[TuneReportCallback()]
@@ -211,7 +217,7 @@ def _trial_tags(spec: SweepConfig, trial: Trial, cfg: Any, parent_run_id: str) -
     return tags
 
 
-def _trainable(spec: SweepConfig, parent_run_id: str, uri: str) -> Any:
+def _trainable(spec: SweepConfig, parent_run_id: str, uri: str, verbose: bool) -> Any:
     from ray import tune
 
     trainable = tune.with_parameters(
@@ -220,6 +226,7 @@ def _trainable(spec: SweepConfig, parent_run_id: str, uri: str) -> Any:
         parent_run_id=parent_run_id,
         uri=uri,
         workdir=os.getcwd(),
+        verbose=verbose,
     )
     return tune.with_resources(trainable, {"CPU": TRIAL_DRIVER_CPUS})
 

@@ -12,6 +12,7 @@ batches are a pure function of the step, so a resumed run skips exactly the batc
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,18 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
     """The run's newest complete checkpoint on storage; incomplete ones are passed over."""
     complete = [path for path in sorted(run_dir.glob("checkpoint-*")) if is_complete(path)]
     return complete[-1] if complete else None
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; remove older ones and any incomplete one.
+
+    Ray Train deletes old checkpoints itself, but only once it has registered the next: a run stopped
+    in between would keep one too many."""
+    checkpoints = sorted(run_dir.glob("checkpoint-*"))
+    kept = [path for path in checkpoints if is_complete(path)][-keep:]
+    for path in checkpoints:
+        if path not in kept:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def write_rank_files(directory: Path, rank: int) -> None:

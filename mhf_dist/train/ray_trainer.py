@@ -31,6 +31,7 @@ from mhf_dist.train.checkpoints import (
     check_resumable,
     checkpoint_step,
     newest_checkpoint,
+    prune_checkpoints,
     resolve_resume,
 )
 from mhf_dist.train.engine import check_training_options, micro_batch_size
@@ -48,6 +49,7 @@ class TrainResult:
 
 # Set on a cluster whose autoscaler adds nodes on demand: resource checks then leave the waiting to Ray.
 AUTOSCALING_ENV = "MHF_AUTOSCALING_CLUSTER"
+PRINT_PATCH_VARIABLE = "RAY_TRAIN_ENABLE_PRINT_PATCH"  # Ray Train propagates it to the workers
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class TrainOptions:
     peak_tflops: float = 0.0  # per worker, for MFU; 0: known GPUs' bf16 peak, none on CPU
     continue_run: bool = False  # continue the run `name` from its newest checkpoint, in its MLflow run
     init_from: str | None = None  # an exported model whose weights training starts from (fresh optimizer)
+    verbose: bool = False  # Ray Train's INFO lines on the console too (else only in the session's logs)
 
 
 def check_run_shape(cfg: Config, options: TrainOptions) -> None:
@@ -111,7 +114,7 @@ def train(
     manifest = read_manifest(cfg.data.path)
     ensure_ray()
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     check_resources(options, ray.cluster_resources())
@@ -164,8 +167,13 @@ def train(
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             failure_config=FailureConfig(max_failures=options.max_failures),
             callbacks=callbacks,
+            # Ray Train's own INFO lines (each report, each checkpoint) stay in its log files.
+            logging_config=LoggingConfig(log_level="INFO" if options.verbose else "WARNING"),
         ),
     )
+    # Ray Train routes the workers' print() through logging and, with stdout redirected as Ray's workers
+    # have it, also prints it: every progress line twice. Off, each line reaches the console once.
+    os.environ[PRINT_PATCH_VARIABLE] = "1" if options.verbose else "0"
     stopped_by = {"signal": signal.SIGINT}
     restore = _hand_sigterm_to_ray(stopped_by)
     try:
@@ -174,7 +182,7 @@ def train(
         # Ray Train's own SIGINT handler aborts the run and exits (before it is installed, Ctrl-C is a
         # KeyboardInterrupt): the run is stopped on purpose, not failed.
         end_run(uri, run_id, "KILLED")
-        raise _interrupted(stopped_by["signal"], run_dir, options.name) from None
+        raise _interrupted(stopped_by["signal"], run_dir, options.name, cfg.train.keep_checkpoints) from None
     except BaseException as err:
         end_run(uri, run_id, "FAILED")
         user_error = _worker_user_error(err)
@@ -215,10 +223,12 @@ def _hand_sigterm_to_ray(stopped_by: dict[str, int]) -> Callable[[], None]:
     return restore
 
 
-def _interrupted(sig: int, run_dir: Path, name: str) -> Interrupted:
-    """The one line of a stopped run (where it stopped, how to go on); leftover staging removed."""
+def _interrupted(sig: int, run_dir: Path, name: str, keep: int) -> Interrupted:
+    """The one line of a stopped run (where it stopped, how to go on); leftover staging removed and
+    train.keep_checkpoints applied."""
     for staging in run_dir.glob(f"{STAGING_PREFIX}*"):
         shutil.rmtree(staging, ignore_errors=True)
+    prune_checkpoints(run_dir, keep)
     last = newest_checkpoint(run_dir)
     name_of = signal.Signals(sig).name
     if last is None:
