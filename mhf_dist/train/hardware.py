@@ -11,14 +11,18 @@ from __future__ import annotations
 import gc
 import resource
 import sys
+import warnings
 
 import torch
 
 
 def live_tensor_bytes(device_type: str = "cpu") -> int:
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.device.type != device_type:
+    with warnings.catch_warnings():  # isinstance on every object touches deprecated torch attributes
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if obj.device.type != device_type:
             continue
         try:
             storage = obj.untyped_storage()

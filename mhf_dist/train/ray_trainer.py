@@ -152,6 +152,7 @@ def train(
             "run_dir": str(run_dir),
             "tracking_uri": uri,
             "run_id": run_id,
+            "verbose": options.verbose,
         },
         scaling_config=ScalingConfig(
             num_workers=options.workers,

@@ -9,6 +9,7 @@ exact and immediate: a resumed worker computes the rows of step s + 1 and reads 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import tempfile
@@ -111,6 +112,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     from mhf_dist.train.loop import Throughput, format_progress, is_log_step, run_training
 
     cfg = validate_config(loop_config["config"])
+    if not loop_config["verbose"]:
+        # Ray Train's worker-side INFO lines (one per report) log under module-path names that its
+        # LoggingConfig does not reach; the root level does. Progress lines are plain prints.
+        logging.getLogger().setLevel(logging.WARNING)
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
     torch.manual_seed(cfg.train.seed)
