@@ -156,7 +156,8 @@ def plot_curves(curves: list[RunCurve], metric: str, path: Path) -> None:
         )
     axes.set_xlabel("step")
     axes.set_ylabel(metric)
-    axes.set_title(f"{metric}: mean over seeds, band = min..max")
+    note = " (each family's own objective)" if metric == "training loss" else ""
+    axes.set_title(f"{metric}{note}: mean over seeds, band = min..max")
     axes.legend()
     figure.tight_layout()
     _save_figure(figure, path)
@@ -202,7 +203,7 @@ def _save_figure(figure: Any, path: Path) -> None:
 class Comparison:
     rows: list[dict[str, Any]]
     table: str
-    files: list[Path]  # compare.md, compare.csv, curves.png, finals.png
+    files: list[Path]  # compare.md, compare.csv, curves.png, finals.png (and loss.png)
 
 
 def compare_runs(
@@ -226,6 +227,10 @@ def compare_runs(
     plot_curves(curves, metric, out_dir / "curves.png")
     plot_finals(curves, metric, out_dir / "finals.png")
     files += [out_dir / "curves.png", out_dir / "finals.png"]
+    if metric != "loss":  # the training loss beside it, logged every train.log_every steps
+        # Each family's own objective: mhf's coordinates loss is not a per-token NLL over V.
+        plot_curves(read_runs(uri, experiment, "loss", sweep_run_id), "training loss", out_dir / "loss.png")
+        files.append(out_dir / "loss.png")
     if sweep_run_id:
         from mhf_dist.tracking import log_artifact, set_tags
 

@@ -46,7 +46,13 @@ def run_demo(
     cfg = load_config(config, [*overrides, f"data.path={data_dir}"])
     settings.setdefault("train.eval_every", max(1, cfg.train.steps // EVAL_PASSES))
     families = demo_families(cfg, log)
-    log(f"[1/3] preparing corpus {cfg.data.corpus!r} on Ray Data -> {data_dir}")
+    started = time.monotonic()
+
+    def stage(text: str) -> None:
+        elapsed = int(time.monotonic() - started)
+        log(f"{text} ({elapsed // 60}:{elapsed % 60:02d} so far)")
+
+    stage(f"[1/3] preparing corpus {cfg.data.corpus!r} on Ray Data -> {data_dir}")
     prepare(cfg, data_dir, overwrite=True, log=log)
 
     spec = parse_sweep(
@@ -63,13 +69,13 @@ def run_demo(
         },
         "demo sweep",
     )
-    log(
+    stage(
         f"[2/3] matched sweep on Ray Tune: {len(families)} families x seeds {list(seeds)}, "
         f"{workers} Ray Train workers per trial"
     )
     result = run_sweep(spec, log=log, verbose=verbose)
 
-    log("[3/3] comparing the runs from MLflow")
+    stage("[3/3] comparing the runs from MLflow")
     out_dir = result.directory / "compare"
     comparison = compare_sweep(spec, result)
     sampling = Sampling(**SAMPLING, seed=seeds[0])
@@ -85,7 +91,8 @@ def run_demo(
         f"{spec.metric}: exact validation NLL per token over the real vocabulary (mhf renormalised over "
         "V_actl); mean/std/min/max over seeds; params_residual: parameters minus mhf's"
     )
-    log(f"tables and plots: {out_dir}")
+    log(f"tables and plots: {out_dir} (curves.png: {spec.metric}; loss.png: training loss)")
+    stage("done")
     db = result.tracking_uri.removeprefix("sqlite:///")
     log(f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{db}  (experiment {spec.experiment!r})")
     return comparison

@@ -105,7 +105,8 @@ def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_
     assert all(abs(a - b) > 1e-4 for a, b in zip(*seed_curves, strict=True))  # another seed, another curve
 
     artifacts = {entry.path for entry in client.list_artifacts(parent.info.run_id)}
-    assert {"compare.md", "compare.csv", "curves.png", "finals.png"} <= artifacts
+    assert {"compare.md", "compare.csv", "curves.png", "finals.png", "loss.png"} <= artifacts
+    assert [path.name for path in comparison.files[2:]] == ["curves.png", "finals.png", "loss.png"]
     for png in comparison.files[2:]:
         with Image.open(png) as image:
             image.verify()
@@ -113,6 +114,10 @@ def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_
     for family in rows:  # one seeded, sampled continuation per family
         assert sum(line.startswith(f"{family} (seed 0, temperature 0.8) sample:") for line in lines) == 1
     assert any(line.startswith("MLflow UI: mlflow ui --backend-store-uri sqlite:///") for line in lines)
+    stages = [line for line in lines if line.startswith("[")]
+    assert [line[:5] for line in stages] == ["[1/3]", "[2/3]", "[3/3]"] and all(
+        "so far)" in x for x in stages
+    )
 
 
 def test_the_demo_trains_qwen3_matched_only_where_it_differs_from_qwen3():
