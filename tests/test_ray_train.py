@@ -348,3 +348,19 @@ def test_sigint_stops_a_two_worker_fit_in_seconds_and_resume_continues_it(ray_se
     assert [h["step"] for h in read_history(resumed.checkpoint)] == list(range(1, stopped_at + 5))
     logged = client.get_metric_history(resumed.run_id, "loss")  # only the new steps: it did resume
     assert sorted(metric.step for metric in logged) == list(range(stopped_at + 1, stopped_at + 5))
+
+
+def test_on_an_autoscaling_cluster_the_resource_check_waits_a_bounded_time(monkeypatch):
+    from mhf_dist.train.ray_trainer import check_resources
+
+    options = TrainOptions(workers=8)
+    sizes = iter([{"CPU": 4}, {"CPU": 8}])
+    with pytest.raises(TrainingError, match="asks for 8 CPUs but the Ray cluster has 4; use --workers 4"):
+        check_resources(options, lambda: {"CPU": 4})  # no autoscaler: at once
+    monkeypatch.setenv("MHF_AUTOSCALING_CLUSTER", "1")
+    monkeypatch.setenv("MHF_AUTOSCALING_WAIT_S", "0.5")
+    said = []
+    check_resources(options, lambda: next(sizes), log=said.append)  # the autoscaler added a node
+    assert said == ["waiting up to 0.5 s for the autoscaler to add CPUs"]
+    with pytest.raises(TrainingError, match=r"the Ray cluster has 4 after 0\.5 s of autoscaling"):
+        check_resources(options, lambda: {"CPU": 4}, log=said.append)

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +48,9 @@ class TrainResult:
     tracking_uri: str
 
 
-# Set on a cluster whose autoscaler adds nodes on demand: resource checks then leave the waiting to Ray.
+# Set on a cluster whose autoscaler adds nodes on demand: the resource check waits (a bounded time).
 AUTOSCALING_ENV = "MHF_AUTOSCALING_CLUSTER"
+AUTOSCALING_WAIT_ENV = "MHF_AUTOSCALING_WAIT_S"
 PRINT_PATCH_VARIABLE = "RAY_TRAIN_ENABLE_PRINT_PATCH"  # Ray Train propagates it to the workers
 
 
@@ -79,24 +81,40 @@ def check_run_shape(cfg: Config, options: TrainOptions) -> None:
     check_training_options(cfg.train, options.zero_stage, options.gpus_per_worker > 0)
 
 
-def check_resources(options: TrainOptions, cluster: dict[str, float]) -> None:
+def check_resources(
+    options: TrainOptions, cluster: Callable[[], dict[str, float]], log: Callable[[str], None] = print
+) -> None:
     """Refuse a run the Ray cluster cannot place, instead of waiting for resources that never come.
 
-    A cluster with an autoscaler may grow; there the check is skipped (Ray Train waits for the nodes).
+    On a cluster whose autoscaler adds nodes on demand (`MHF_AUTOSCALING_CLUSTER=1`) the run waits for
+    them, at most `MHF_AUTOSCALING_WAIT_S` seconds (default 900), polling what the cluster has.
     """
-    if os.environ.get(AUTOSCALING_ENV):
-        return
     wanted = {"CPU": options.workers, "GPU": options.workers * options.gpus_per_worker}
-    for resource, amount in wanted.items():
-        have = int(cluster.get(resource, 0))
-        if amount > have:
-            per_worker = 1 if resource == "CPU" else options.gpus_per_worker
-            hint = " (--gpus-per-worker 0 trains on CPUs)" if resource == "GPU" else ""
-            raise TrainingError(
-                f"--workers {options.workers} x {per_worker} {resource} asks for {amount} {resource}s but "
-                f"the Ray cluster has {have}; use --workers {max(1, have // per_worker)} or a larger "
-                f"cluster{hint}"
-            )
+    autoscaling = bool(os.environ.get(AUTOSCALING_ENV))
+    wait_s = float(os.environ.get(AUTOSCALING_WAIT_ENV, 900)) if autoscaling else 0.0
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        have = cluster()
+        missing = [name for name, amount in wanted.items() if amount > int(have.get(name, 0))]
+        if not missing:
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        if not said:
+            log(f"waiting up to {wait_s:g} s for the autoscaler to add {' and '.join(missing)}s")
+            said = True
+        time.sleep(min(5.0, remaining))
+    resource = missing[0]
+    count = int(have.get(resource, 0))
+    per_worker = 1 if resource == "CPU" else options.gpus_per_worker
+    hint = " (--gpus-per-worker 0 trains on CPUs)" if resource == "GPU" else ""
+    waited = f" after {wait_s:g} s of autoscaling" if autoscaling else ""
+    raise TrainingError(
+        f"--workers {options.workers} x {per_worker} {resource} asks for {wanted[resource]} {resource}s but "
+        f"the Ray cluster has {count}{waited}; use --workers {max(1, count // per_worker)} or a larger "
+        f"cluster{hint}"
+    )
 
 
 def train(
@@ -117,7 +135,7 @@ def train(
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    check_resources(options, ray.cluster_resources())
+    check_resources(options, ray.cluster_resources)
     fingerprint = manifest["signatures"]["fingerprint"]
     storage = Path(options.storage).resolve()
     run_dir = storage / options.name
