@@ -255,16 +255,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     tokens = args.tokens or cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len
     cluster = Cluster(args.gpus, args.nodes, args.gpu_mem_gb, args.peak_tflops)
     plans = [
-        plan(
-            cfg,
-            family,
-            vocab,
-            cluster,
-            seq_len,
-            args.micro_batch,
-            tokens,
-            args.mfu,
-        )
+        plan(cfg, family, vocab, cluster, seq_len, args.micro_batch, tokens, args.mfu)
         for vocab in args.vocab or [32000, 151936]
         for family in args.family or ["mhf", "qwen3"]
     ]

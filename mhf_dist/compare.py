@@ -156,8 +156,7 @@ def plot_curves(curves: list[RunCurve], metric: str, path: Path) -> None:
         )
     axes.set_xlabel("step")
     axes.set_ylabel(metric)
-    note = " (each family's own objective)" if metric == "training loss" else ""
-    axes.set_title(f"{metric}{note}: mean over seeds, band = min..max")
+    axes.set_title(f"{metric}: mean over seeds, band = min..max")
     axes.legend()
     figure.tight_layout()
     _save_figure(figure, path)
@@ -229,7 +228,8 @@ def compare_runs(
     files += [out_dir / "curves.png", out_dir / "finals.png"]
     if metric != "loss":  # the training loss beside it, logged every train.log_every steps
         # Each family's own objective: mhf's coordinates loss is not a per-token NLL over V.
-        plot_curves(read_runs(uri, experiment, "loss", sweep_run_id), "training loss", out_dir / "loss.png")
+        loss = read_runs(uri, experiment, "loss", sweep_run_id)
+        plot_curves(loss, "training loss (each family's objective)", out_dir / "loss.png")
         files.append(out_dir / "loss.png")
     if sweep_run_id:
         from mhf_dist.tracking import log_artifact, set_tags

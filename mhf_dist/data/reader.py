@@ -30,14 +30,16 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from mhf_dist.config import Config
-from mhf_dist.data.shards import ROWS_PER_GROUP, read_manifest, shard_files
+from mhf_dist.data.shards import ROWS_PER_GROUP, check_shard, read_manifest, split_shards
 from mhf_dist.errors import DataError
 
 
 class RowReader:
     """Rows of one split by global index: `read(rows)` decodes exactly those rows, in the order given.
 
-    `rows_decoded` counts the rows read so far (the data-loading benchmark reports it per worker).
+    Each shard is checked against the manifest (`check_shard`) when it is first opened, so a worker
+    reads the footers of the shards it uses, once; `check_all` checks every shard up front (the driver
+    does, before any worker starts). `rows_decoded` counts the rows read so far.
     """
 
     def __init__(self, path: str | Path, split: str, signatures: bool = True, open_files: int = 64) -> None:
@@ -47,8 +49,9 @@ class RowReader:
                 f"prepared data {str(path)!r} was written by an older mhf-dist (whole-shard row groups: no "
                 f"row can be read alone); re-run `mhf prepare --overwrite --out {path}`"
             )
-        self.files = shard_files(path, manifest, split)
-        rows = [shard["rows"] for shard in manifest["splits"][split]["shards"]]
+        self.directory = Path(path)
+        self.shards = split_shards(path, manifest, split)
+        rows = [shard["rows"] for shard in self.shards]
         self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         self.width = manifest["seq_len"] + 1
         self.num_hashes = manifest["signatures"]["num_hashes"]
@@ -57,6 +60,14 @@ class RowReader:
         self.open_files = open_files
         self._handles: OrderedDict[int, pq.ParquetFile] = OrderedDict()
         self.rows_decoded = 0
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.directory / shard["file"] for shard in self.shards]
+
+    def check_all(self) -> None:
+        for shard in self.shards:
+            check_shard(self.directory, shard)
 
     @property
     def num_rows(self) -> int:
@@ -97,12 +108,9 @@ class RowReader:
         if shard in self._handles:
             self._handles.move_to_end(shard)
             return self._handles[shard]
-        handle = pq.ParquetFile(self.files[shard])
-        if handle.num_row_groups != self.shard_rows[shard]:
-            raise DataError(
-                f"shard {self.files[shard]} is not one row per row group as prepared; re-run "
-                f"`mhf prepare --overwrite --out {Path(self.files[shard]).parent}`"
-            )
+        entry = self.shards[shard]
+        metadata = check_shard(self.directory, entry)
+        handle = pq.ParquetFile(self.directory / entry["file"], metadata=metadata)
         self._handles[shard] = handle
         if len(self._handles) > self.open_files:
             self._handles.popitem(last=False)[1].close()
@@ -140,24 +148,28 @@ class BatchPlan:
         return self.global_rows(step)[rank * share : (rank + 1) * share]
 
     def _positions(self, epoch: int, start: int, stop: int) -> np.ndarray:
-        shards, window_starts = self._epoch_windows(epoch)
+        """Positions start .. stop-1 of the epoch's order: the slices of the windows they fall in."""
+        _, window_starts = self._epoch_windows(epoch)
         first = int(np.searchsorted(window_starts, start, side="right")) - 1
         last = int(np.searchsorted(window_starts, stop, side="left"))
-        rows = np.concatenate([self._window_rows(epoch, w, shards) for w in range(first, last)])
-        base = window_starts[first]
-        return rows[start - base : stop - base]
+        parts = []
+        for window in range(first, last):
+            base = int(window_starts[window])
+            parts.append(self._window_rows(epoch, window)[max(0, start - base) : stop - base])
+        return np.concatenate(parts)
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 - one plan per worker, alive for the whole run
-    def _epoch_windows(self, epoch: int) -> tuple[tuple[int, ...], np.ndarray]:
+    def _epoch_windows(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """The epoch's shard order and where each window of it starts, in rows."""
         count = len(self.shard_rows)
         order = self._rng(epoch).permutation(count) if self.shuffle else np.arange(count)
         sizes = [self.shard_rows[order[i : i + self.window]].sum() for i in range(0, count, self.window)]
-        return tuple(int(shard) for shard in order), np.concatenate([[0], np.cumsum(sizes)])
+        return order, np.concatenate([[0], np.cumsum(sizes)])
 
     @functools.lru_cache(maxsize=4)  # noqa: B019
-    def _window_rows(self, epoch: int, window: int, shards: tuple[int, ...]) -> np.ndarray:
-        members = shards[window * self.window : (window + 1) * self.window]
+    def _window_rows(self, epoch: int, window: int) -> np.ndarray:
+        order, _ = self._epoch_windows(epoch)
+        members = order[window * self.window : (window + 1) * self.window]
         rows = np.concatenate([np.arange(self.offsets[s], self.offsets[s + 1]) for s in members])
         return self._rng(epoch, window + 1).permutation(rows) if self.shuffle else rows
 

@@ -118,7 +118,8 @@ def check_compatible(manifest: dict[str, Any], cfg: Config, fingerprint: str | N
         )
 
 
-def shard_files(path: str | Path, manifest: dict[str, Any], split: str) -> list[str]:
+def split_shards(path: str | Path, manifest: dict[str, Any], split: str) -> list[dict[str, Any]]:
+    """The manifest's shard entries of one split; an unknown or empty split is a one-line error."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     shards = manifest["splits"][split]["shards"]
@@ -126,13 +127,12 @@ def shard_files(path: str | Path, manifest: dict[str, Any], split: str) -> list[
         raise DataError(
             f"prepared data {str(path)!r} has no {split} rows; use more text or a smaller seq_len"
         )
-    for shard in shards:
-        check_shard(Path(path), shard)
-    return [str(Path(path) / shard["file"]) for shard in shards]
+    return shards
 
 
-def check_shard(directory: Path, shard: dict[str, Any]) -> None:
-    """A shard must exist, have a readable parquet footer and the manifest's row count.
+def check_shard(directory: Path, shard: dict[str, Any]) -> pq.FileMetaData:
+    """A shard must exist, have a readable parquet footer, the manifest's row count and one row per row
+    group; returns the footer (so the reader opening the shard need not read it again).
 
     The footer is a few KB at the end of the file, so this costs one small read per shard whatever the
     data size, and it catches what happens to files in practice (deleted, truncated by a full disk or an
@@ -144,11 +144,16 @@ def check_shard(directory: Path, shard: dict[str, Any]) -> None:
     if not path.is_file():
         raise DataError(f"shard {path} is missing; {fix}")
     try:
-        rows = pq.read_metadata(path).num_rows
+        metadata = pq.read_metadata(path)
     except (OSError, pa.ArrowException):
         raise DataError(f"shard {path} is truncated or not parquet; {fix}") from None
-    if rows != shard["rows"]:
-        raise DataError(f"shard {path} holds {rows} rows but the manifest says {shard['rows']}; {fix}")
+    if metadata.num_rows != shard["rows"]:
+        raise DataError(
+            f"shard {path} holds {metadata.num_rows} rows but the manifest says {shard['rows']}; {fix}"
+        )
+    if metadata.num_row_groups != shard["rows"]:
+        raise DataError(f"shard {path} is not one row per row group as prepared; {fix}")
+    return metadata
 
 
 def verify_shards(path: str | Path) -> int:

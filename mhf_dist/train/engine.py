@@ -188,9 +188,9 @@ class DeepSpeedStepper:
 
     def parameter_share(self) -> float:
         """The share of the model's parameters this rank holds: about 1/W under ZeRO-3, else 1."""
-        params = list(self.engine.module.parameters())
         if self.zero_stage < 3:
             return 1.0
+        params = list(self.engine.module.parameters())
         return sum(p.ds_tensor.numel() for p in params) / sum(p.ds_numel for p in params)
 
     def whole_parameters(self) -> AbstractContextManager:

@@ -154,7 +154,9 @@ def train(
     data = cfg.data.model_copy(update={"path": str(Path(cfg.data.path).resolve())})
     worker_cfg = cfg.model_copy(update={"data": data})
     check_compatible(manifest, cfg, fingerprint)
-    training_plan(RowReader(data.path, "train"), cfg)  # the shards' footers, layout and row count
+    reader = RowReader(data.path, "train")
+    reader.check_all()  # every shard's footer, once, here rather than in every worker
+    training_plan(reader, cfg)  # enough rows for one batch
     uri = tracking_uri(storage)
     run_id = _tracking_run(uri, run_dir, cfg, options, {**_tags(cfg, options, manifest), **(tags or {})})
     trainer = TorchTrainer(
