@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,11 @@ from mhf_dist.tracking import TrackingError
 from mhf_dist.train.checkpoints import (
     MODEL_DIR,
     check_resumable,
+    is_complete,
     newest_checkpoint,
     read_history,
     resolve_resume,
+    write_rank_files,
 )
 from mhf_dist.train.engine import deepspeed_config
 from mhf_dist.train.ray_trainer import TrainOptions, train
@@ -348,6 +351,23 @@ def test_sigint_stops_a_two_worker_fit_in_seconds_and_resume_continues_it(ray_se
     assert [h["step"] for h in read_history(resumed.checkpoint)] == list(range(1, stopped_at + 5))
     logged = client.get_metric_history(resumed.run_id, "loss")  # only the new steps: it did resume
     assert sorted(metric.step for metric in logged) == list(range(stopped_at + 1, stopped_at + 5))
+
+
+def test_a_checkpoint_is_complete_only_with_every_ranks_files_at_their_sizes(tmp_path):
+    for rank, files in enumerate([["run.json", "state/mp_rank_00.pt"], ["state/zero_pp_rank_1.pt"]]):
+        part = tmp_path / f"rank{rank}"
+        for name in files:
+            (part / name).parent.mkdir(parents=True, exist_ok=True)
+            (part / name).write_text(json.dumps({"workers": 2}) if name == "run.json" else "x" * 100)
+        write_rank_files(part, rank)
+        shutil.copytree(part, tmp_path / "checkpoint-0000002", dirs_exist_ok=True)  # as Ray Train merges
+    checkpoint = tmp_path / "checkpoint-0000002"
+    assert is_complete(checkpoint)
+    (checkpoint / "state/zero_pp_rank_1.pt").write_text("x" * 60)  # cut short
+    assert not is_complete(checkpoint)
+    (checkpoint / "state/zero_pp_rank_1.pt").write_text("x" * 100)
+    (checkpoint / "rank-1.json").unlink()  # rank 1's part not copied in yet
+    assert not is_complete(checkpoint)
 
 
 def test_on_an_autoscaling_cluster_the_resource_check_waits_a_bounded_time(monkeypatch):

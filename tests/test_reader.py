@@ -29,6 +29,8 @@ def test_every_row_is_read_exactly_once_per_epoch_and_each_epoch_has_its_own_ord
     assert not np.array_equal(first, np.arange(136))  # shuffled, and differently under another seed
     assert not np.array_equal(first, epoch_rows(plan(seed=1), 0))
     assert np.array_equal(epoch_rows(plan(shuffle=False), 3), np.arange(136))  # the prepared order
+    one_shard = BatchPlan(np.array([136]), 8, 0)  # the rows themselves, not only the shard order
+    assert not np.array_equal(epoch_rows(one_shard, 0), epoch_rows(one_shard, 1))
 
 
 def test_a_window_mixes_rows_of_its_shards_only():
