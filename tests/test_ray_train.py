@@ -119,7 +119,7 @@ def test_each_zero_stage_on_two_cpu_workers_lowers_the_loss_and_exports_the_mode
 
 
 @pytest.fixture(scope="module")
-def few_rows(tmp_path_factory):
+def few_rows(ray_session, tmp_path_factory):
     """60 training rows in 4 shards: an epoch is 7 steps of 8, so 10 steps cross into the second."""
     path = tmp_path_factory.mktemp("few") / "data"
     prepare(load_config("tiny", [*FEW_ROWS, f"data.path={path}"]), path, log=lambda _: None)

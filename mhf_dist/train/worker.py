@@ -230,9 +230,12 @@ class StepLogger:
         self.uri, self.run_id, self.record = uri, run_id, run_dir / LOGGED_FILE
         logged = json.loads(self.record.read_text()) if self.record.is_file() else {}
         self.logged = max(start_step, logged.get("step", 0) if logged.get("run_id") == run_id else 0)
+        self.seen = start_step  # history[:seen] was looked at before (history[i] is step i + 1)
 
     def log(self, history: list[dict[str, float]]) -> None:
-        new = [entry for entry in history if entry["step"] > self.logged]
+        """Log the steps of `history` not logged yet; looks only at the entries added since last time."""
+        new = [entry for entry in history[self.seen :] if entry["step"] > self.logged]
+        self.seen = len(history)
         if not new:
             return
         log_steps(self.uri, self.run_id, new)
