@@ -77,6 +77,8 @@ METRICS = {
 }
 BUILTIN_VALIDATION = Path("runs/report/builtin-validation.txt")
 CPT_SEEDS = ("0", "1", "2")
+# (train split, replay fraction) of each table-2 recipe: the authors' split, without and with 25% English
+CPT_SETTINGS = (("authors", "0"), ("authors", "0.25"))
 CPT_RESULTS = Path("runs/jobs/cpt-multilingual/results.json")
 
 
@@ -149,20 +151,23 @@ def source_rows(source: str, sweep_files: list[str], start_runs: bool) -> list[d
 
 
 def cpt_rows(start_runs: bool) -> list[dict[str, Any]]:
-    """Table 2: the vocabulary-expansion job over three seeds, per family and language."""
-    command = [sys.executable, str(JOBS / "cpt_multilingual.py"), "--seeds", *CPT_SEEDS]
-    if start_runs:
-        print("$ python " + " ".join(command[1:]), flush=True)
-        subprocess.run(command, check=True)
-    elif not CPT_RESULTS.is_file():
+    """Table 2: the vocabulary-expansion job over three seeds, per recipe, family and language."""
+    for trainable, replay in CPT_SETTINGS:
+        command = [sys.executable, str(JOBS / "cpt_multilingual.py"), "--seeds", *CPT_SEEDS]
+        command += ["--trainable", trainable, "--replay-fraction", replay]
+        if start_runs:
+            print("$ python " + " ".join(command[1:]), flush=True)
+            subprocess.run(command, check=True)
+    if not CPT_RESULTS.is_file():
         return []
-    found: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    found: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for row in json.loads(CPT_RESULTS.read_text())["results"]:
-        found.setdefault((row["family"], row["language"]), []).append(row)
+        found.setdefault((row["setting"], row["family"], row["language"]), []).append(row)
     rows = []
-    for (family, language), runs in found.items():
-        row = {"family": family, "language": language, "n_seeds": len(runs), "vocab": runs[0]["vocab"]}
-        row["params_added"] = runs[0]["params_added"]
+    for (setting, family, language), runs in found.items():
+        row = {"setting": setting, "family": family, "language": language, "n_seeds": len(runs)}
+        row |= {key: runs[0][key] for key in ("vocab", "params_added", "trainable_params")}
+        row["replay_realised"] = statistics.fmean(run["replay_realised"] for run in runs)
         for key in ("nll_before", "nll_after", "bpb_before", "bpb_after"):
             values = [run[key] for run in runs]
             row[f"{key}.mean"] = statistics.fmean(values)
@@ -245,8 +250,11 @@ def benchmark_table(rows: list[dict[str, Any]]) -> str:
 def cpt_table(rows: list[dict[str, Any]]) -> str:
     shown = [
         {
+            "recipe": row["setting"],
+            "replay": f"{row['replay_realised']:.1%}",
             "model": row["family"],
             "language": row["language"],
+            "trainable": f"{row['trainable_params']:,}",
             "vocabulary": row["vocab"],
             "params added": row["params_added"],
             "seeds": row["n_seeds"],

@@ -128,13 +128,16 @@ def cmd_cpt(args: argparse.Namespace) -> None:
     from mhf_dist.cpt import expanded_tokenizer, run_cpt
     from mhf_dist.data.corpus import corpus_texts
 
-    cfg = load_config(args.config, [*args.overrides, f"data.corpus={args.data}"])
+    replay = {"data.replay.corpus": args.replay, "data.replay.fraction": args.replay_fraction}
+    flags = [f"{key}={value}" for key, value in replay.items() if value is not None]
+    cfg = load_config(args.config, [*args.overrides, f"data.corpus={args.data}", *flags])
 
     def new_tokenizer(parent: TextTokenizer) -> TextTokenizer:
         texts = (lambda: corpus_texts(args.corpus, cfg.data.text_field)) if args.corpus else None
         return expanded_tokenizer(parent, args.tokenizer, args.add_tokens, args.train_new_tokens, texts)
 
-    result = run_cpt(cfg, args.parent, new_tokenizer, _train_options(args))
+    options = _train_options(args)
+    result = run_cpt(cfg, args.parent, new_tokenizer, options, init_new_rows=args.init_new_rows)
     _print_result(result.train_result)
 
 
@@ -190,6 +193,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompt = tokenizer.encode_batch([args.prompt])[0]
     if not prompt:
         raise ConfigError("the prompt is empty; give --prompt some text")
+    prompt = tokenizer.context_prefix(exported.document_format) + prompt  # `<s>` first for bos models
     generated: list[int] = []
     shown = ""
     print(args.prompt, end="", flush=True)
@@ -269,8 +273,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
     checkpointing = {"none": "no checkpointing", "layers": "layers checkpointed"}[
         cfg.train.activation_checkpointing
     ]
+    states = (
+        "bf16-pure: bf16 weights, grads and Adam moments, no fp32 copy"
+        if cfg.train.precision == "bf16-pure"
+        else "bf16 mixed precision: fp32 master weights and Adam states"
+    )
     print(
-        "GB: GiB per GPU. ZeRO-k GB: weights, grads and Adam states (bf16 mixed precision); act GB/seq: "
+        f"GB: GiB per GPU. ZeRO-k GB: weights, grads and Adam states ({states}); act GB/seq: "
         f"activations of one sequence, {checkpointing}; stage and micro-batch: what fits in 90% of a GPU "
         "(train with --zero-stage S --set train.micro_batch_size=M)."
     )
@@ -401,7 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument(
         "--corpus", help="builtin | file, directory or glob of .txt/.raw/.jsonl/.parquet | hf:NAME"
     )
-    prep.add_argument("--tokenizer", help="bpe | bytes | path to tokenizer.json (default: data.tokenizer)")
+    prep.add_argument(
+        "--tokenizer", help="bpe | bytes | mistral-v0.3 | path to tokenizer.json (default: data.tokenizer)"
+    )
     prep.add_argument("--out", help="output directory (default: data.path)")
     prep.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     prep.add_argument("--num-cpus", type=int, help="CPUs of a local Ray instance (default: all)")
@@ -442,6 +453,19 @@ def build_parser() -> argparse.ArgumentParser:
     cpt.add_argument("--train-new-tokens", type=int, default=0, help="learn N new BPE tokens from --corpus")
     cpt.add_argument("--corpus", help="text the new tokens are learned from (a file, directory or glob)")
     cpt.add_argument("--data", required=True, help="the corpus training continues on (as data.corpus)")
+    cpt.add_argument(
+        "--init-new-rows",
+        choices=["subword", "mean"],
+        default="subword",
+        help="a baseline's new embedding/head rows: mean of the token's old pieces' rows (the authors') "
+        "or of all old rows (mhf adds no rows)",
+    )
+    cpt.add_argument("--replay", help="a corpus to replay (e.g. the parent's), as data.replay.corpus")
+    cpt.add_argument(
+        "--replay-fraction",
+        type=float,
+        help="share of the training tokens from --replay (data.replay.fraction, default 0)",
+    )
     _add_train_options(cpt, storage="runs/cpt", name="mhf-cpt")
     cpt.set_defaults(func=cmd_cpt)
 

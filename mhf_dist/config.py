@@ -39,12 +39,23 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# The paper's K-names whose B is not a multiple of 1024 (HUIYINXUE/MHF README: "MHF(H3B10K)" is the
+# checkpoint `..._10624_3_0_64_twe`); every other K-name is x1024 (H4B16K = 16,384 as `_16384_4_0_64`).
+PAPER_K_BUCKETS = {10: 10_624}
+SPEC_HELP = (
+    "write H<hashes>B<buckets>[K], e.g. H4B16K or H2B64; K is x1024 except the paper's B10K = 10,624 "
+    "(H3B10K), and the exact number always works (H3B10624, H3B10240)"
+)
+
+
 def parse_hash_spec(spec: str) -> tuple[int, int]:
-    """`H4B16K` -> (4, 16384): H hash functions, B buckets (a trailing K multiplies by 1024)."""
+    """`H4B16K` -> (4, 16384): H hash functions, B buckets (a trailing K multiplies by 1024, except
+    where the paper names another B: `B10K` is its 10,624; write `B10240` for 10 x 1024)."""
     match = HASH_SPEC.match(spec.strip())
     if match is None:
-        raise ConfigError(f"bad hash spec {spec!r}; write H<hashes>B<buckets>[K], e.g. H4B16K or H2B64")
-    num_hashes, num_buckets = int(match[1]), int(match[2]) * (1024 if match[3] else 1)
+        raise ConfigError(f"bad hash spec {spec!r}; {SPEC_HELP}")
+    num_hashes, count = int(match[1]), int(match[2])
+    num_buckets = PAPER_K_BUCKETS.get(count, count * 1024) if match[3] else count
     if num_hashes < 1:
         raise ConfigError(f"hash spec {spec!r} has H={num_hashes}; use at least one hash (H>=1)")
     if num_buckets < 2:
@@ -53,8 +64,11 @@ def parse_hash_spec(spec: str) -> tuple[int, int]:
 
 
 def format_hash_spec(num_hashes: int, num_buckets: int) -> str:
-    """(4, 16384) -> `H4B16K`; the inverse of `parse_hash_spec`."""
-    if num_buckets % 1024 == 0:
+    """(4, 16384) -> `H4B16K`, (3, 10624) -> `H3B10K`; `parse_hash_spec` reads every result back."""
+    paper = {buckets: count for count, buckets in PAPER_K_BUCKETS.items()}
+    if num_buckets in paper:
+        return f"H{num_hashes}B{paper[num_buckets]}K"
+    if num_buckets % 1024 == 0 and num_buckets // 1024 not in PAPER_K_BUCKETS:
         return f"H{num_hashes}B{num_buckets // 1024}K"
     return f"H{num_hashes}B{num_buckets}"
 
@@ -110,6 +124,15 @@ class HashConfig(StrictModel):
     scheme: Literal["reference", "murmur32"] | None = Field(
         None, description="signature scheme; default: reference under io=reference, else murmur32"
     )
+    num_lsh: int = Field(
+        0,
+        ge=0,
+        description="reference scheme: the first num_lsh coordinates are LSH buckets of the token's "
+        "character trigrams (the authors' num_lsh; the paper's LSH:MMH3 ablation); 0: none",
+    )
+    lsh_only_embed: bool = Field(
+        False, description="the encoder reads only the num_lsh LSH coordinates; the decoder predicts all H"
+    )
     bottleneck: int = Field(64, gt=0, description="reference I/O: k of the gate and the cascade mixers")
     d_hash: int | None = Field(None, gt=0, description="compact I/O: bucket-embedding width; default hidden")
     gate_hidden: int = Field(64, gt=0, description="compact I/O: bottleneck of the encoder's gate")
@@ -137,6 +160,22 @@ class HashConfig(StrictModel):
         except ConfigError as err:
             raise ValueError(str(err)) from None
         return spec.strip()
+
+    @model_validator(mode="after")
+    def _lsh_fits(self) -> HashConfig:
+        if self.num_lsh > self.num_hashes:
+            raise ValueError(
+                f"num_lsh={self.num_lsh} exceeds the {self.num_hashes} hashes of {self.spec}; "
+                f"use num_lsh <= {self.num_hashes}"
+            )
+        if self.num_lsh and self.signature_scheme != "reference":
+            raise ValueError(
+                f"num_lsh={self.num_lsh} needs the reference signature scheme (LSH coordinates are the "
+                f"authors'), not {self.signature_scheme}; set model.hash.scheme=reference"
+            )
+        if self.lsh_only_embed and not self.num_lsh:
+            raise ValueError("lsh_only_embed=true embeds the LSH coordinates only; set num_lsh > 0 as well")
+        return self
 
     @property
     def num_hashes(self) -> int:
@@ -232,13 +271,20 @@ class TrainConfig(StrictModel):
         0, ge=0, description="steps between validation passes (exact NLL); 0: only at the end"
     )
     eval_rows: int = Field(0, ge=0, description="validation rows per pass; 0: the whole split")
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="auto: bf16 on GPUs, fp32 on CPUs (DeepSpeed's bf16: fp32 master weights)"
+    precision: Literal["auto", "fp32", "bf16", "bf16-pure"] = Field(
+        "auto",
+        description="auto: bf16 on GPUs, fp32 on CPUs; bf16: bf16 compute, fp32 master weights and Adam "
+        "states; bf16-pure: bf16 weights, grads and Adam states, no fp32 copy (the authors' recipe)",
     )
     activation_checkpointing: Literal["none", "layers"] = Field(
         "none", description="layers: recompute each layer (and mhf's cascade) in the backward"
     )
     compile: bool = Field(False, description="torch.compile the model before DeepSpeed wraps it (ZeRO 0-2)")
+    trainable: list[str] | None = Field(
+        None,
+        description="globs over parameter names that train (`layers.-1` counts from the end); the rest "
+        "are frozen; null or []: all train; mhf cpt: null means the authors' recipe (train/trainable.py)",
+    )
 
 
 class RecallDataConfig(StrictModel):
@@ -247,6 +293,28 @@ class RecallDataConfig(StrictModel):
     examples: int = Field(4096, gt=0, description="training rows; validation gets val_percent of this")
     num_pairs: int = Field(8, gt=0, description="key-value pairs at the start of each row")
     num_queries: int = Field(4, gt=0, description="keys asked again later in the row")
+
+
+class ReplayConfig(StrictModel):
+    """A second source mixed into the training split (`mhf_dist.data.mixture`), e.g. the parent's corpus
+    in continued pretraining: about `fraction` of the training tokens come from it."""
+
+    corpus: str | None = Field(None, description="the replayed corpus (same forms as data.corpus)")
+    fraction: float = Field(0.0, ge=0, lt=1, description="share of the training tokens from replay.corpus")
+    seed: int = Field(
+        0, ge=0, lt=2**32, description="documents are chosen in the order of MurmurHash3(text, seed)"
+    )
+
+    @model_validator(mode="after")
+    def _corpus_given(self) -> ReplayConfig:
+        if self.fraction > 0 and self.corpus is None:
+            raise ValueError(f"fraction={self.fraction} needs data.replay.corpus, the text to replay")
+        if self.corpus is not None and self.fraction == 0:
+            raise ValueError(
+                f"corpus={self.corpus!r} is replayed only with a fraction > 0; set data.replay.fraction "
+                "(mhf cpt: --replay-fraction)"
+            )
+        return self
 
 
 class DataConfig(StrictModel):
@@ -258,7 +326,14 @@ class DataConfig(StrictModel):
     )
     text_field: str = Field("text", description="the .jsonl field or .parquet column holding the text")
     tokenizer: str = Field(
-        "bpe", description="bpe (trained to model.vocab_size) | bytes | path to tokenizer.json"
+        "bpe",
+        description="bpe (trained to model.vocab_size) | bytes | mistral-v0.3 (Mistral-7B-v0.3's, 32768 "
+        "ids; the authors' models) | path to tokenizer.json",
+    )
+    document_format: Literal["auto", "bos", "eos"] = Field(
+        "auto",
+        description="document boundaries: bos = `<s> text`, no EOS (the authors' Mistral data); eos = "
+        "`text EOS`; auto: bos when the tokenizer's default special tokens lead with a BOS, else eos",
     )
     signatures: str | None = Field(
         None,
@@ -266,6 +341,11 @@ class DataConfig(StrictModel):
         "one `mhf import-hf` wrote; default: built from the tokenizer by model.hash",
     )
     val_percent: float = Field(5.0, ge=0, lt=100, description="share of documents held out for validation")
+    packing: Literal["overlap", "blocks"] = Field(
+        "overlap",
+        description="rows of seq_len + 1 tokens: overlap = consecutive rows share one token (every token a "
+        "target once); blocks = disjoint blocks, tail dropped (the authors' group_texts)",
+    )
     rows_per_shard: int = Field(2048, gt=0)
     shuffle: bool = Field(
         True, description="train on a seeded permutation of the rows each epoch; false: prepared order"
@@ -275,6 +355,7 @@ class DataConfig(StrictModel):
     )
     path: str = Field("runs/data", description="the prepared shard directory (prepare output, train input)")
     recall: RecallDataConfig = RecallDataConfig()
+    replay: ReplayConfig = ReplayConfig()
 
 
 class Config(StrictModel):

@@ -3,8 +3,12 @@
 The tokenizer and the signature table grow by appending (every old id keeps its string and its
 signature); the model grows only where its parameters depend on V. MultiHashFormer has no such
 parameters: new tokens get signatures in the fixed bucket space, so its parameter count is unchanged.
-A Qwen3 baseline's embedding (and untied head) gains dV rows, initialised to the mean of the old rows.
-Training then continues through `mhf train` (Ray Train + DeepSpeed) from the expanded weights.
+A Qwen3 baseline's embedding (and untied head) gains dV rows, initialised as the authors do (HUIYINXUE/MHF
+`instantiate_model_by_mean`): each new row is the mean of the rows of the pieces the old tokenizer splits
+the new token into (`--init-new-rows mean`: the mean of all old rows). Training then continues through
+`mhf train` (Ray Train + DeepSpeed) from the expanded weights, by default with the authors' frozen split
+(`train.trainable`, `mhf_dist.train.trainable.authors_ve_trainable`) and optionally with a replayed share
+of the parent's corpus (`data.replay`).
 """
 
 from __future__ import annotations
@@ -17,18 +21,21 @@ from typing import Any
 
 import torch
 
-from mhf_dist.config import Config, ModelConfig
+from mhf_dist.config import Config, ModelConfig, ReplayConfig
 from mhf_dist.data.shards import read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import TrainingError
 from mhf_dist.export import ExportedModel, export_model, load_exported
+from mhf_dist.files import read_json, write_json_atomic
 from mhf_dist.models import build_model, param_count
 from mhf_dist.models.base import CausalLM
 from mhf_dist.models.registry import resolved_config
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
+from mhf_dist.train.trainable import AUTHORS_VE, authors_ve_trainable, trainable_split
 
 INIT_DIR = "init"  # the expanded model training starts from, under <storage>/<name>/
+INIT_NEW_ROWS = ("subword", "mean")  # how a baseline's new embedding/head rows start
 
 
 @dataclass(frozen=True)
@@ -39,10 +46,53 @@ class Expansion:
     params_added: int
     old_vocab_size: int
     parent_fingerprint: str
+    init_new_rows: str = "none"  # subword | mean | none (no vocabulary-sized table: mhf)
+    fallback_rows: int = 0  # subword: new tokens the old tokenizer gives no piece, set to the mean
 
 
-def expand_model(parent: ExportedModel, new_tokens: Sequence[str]) -> Expansion:
-    """`parent` with `new_tokens` appended to its vocabulary; old rows and weights are kept as they are."""
+def old_pieces(old: TextTokenizer, new: TextTokenizer, token_id: int) -> list[int]:
+    """The old tokenizer's ids for new token `token_id`: what its sub-word mean averages.
+
+    The authors re-tokenise the new token's string with the old tokenizer
+    (`source_tokenizer.tokenize(target_tokenizer.convert_ids_to_tokens(i))`). Here a token of the model's
+    own vocabulary (a learned BPE token, in its byte-level `Ġ` or Metaspace `▁` alphabet) is split by the
+    old BPE model itself, so its prefix is one piece of the old vocabulary and not text to pre-tokenise
+    again; an added whole-string token is its text, encoded by the old tokenizer.
+    """
+    added = new.tokenizer.get_added_tokens_decoder()
+    if token_id in added:
+        return old.encode_batch([added[token_id].content])[0]
+    token = new.tokenizer.id_to_token(token_id)
+    try:
+        return [piece.id for piece in old.tokenizer.model.tokenize(token)]
+    except Exception:  # tokenizers raises a bare Exception for a character without an id (no unk token)
+        return []
+
+
+def _new_rows(old: torch.Tensor, added: int, pieces: list[list[int]] | None) -> torch.Tensor:
+    """[added, d] rows after the [V, d] table `old`: each the mean of its pieces' rows, or of all rows.
+
+    A token with no piece gets the mean of all rows (the authors' numpy mean over no rows is NaN)."""
+    mean = old.mean(dim=0, keepdim=True)
+    if pieces is None:
+        return mean.expand(added, -1)
+    return torch.cat([old[ids].mean(dim=0, keepdim=True) if ids else mean for ids in pieces])
+
+
+def expand_model(
+    parent: ExportedModel,
+    new_tokens: Sequence[str],
+    init_new_rows: str = "subword",
+    tokenizer: TextTokenizer | None = None,
+) -> Expansion:
+    """`parent` with `new_tokens` appended to its vocabulary; old rows and weights are kept as they are.
+
+    A vocabulary-sized table's new rows (a baseline's embedding and untied head) start as `init_new_rows`
+    says: `subword`, the mean of the old rows of each token's old pieces (needs the new `tokenizer`), or
+    `mean`, the mean of all old rows.
+    """
+    if init_new_rows not in INIT_NEW_ROWS:
+        raise TrainingError(f"--init-new-rows {init_new_rows!r}: use one of {', '.join(INIT_NEW_ROWS)}")
     table = parent.table.expand(new_tokens)
     config = resolved_config(parent.config)  # parameter matching pinned: only vocabulary tables grow
     if config.triple.match_params:
@@ -53,18 +103,33 @@ def expand_model(parent: ExportedModel, new_tokens: Sequence[str]) -> Expansion:
     model = build_model(config, table)
     old_state = parent.model.state_dict()
     new_state = model.state_dict()
+    grows = [name for name, tensor in new_state.items() if tensor.shape != old_state[name].shape]
+    pieces = None
+    if grows and init_new_rows == "subword":
+        if tokenizer is None:
+            raise TrainingError("--init-new-rows subword needs the new tokenizer; pass tokenizer=")
+        old_size = parent.config.vocab_size
+        pieces = [old_pieces(parent.tokenizer, tokenizer, i) for i in range(old_size, len(table))]
     for name, tensor in new_state.items():
         old = old_state[name]
-        if tensor.shape != old.shape:  # a vocabulary-sized table: [V, d] -> [V + dV, d]
-            added = tensor.shape[0] - old.shape[0]
-            new_state[name] = torch.cat([old, old.mean(dim=0, keepdim=True).expand(added, -1)])
+        if name in grows:  # a vocabulary-sized table: [V, d] -> [V + dV, d]
+            new_state[name] = torch.cat([old, _new_rows(old, tensor.shape[0] - old.shape[0], pieces)])
         else:
             new_state[name] = old
     model.load_state_dict(new_state, strict=True)
     params_added = param_count(config) - param_count(parent.config)
     if parent.config.family == "mhf" and params_added != 0:
         raise TrainingError(f"expanding an mhf model added {params_added} parameters; it must add none")
-    return Expansion(model, config, table, params_added, parent.config.vocab_size, parent.table.fingerprint)
+    return Expansion(
+        model,
+        config,
+        table,
+        params_added,
+        parent.config.vocab_size,
+        parent.table.fingerprint,
+        init_new_rows if grows else "none",
+        sum(not ids for ids in pieces) if pieces is not None else 0,
+    )
 
 
 def resolve_parent(source: str) -> Path:
@@ -110,16 +175,26 @@ class CptResult:
     train_result: Any  # TrainResult
 
 
+def cpt_trainable(cfg: Config, model: ModelConfig) -> tuple[list[str] | None, str]:
+    """(train.trainable, its name): unset (null) means the authors' recipe for the parent's family."""
+    if cfg.train.trainable is not None:
+        return cfg.train.trainable, "custom" if cfg.train.trainable else "all"
+    recipe = authors_ve_trainable(model)
+    return recipe, AUTHORS_VE if recipe is not None else "all"
+
+
 def run_cpt(
     cfg: Config,
     parent_source: str,
     new_tokenizer: Callable[[TextTokenizer], TextTokenizer],
     options: Any,  # TrainOptions
     log: Callable[[str], None] = print,
+    init_new_rows: str = "subword",
 ) -> CptResult:
     """Expand the parent's vocabulary, prepare `cfg.data.corpus` with the new tokenizer, and train.
 
     `cfg` supplies the training and data settings; the model config comes from the parent.
+    `train.trainable` unset trains the authors' split (`authors_ve_trainable`); `[]` trains everything.
     """
     from mhf_dist.data.prepare import prepare
     from mhf_dist.train.ray_trainer import train
@@ -130,32 +205,78 @@ def run_cpt(
     new_tokens = tokenizer.vocabulary()[parent.tokenizer.vocab_size :]
     if not new_tokens:
         raise TrainingError("the new tokenizer adds no tokens; nothing to expand")
-    expansion = expand_model(parent, new_tokens)
+    expansion = expand_model(parent, new_tokens, init_new_rows, tokenizer)
     log(
         f"vocabulary {expansion.old_vocab_size:,} -> {expansion.config.vocab_size:,} "
         f"(+{len(new_tokens):,} tokens); parameters {param_count(parent.config):,} -> "
         f"{param_count(expansion.config):,} (+{expansion.params_added:,})"
     )
+    if expansion.init_new_rows != "none":
+        fallback = (
+            f", {expansion.fallback_rows} without old pieces: mean of all" if expansion.fallback_rows else ""
+        )
+        log(f"new embedding rows: {expansion.init_new_rows} initialisation{fallback}")
+    trainable, recipe = cpt_trainable(cfg, expansion.config)
+    split = trainable_split(expansion.model, trainable)  # a bad pattern fails here, before prepare
+    log(f"train.trainable ({recipe}): {trainable if trainable else 'every parameter'}; {split.summary()}")
     workdir = Path(options.storage).resolve() / options.name
     init_dir = workdir / INIT_DIR
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer_file = workdir / "tokenizer.json"
     tokenizer.save(tokenizer_file)
-    if not init_dir.exists():
+    init_record = workdir / "init.json"  # how init/ was made: a rerun must not train from other rows
+    if init_dir.exists():
+        fix = "remove the run directory or pick another --name"
+        made = read_json(init_record, TrainingError, fix) if init_record.is_file() else {}
+        if made.get("init_new_rows") != expansion.init_new_rows:
+            raise TrainingError(
+                f"{str(init_dir)!r} holds rows initialised by {made.get('init_new_rows')!r}, not "
+                f"{expansion.init_new_rows!r}; pass --init-new-rows {made.get('init_new_rows')} or pick "
+                "another --name"
+            )
+    else:
         lineage = [
             *parent.lineage,
             {"fingerprint": parent.table.fingerprint, "vocab_size": parent.config.vocab_size},
         ]
-        export_model(expansion.model, expansion.config, expansion.table, tokenizer_file, init_dir, lineage)
+        export_model(
+            expansion.model,
+            expansion.config,
+            expansion.table,
+            tokenizer_file,
+            init_dir,
+            lineage,
+            document_format=parent.document_format,  # the new data is framed as the parent's was
+        )
+        write_json_atomic(init_record, {"init_new_rows": expansion.init_new_rows})
 
     # The shards carry the expanded table itself: an imported parent's rows need not follow our rule.
     data = cfg.data.model_copy(
-        update={"tokenizer": str(tokenizer_file), "path": str(workdir / "data"), "signatures": str(init_dir)}
+        update={
+            "tokenizer": str(tokenizer_file),
+            "path": str(workdir / "data"),
+            "signatures": str(init_dir),
+            "document_format": parent.document_format,
+        }
     )
-    run_cfg = cfg.model_copy(update={"model": expansion.config, "data": data})
+    train_cfg = cfg.train.model_copy(update={"trainable": trainable})
+    run_cfg = cfg.model_copy(update={"model": expansion.config, "data": data, "train": train_cfg})
     if not (workdir / "data" / "manifest.json").is_file():
         prepare(run_cfg, data.path, log=log)
-    prepared = read_manifest(data.path)["signatures"]["fingerprint"]
+    manifest = read_manifest(data.path)
+    prepared_replay = manifest["config"]["data"].get("replay", ReplayConfig().model_dump())
+    if prepared_replay != data.replay.model_dump():
+        raise TrainingError(
+            f"shards in {data.path!r} were prepared with data.replay {prepared_replay}, not "
+            f"{data.replay.model_dump()}; remove the directory or pick another --name"
+        )
+    mixture = manifest["splits"]["train"].get("mixture")
+    if mixture is not None:
+        log(
+            f"replay: {mixture['realised_fraction']:.1%} of the training tokens from "
+            f"{mixture['sources'][1]['corpus']} (asked for {mixture['requested_fraction']:.1%})"
+        )
+    prepared = manifest["signatures"]["fingerprint"]
     if prepared != expansion.table.fingerprint:
         raise TrainingError(
             f"shards in {data.path!r} have signature fingerprint {prepared[:12]}, the expanded model "
@@ -167,6 +288,10 @@ def run_cpt(
         "cpt_old_vocab_size": expansion.old_vocab_size,
         "cpt_new_vocab_size": expansion.config.vocab_size,
         "cpt_params_added": expansion.params_added,
+        "cpt_init_new_rows": expansion.init_new_rows,
+        "cpt_init_fallback_rows": expansion.fallback_rows,
+        "cpt_trainable": recipe,
+        "cpt_replay_fraction": mixture["realised_fraction"] if mixture else 0.0,
     }
     result = train(run_cfg, dataclasses.replace(options, init_from=str(init_dir)), tags=tags)
     return CptResult(expansion, init_dir, result)

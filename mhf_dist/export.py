@@ -3,7 +3,8 @@
 An exported directory holds `config.json` (the model config and the signature fingerprint),
 `model.safetensors` (the weights), `signatures.safetensors` (the vocabulary's SignatureTable) and
 `tokenizer.json`. It is written to a temporary sibling and renamed, so a directory that exists is
-complete. Loading never unpickles: safetensors only.
+complete. Loading never unpickles: safetensors only. `config.json` also records the document format the
+model was trained on (`document_format`: bos or eos); a model written before it was recorded is `eos`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pydantic import ValidationError
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
-from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.data.tokenizer import DOCUMENT_FORMATS, LEGACY_FORMAT, TextTokenizer
 from mhf_dist.errors import MhfError, SignatureError
 from mhf_dist.files import read_json
 from mhf_dist.models.base import CausalLM
@@ -42,6 +43,7 @@ class ExportedModel:
     tokenizer: TextTokenizer
     path: Path
     lineage: list[dict]  # the vocabularies this model grew from, oldest first: fingerprint, vocab_size
+    document_format: str = LEGACY_FORMAT  # bos: `<s> text` documents; eos: `text EOS`
 
 
 def export_model(
@@ -51,11 +53,15 @@ def export_model(
     tokenizer_file: str | Path,
     directory: str | Path,
     lineage: list[dict] | None = None,
+    document_format: str = LEGACY_FORMAT,
 ) -> Path:
     """Write `model` (whole parameters: gather ZeRO-3 shards before calling) as an exported directory.
 
-    `lineage` lists the earlier vocabularies of a model whose vocabulary was expanded (`mhf cpt`).
+    `lineage` lists the earlier vocabularies of a model whose vocabulary was expanded (`mhf cpt`);
+    `document_format` the boundaries of the documents it was trained on (the shards' manifest's).
     """
+    if document_format not in DOCUMENT_FORMATS:
+        raise ExportError(f"document format {document_format!r}; use one of {', '.join(DOCUMENT_FORMATS)}")
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -69,6 +75,7 @@ def export_model(
             "model": config.model_dump(mode="json"),
             "signature_fingerprint": table.fingerprint,
             "lineage": lineage or [],
+            "document_format": document_format,
         }
         (staging / CONFIG_FILE).write_text(json.dumps(description, indent=2))
         save_file(_weights(model), str(staging / WEIGHTS_FILE))
@@ -112,6 +119,17 @@ def read_export_config(directory: str | Path) -> dict:
     return description
 
 
+def document_format_of(description: dict) -> str:
+    """The document format in an exported model's config.json (absent: the old EOS format)."""
+    document_format = description.get("document_format", LEGACY_FORMAT)
+    if document_format not in DOCUMENT_FORMATS:
+        raise ExportError(
+            f"config.json has document_format {document_format!r}; expected one of "
+            f"{', '.join(DOCUMENT_FORMATS)} (re-export the model)"
+        )
+    return document_format
+
+
 def load_exported(directory: str | Path) -> ExportedModel:
     """Build the model from config.json and load its weights; the signature table must match."""
     from safetensors.torch import load_model
@@ -146,4 +164,12 @@ def load_exported(directory: str | Path) -> ExportedModel:
         ) from None
     model.eval()
     tokenizer = TextTokenizer.load(directory / TOKENIZER_FILE)
-    return ExportedModel(model, config, table, tokenizer, directory, description.get("lineage", []))
+    return ExportedModel(
+        model,
+        config,
+        table,
+        tokenizer,
+        directory,
+        description.get("lineage", []),
+        document_format_of(description),
+    )

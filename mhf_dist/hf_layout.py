@@ -8,9 +8,12 @@ Two layouts are understood:
   `hash_head.cascade_mixer.*` (and `lm_head.weight` only when untied);
 - plain transformers Qwen3 (`Qwen3ForCausalLM.save_pretrained`), for the qwen3 families.
 
-The vocabulary is the tokenizer's (V_actl): rows a checkpoint holds past the tokenizer's last id (the
-reference rounds V up to a multiple of 128 and leaves those rows at the padding signature) are ids no
-text ever produces, and are dropped on import, so exact scoring renormalises over real tokens only.
+The vocabulary (model.vocab_size, the ids) is the tokenizer's; the signature table is the checkpoint's
+`hash_map`, every row, LSH coordinates (`num_lsh`, `lsh_only_embed`) included. Rows past the tokenizer's
+last id (the reference rounds V up to a multiple of 128 and leaves them all zeros) are kept as the
+table's reserved rows: no id and no generated token is one, but exact scoring's normaliser counts them,
+so an imported model's exact NLL is the authors' `use_conditional_prob` loss; export writes them back.
+The imported model's document format is its tokenizer's default (`bos` for the released models).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -78,7 +82,10 @@ def import_hf(source: str | Path, out: str | Path) -> ExportedModel:
         model_cfg, table, state = _from_qwen3(hf_config, weights, tokenizer)
     model = build_model(model_cfg, table)
     _load_strict(model, state, source)
-    export_model(model, model_cfg, table, tokenizer_file, out)
+    # Documents as the checkpoint was trained on them: its tokenizer's default special tokens (the
+    # released reference models' Mistral tokenizer: `<s>` first, no `</s>`; a Qwen3 tokenizer: EOS).
+    document_format = tokenizer.resolve_format("auto")
+    export_model(model, model_cfg, table, tokenizer_file, out, document_format=document_format)
     return load_exported(out)
 
 
@@ -140,27 +147,33 @@ def _backbone_section(hf: dict) -> dict:
 def _from_reference(
     hf: dict, weights: dict[str, torch.Tensor], tokenizer: TextTokenizer
 ) -> tuple[ModelConfig, SignatureTable, dict[str, torch.Tensor]]:
-    if hf.get("num_lsh", 0) > 0 or hf.get("lsh_only_embed", False):
-        raise LayoutError(
-            f"this checkpoint hashes {hf.get('num_lsh')} coordinates by LSH (num_lsh > 0 / lsh_only_embed); "
-            "mhf-dist imports MurmurHash3 signatures only (num_lsh=0)"
-        )
     num_hashes, num_buckets = hf["num_hashes"], hf["num_buckets"]
-    model_cfg = ModelConfig.model_validate(
-        {
-            "family": "mhf",
-            "vocab_size": tokenizer.vocab_size,
-            "backbone": _backbone_section(hf),
-            "hash": {
-                "spec": format_hash_spec(num_hashes, num_buckets),
-                "io": "reference",
-                "scheme": "reference",
-                "loss": "vocab" if hf.get("use_conditional_prob", False) else "coordinates",
-                "bottleneck": hf["bottle_neck_dim"],
-            },
-        }
-    )
-    table = _imported_table(weights.pop(HASH_MAP, None), tokenizer, num_hashes, num_buckets, hf)
+    num_lsh, lsh_only_embed = hf.get("num_lsh", 0) or 0, bool(hf.get("lsh_only_embed", False))
+    try:
+        model_cfg = ModelConfig.model_validate(
+            {
+                "family": "mhf",
+                "vocab_size": tokenizer.vocab_size,
+                "backbone": _backbone_section(hf),
+                "hash": {
+                    "spec": format_hash_spec(num_hashes, num_buckets),
+                    "io": "reference",
+                    "scheme": "reference",
+                    "loss": "vocab" if hf.get("use_conditional_prob", False) else "coordinates",
+                    "num_lsh": num_lsh,
+                    "lsh_only_embed": lsh_only_embed,
+                    "bottleneck": hf["bottle_neck_dim"],
+                },
+            }
+        )
+    except ValidationError as err:
+        problem = err.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"]) or "config"
+        raise LayoutError(
+            f"config.json does not describe a model mhf-dist builds ({where}: "
+            f"{problem['msg'].removeprefix('Value error, ')}); fix or re-download the checkpoint"
+        ) from None
+    table = _imported_table(weights.pop(HASH_MAP, None), tokenizer, num_hashes, num_buckets, hf, num_lsh)
     expected = (num_hashes * num_buckets, model_cfg.backbone.hidden_size)
     embed = weights.get("model.embed_tokens.weight")
     if embed is None or tuple(embed.shape) != expected:
@@ -175,8 +188,16 @@ def _from_reference(
 
 
 def _imported_table(
-    hash_map: torch.Tensor | None, tokenizer: TextTokenizer, num_hashes: int, num_buckets: int, hf: dict
+    hash_map: torch.Tensor | None,
+    tokenizer: TextTokenizer,
+    num_hashes: int,
+    num_buckets: int,
+    hf: dict,
+    num_lsh: int,
 ) -> SignatureTable:
+    """The checkpoint's `hash_map` as it is, every row: the tokenizer's ids, then the rows the authors
+    add by rounding V up to a multiple of 128, kept as reserved rows (their exact-V normaliser counts
+    them). Their added tokens' all-zero rows (the authors hash only the base vocabulary) stay too."""
     vocab = tokenizer.vocab_size
     if (
         hash_map is None
@@ -189,7 +210,7 @@ def _imported_table(
             f"model.hash_map has shape {shape}; expected [>= {vocab} (the tokenizer's tokens), "
             f"{num_hashes}]; the tokenizer, the weights and config.json must be from the same model"
         )
-    rows = hash_map[:vocab].numpy()
+    rows = hash_map.numpy()
     if rows.min() < 0 or rows.max() >= num_buckets:
         raise LayoutError(
             f"model.hash_map holds buckets outside 0..{num_buckets - 1}; the checkpoint is damaged"
@@ -199,12 +220,13 @@ def _imported_table(
     return SignatureTable(
         tokenizer.vocabulary(),
         rows.astype(smallest_uint_dtype(num_buckets - 1)),
-        np.zeros(vocab, np.uint32),  # the redraw count is not stored in the reference layout
+        np.zeros(len(rows), np.uint32),  # the redraw count is not stored in the reference layout
         num_hashes,
         num_buckets,
         seed=0,
         scheme="reference",
         pad_id=pad_id,
+        num_lsh=num_lsh,
     )
 
 
@@ -297,7 +319,7 @@ def _write_reference(exported: ExportedModel, staging: Path) -> None:
     hf_config = {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "vocab_size": len(table),
+        "vocab_size": table.num_rows,  # an imported checkpoint's reserved rows go back as they came
         "hidden_size": bb.hidden_size,
         "num_hidden_layers": bb.num_layers,
         "num_attention_heads": bb.num_heads,
@@ -320,8 +342,8 @@ def _write_reference(exported: ExportedModel, staging: Path) -> None:
         "num_hashes": cfg.hash.num_hashes,
         "num_buckets": cfg.hash.num_buckets,
         "bottle_neck_dim": cfg.hash.bottleneck,
-        "num_lsh": 0,
-        "lsh_only_embed": False,
+        "num_lsh": cfg.hash.num_lsh,
+        "lsh_only_embed": cfg.hash.lsh_only_embed,
         "use_conditional_prob": cfg.hash.loss == "vocab",
         "fused_decoding": False,
     }

@@ -1,11 +1,17 @@
 """`mhf plan`: per-GPU memory at ZeRO 0-3, a recommended stage and micro-batch, tokens/s and days.
 
-Model states (bf16 mixed precision with Adam; bytes per parameter as DeepSpeed's estimators count
-them: 2 bf16 weights, 2 bf16 grads + 4 fp32 grads, 4 fp32 master weights, 8 Adam moments):
-  ZeRO 2 and 3 come from DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`,
-  `estimate_zero3_model_states_mem_needs`, no offload); DeepSpeed has none for stages 0 and 1, so they
-  use the same accounting with nothing partitioned (0: 20 B/param) or only the fp32 states and
-  optimizer partitioned (1: 4 + 16/N B/param).
+Model states (Adam), by train.precision:
+  bf16 mixed (bf16, auto; bytes per parameter as DeepSpeed's estimators count them: 2 bf16 weights, 2 bf16
+  grads + 4 fp32 grads, 4 fp32 master weights, 8 Adam moments): ZeRO 2 and 3 come from DeepSpeed's own
+  estimators (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`, no
+  offload); DeepSpeed has none for stages 0 and 1, so they use the same accounting with nothing
+  partitioned (0: 20 B/param) or only the fp32 states and optimizer partitioned (1: 4 + 16/N B/param).
+  bf16-pure (no fp32 copy; `train/engine.py` `precision_config`): 2 bf16 weights, 2 bf16 grads, 4 for
+  two bf16 Adam moments, and at ZeRO 1-3 the bf16 "master" partition (2) that DeepSpeed's
+  `bf16_master_weights_and_grads` keeps beside the weights. ZeRO-0: 8 B/param (AdamW steps the weights
+  themselves); ZeRO-1: 4 + 6/N (gradients whole, as above); ZeRO-2: 2 + 8/N; ZeRO-3: 10/N plus the
+  gathered largest layer's weights and grads (4 B per parameter, as DeepSpeed's ZeRO-3 estimator counts
+  it). tests/test_plan.py checks these against the live tensor bytes of bf16-pure engines.
 Activations: the tensors autograd keeps for the backward pass per token (with
   `train.activation_checkpointing: layers`, each layer's input plus one layer recomputed), with fused
   (flash/SDPA) attention so no T x T scores are kept. Per Qwen3 layer
@@ -32,6 +38,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 MEMORY_RESERVE = 0.10
 MAX_MICRO_BATCH = 64
 FP32 = 4
+BF16 = 2
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,7 @@ class Cluster:
 class Plan:
     family: str
     vocab_size: int
+    precision: str  # "bf16-pure" or "bf16" (mixed: fp32 master weights and Adam states)
     params: int
     largest_layer_params: int
     state_gb: dict[int, float]  # ZeRO stage -> model states per GPU
@@ -61,12 +69,27 @@ class Plan:
     days: float
 
 
-def model_state_bytes(params: int, largest_layer_params: int, stage: int, cluster: Cluster) -> int:
-    """Per-GPU bytes of weights, gradients and optimizer states at a ZeRO stage."""
+def model_state_bytes(
+    params: int, largest_layer_params: int, stage: int, cluster: Cluster, pure_bf16: bool = False
+) -> int:
+    """Per-GPU bytes of weights, gradients and optimizer states at a ZeRO stage (bf16 mixed precision,
+    or with `pure_bf16` train.precision=bf16-pure)."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     gpus, per_node, nodes = cluster.gpus, cluster.gpus_per_node, cluster.nodes
+    if pure_bf16 and stage in ZERO_STAGES:
+        weights = grads = master = BF16
+        moments = 2 * BF16
+        if stage == 0:  # torch AdamW steps the bf16 weights themselves: no master copy
+            return (weights + grads + moments) * params
+        if stage == 1:  # gradients whole until the step, as at mixed ZeRO-1
+            return (weights + grads) * params + int((master + moments) * params / gpus)
+        if stage == 2:
+            return weights * params + int((grads + master + moments) * params / gpus)
+        return (weights + grads) * largest_layer_params + int(
+            (weights + grads + master + moments) * params / gpus
+        )
     if stage == 0:
         return 2 * params + 18 * params
     if stage == 1:
@@ -134,16 +157,27 @@ def activation_bytes(
 
 def largest_layer_params(model: ModelConfig) -> int:
     """DeepSpeed's `model_to_params` measure (the most parameters one module owns), on a meta model."""
+    import numpy as np
     import torch
     from deepspeed.runtime.zero.stage3 import model_to_params
 
     from mhf_dist.models import build_model
-    from mhf_dist.signatures import build_for_config
+    from mhf_dist.signatures import SignatureTable
 
     table = None
-    if model.family == "mhf":
-        tokens = [str(i) for i in range(model.vocab_size)]
-        table = build_for_config(model.hash, tokens)
+    if model.family == "mhf":  # the rows do not matter to a meta model: zeros, not a (LSH: slow) build
+        hashed = model.hash
+        rows = np.zeros((model.vocab_size, hashed.num_hashes), np.uint32)
+        table = SignatureTable(
+            [str(i) for i in range(model.vocab_size)],
+            rows,
+            np.zeros(model.vocab_size, np.uint32),
+            hashed.num_hashes,
+            hashed.num_buckets,
+            hashed.seed,
+            hashed.signature_scheme,
+            num_lsh=hashed.num_lsh,
+        )
     with torch.device("meta"):
         built = build_model(model, table)
     return model_to_params(built)[1]
@@ -195,7 +229,8 @@ def plan(
     model = resolved_config(cfg.model.model_copy(update={"family": family, "vocab_size": vocab_size}))
     params = param_count(model)
     largest = largest_layer_params(model)
-    states = {stage: model_state_bytes(params, largest, stage, cluster) for stage in ZERO_STAGES}
+    pure = cfg.train.precision == "bf16-pure"
+    states = {stage: model_state_bytes(params, largest, stage, cluster, pure) for stage in ZERO_STAGES}
     checkpointing = cfg.train.activation_checkpointing == "layers"
     per_sequence = activation_bytes(model, seq_len, 1, checkpointing=checkpointing)
     usable = cluster.gpu_mem_gb * GIB * (1 - MEMORY_RESERVE)
@@ -205,6 +240,7 @@ def plan(
     return Plan(
         family=family,
         vocab_size=vocab_size,
+        precision="bf16-pure" if pure else "bf16",
         params=params,
         largest_layer_params=largest,
         state_gb={stage: value / GIB for stage, value in states.items()},
@@ -225,6 +261,7 @@ def plan_rows(plans: list[Plan]) -> list[dict[str, object]]:
                 "family": item.family,
                 "V": item.vocab_size,
                 "params (M)": f"{item.params / 1e6:.1f}",
+                "precision": item.precision,
                 **{f"ZeRO-{stage} GB": f"{gb:.2f}" for stage, gb in item.state_gb.items()},
                 "act GB/seq": f"{item.activation_gb_per_sequence:.2f}",
                 "stage": "none fits" if item.stage is None else item.stage,

@@ -1,23 +1,33 @@
-"""Signature tables: every token id gets H MurmurHash3 bucket ids, no two tokens the same.
+"""Signature tables: every token id gets H bucket ids (MurmurHash3, optionally LSH) in a [rows, H] table.
 
 The contract (DESIGN.md) has two schemes; in both the key of token id t is its vocabulary string (the
 tokenizer's token, as `convert_ids_to_tokens` gives it), ids are visited in increasing order, and
 expansion appends rows by the same rule and never changes an existing row.
 
-- `reference` (the authors' HUIYINXUE/MHF; the paper's model): coordinate j < H-1 is
-  `1 + mmh3.hash128(key, seed + j) % (B-1)`; the last is `1 + mmh3.hash128(key, seed + H-1+r) % (B-1)`
-  for the first r = 0, 1, ... that leaves the whole signature unused (r is stored as the token's salt).
-  Bucket 0 of every coordinate is reserved: only the padding token's signature is all zeros. (The
-  authors' loop compares a new last coordinate only with the previous token of the same prefix; the two
-  rules agree unless three tokens share an H-1 prefix, which at H4B16K over 32K tokens never happens.)
+- `reference` (the authors' HUIYINXUE/MHF `initialize_hash_map`; the paper's model): the first `num_lsh`
+  coordinates (default 0) are LSH buckets of the string's character trigrams (`mhf_dist.lsh`); coordinate
+  j in num_lsh..H-2 is `1 + mmh3.hash128(key, seed + j) % (B-1)`; the last is
+  `1 + mmh3.hash128(key, seed + H-1+r) % (B-1)` for the first r = 0, 1, ... whose value differs from the
+  last coordinate of the most recent earlier token with the same H-1 prefix (the authors' loop keeps one
+  token per prefix; r is stored as the token's salt). That is their rule exactly, so a table equals
+  theirs row for row for any H, and it may hold duplicate signatures: at H=1 (the prefix is empty, so
+  only consecutive tokens are kept apart), when three tokens share a prefix (an LSH prefix often is
+  shared), and when num_lsh == H (no coordinate is redrawn). `duplicate_signatures` counts them; exact
+  scoring gives duplicates the same score and counts each row once in its normaliser, as the authors'
+  `use_conditional_prob` does. Bucket 0 of every coordinate is reserved: only the padding token's
+  signature is all zeros.
 - `murmur32` (this project's first scheme): coordinate j is `mmh3.hash(key, seed + j, signed=False) % B`;
   a taken signature is redrawn from `key + b"\\x00" + str(salt)` for salt = 1, 2, ...; the NUL separator
-  keeps a salted key from colliding with another token's plain key ("a1" vs "a" + salt 1).
+  keeps a salted key from colliding with another token's plain key ("a1" vs "a" + salt 1). Collision-free:
+  a vocabulary larger than `capacity` is an error.
+
+A table may hold more rows than tokens (`reserved_rows`): an imported reference checkpoint's rows past
+the tokenizer's last id (the authors round V up to a multiple of 128 with all-zero rows). No id maps to
+them, but exact scoring's normaliser counts them, as the authors' does.
 """
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import itertools
 import json
@@ -42,6 +52,10 @@ if TYPE_CHECKING:
     import torch
 
 FORMAT_VERSION = 2  # 2: the scheme and the padding id are stored and covered by the fingerprint
+# 3: also `num_lsh` and tokens fewer than rows (reserved rows); written only by tables that have either,
+# so a plain table stays readable by an mhf-dist that reads format 2 only
+FORMAT_VERSION_EXTENDED = 3
+READABLE_VERSIONS = (str(FORMAT_VERSION), str(FORMAT_VERSION_EXTENDED))
 MAX_SALT = 1_000_000
 SCHEMES = ("reference", "murmur32")
 NO_PAD = -1
@@ -75,19 +89,13 @@ def _murmur32_candidates(token: str, num_hashes: int, num_buckets: int, seed: in
         yield salt, token_signature(_salted_key(key, salt), num_hashes, num_buckets, seed)
 
 
-def _reference_candidates(token: str, num_hashes: int, num_buckets: int, seed: int):
-    prefix = tuple(reference_coordinate(token, seed + j, num_buckets) for j in range(num_hashes - 1))
-    for redraw in range(MAX_SALT):
-        yield redraw, (*prefix, reference_coordinate(token, seed + num_hashes - 1 + redraw, num_buckets))
-
-
-_CANDIDATES = {"reference": _reference_candidates, "murmur32": _murmur32_candidates}
-
-
 class SignatureTable:
-    """An immutable [V, H] table of bucket ids for a vocabulary, with its provenance.
+    """An immutable table of bucket ids for a vocabulary, with its provenance.
 
-    `pad_id` is the token whose signature is all zeros under the reference scheme (NO_PAD: none).
+    `rows` is [num_rows, H]: row t is token id t's signature for t < len(tokens); rows past the last
+    token are reserved (no id, counted by exact scoring's normaliser; see the module docstring).
+    `pad_id` is the token whose signature is all zeros under the reference scheme (NO_PAD: none);
+    `num_lsh` the reference scheme's leading LSH coordinates.
     """
 
     def __init__(
@@ -100,9 +108,16 @@ class SignatureTable:
         seed: int,
         scheme: str = "reference",
         pad_id: int = NO_PAD,
+        num_lsh: int = 0,
     ) -> None:
         if scheme not in SCHEMES:
             raise SignatureError(f"unknown signature scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
+        _check_lsh(num_lsh, num_hashes, scheme)
+        if rows.ndim != 2 or rows.shape[0] < len(tokens) or salts.shape != (rows.shape[0],):
+            raise SignatureError(
+                f"a table of {len(tokens)} tokens needs at least as many rows and one salt per row; got "
+                f"rows {rows.shape}, salts {salts.shape}"
+            )
         self._tokens = tuple(tokens)
         self._rows = rows
         self._salts = salts
@@ -111,6 +126,7 @@ class SignatureTable:
         self.seed = seed
         self.scheme = scheme
         self.pad_id = pad_id
+        self.num_lsh = num_lsh
         self._rows.setflags(write=False)
         self._salts.setflags(write=False)
         self._torch_rows: torch.Tensor | None = None
@@ -118,6 +134,7 @@ class SignatureTable:
         row_bytes = num_hashes * rows.dtype.itemsize
         self._packed = rows.view(f"<u{row_bytes}").reshape(-1) if row_bytes in (1, 2, 4, 8) else None
         self._fingerprint: str | None = None
+        self._duplicates: int | None = None
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
@@ -129,10 +146,12 @@ class SignatureTable:
         seed: int = 0,
         scheme: str = "reference",
         pad_token: str | None = None,
+        num_lsh: int = 0,
     ) -> SignatureTable:
         """Signatures for `tokens` in id order (tokens[i] is the string of id i).
 
-        Under the reference scheme `pad_token` (if given and present) gets the all-zero signature.
+        Under the reference scheme `pad_token` (if given and present) gets the all-zero signature, and
+        the first `num_lsh` coordinates are LSH buckets.
         """
         _check_shape(num_hashes, num_buckets, seed)
         empty = cls(
@@ -143,26 +162,22 @@ class SignatureTable:
             num_buckets,
             seed,
             scheme,
+            num_lsh=num_lsh,
         )
-        if scheme != "reference" or pad_token is None or pad_token not in tokens:
-            return empty.expand(tokens)
-        pad_id = list(tokens).index(pad_token)
-        head = empty.expand(tokens[:pad_id])
-        padded = cls(
-            (*head.tokens, pad_token),
-            np.concatenate([head.rows, np.zeros((1, num_hashes), head.rows.dtype)]),
-            np.concatenate([head.salts, np.zeros(1, np.uint32)]),
-            num_hashes,
-            num_buckets,
-            seed,
-            scheme,
-            pad_id,
-        )
-        return padded.expand(tokens[pad_id + 1 :])
+        tokens = list(tokens)
+        pad_id = NO_PAD
+        if scheme == "reference" and pad_token is not None and pad_token in tokens:
+            pad_id = tokens.index(pad_token)
+        return empty._appended(tokens, pad_id)
 
     def expand(self, new_tokens: Iterable[str]) -> SignatureTable:
-        """A new table with rows appended for `new_tokens`; every existing row stays as it is."""
-        new_tokens = list(new_tokens)
+        """A new table with rows for `new_tokens` after the last token; every token's row stays as it is.
+
+        New tokens take the ids after the last token, so they take the places of reserved rows first
+        (rows no id had; those left over stay as they were)."""
+        return self._appended(list(new_tokens), self.pad_id)
+
+    def _appended(self, new_tokens: list[str], pad_id: int) -> SignatureTable:
         known = set(self._tokens)
         for token in new_tokens:
             if not isinstance(token, str):
@@ -174,58 +189,142 @@ class SignatureTable:
                 )
             known.add(token)
         total = len(self._tokens) + len(new_tokens)
-        capacity = self.capacity
-        if total > capacity:
+        if self.scheme == "murmur32" and total > self.capacity:
             raise SignatureError(
-                f"vocabulary of {total} tokens exceeds the {capacity} signatures of "
-                f"H={self.num_hashes}, B={self.num_buckets} ({self.scheme} scheme); "
+                f"vocabulary of {total} tokens exceeds the {self.capacity} signatures of "
+                f"H={self.num_hashes}, B={self.num_buckets} (murmur32 scheme, collision-free); "
                 "use more hashes or buckets"
             )
-        taken = {tuple(row) for row in self._rows.tolist()}
-        # The reference scheme redraws only the last coordinate: a prefix holds at most B-1 tokens.
-        prefix_room = collections.Counter(signature[:-1] for signature in taken)
-        rows, salts = [], []
-        for token in new_tokens:
-            salt, signature = self._first_free(token, taken, prefix_room)
-            taken.add(signature)
-            prefix_room[signature[:-1]] += 1
-            rows.append(signature)
-            salts.append(salt)
+        if self.scheme == "reference":
+            rows, salts = self._reference_rows(new_tokens, pad_id)
+        else:
+            rows, salts = self._murmur32_rows(new_tokens)
         dtype = smallest_uint_dtype(self.num_buckets - 1)
         new_rows = np.asarray(rows, dtype=dtype).reshape(len(rows), self.num_hashes)
+        count = len(self._tokens)
+        leftover = slice(count + len(new_tokens), None)  # reserved rows no new token took
         return SignatureTable(
             self._tokens + tuple(new_tokens),
-            np.concatenate([self._rows, new_rows]),
-            np.concatenate([self._salts, np.asarray(salts, dtype=np.uint32)]),
+            np.concatenate([self._rows[:count], new_rows, self._rows[leftover]]),
+            np.concatenate([self._salts[:count], np.asarray(salts, dtype=np.uint32), self._salts[leftover]]),
             self.num_hashes,
             self.num_buckets,
             self.seed,
             self.scheme,
-            self.pad_id,
+            pad_id,
+            self.num_lsh,
         )
 
-    def _first_free(
-        self, token: str, taken: set[tuple[int, ...]], prefix_room: collections.Counter
-    ) -> tuple[int, tuple[int, ...]]:
-        """(redraws, signature): the scheme's first draw for `token` that no earlier token holds."""
-        draws = _CANDIDATES[self.scheme](token, self.num_hashes, self.num_buckets, self.seed)
-        for salt, signature in draws:
-            if self.scheme == "reference" and prefix_room[signature[:-1]] >= self.num_buckets - 1:
+    def _murmur32_rows(self, new_tokens: list[str]) -> tuple[list[tuple[int, ...]], list[int]]:
+        """Each token's first salted draw that no earlier token holds (collision-free)."""
+        taken = {tuple(row) for row in self._rows[: len(self._tokens)].tolist()}
+        rows, salts = [], []
+        for token in new_tokens:
+            draws = _murmur32_candidates(token, self.num_hashes, self.num_buckets, self.seed)
+            salt, signature = next(((s, sig) for s, sig in draws if sig not in taken), (MAX_SALT, None))
+            if signature is None:
                 raise SignatureError(
-                    f"no free signature for {token!r}: all {self.num_buckets - 1} last-coordinate "
-                    f"values after its first {self.num_hashes - 1} are taken (the reference scheme "
-                    "redraws only the last one); use more buckets or hashes"
+                    f"no free signature for {token!r} after {MAX_SALT} redraws; use more buckets"
                 )
-            if signature not in taken:
-                return salt, signature
-        raise SignatureError(f"no free signature for {token!r} after {MAX_SALT} redraws; use more buckets")
+            taken.add(signature)
+            rows.append(signature)
+            salts.append(salt)
+        return rows, salts
+
+    def _reference_rows(self, new_tokens: list[str], pad_id: int) -> tuple[list[tuple[int, ...]], list[int]]:
+        """The authors' loop: LSH and MurmurHash3 prefix, the last coordinate redrawn only while it equals
+        the last coordinate of the most recent token with the same prefix (none when num_lsh == H)."""
+        num_hashes, num_lsh, first_id = self.num_hashes, self.num_lsh, len(self._tokens)
+        hashed = [token for offset, token in enumerate(new_tokens) if first_id + offset != pad_id]
+        lsh_rows = iter(self._lsh_rows(hashed).tolist())
+        latest = self._latest_by_prefix()
+        rows, salts = [], []
+        for offset, token in enumerate(new_tokens):
+            salt = 0
+            if first_id + offset == pad_id:
+                signature = (0,) * num_hashes
+            else:
+                prefix = (*next(lsh_rows), *self._murmur_prefix(token))
+                if num_lsh == num_hashes:
+                    signature = prefix
+                else:
+                    salt, last = self._last_coordinate(token, latest.get(prefix))
+                    signature = (*prefix, last)
+            if num_lsh < num_hashes:
+                latest[signature[:-1]] = signature[-1]
+            rows.append(signature)
+            salts.append(salt)
+        return rows, salts
+
+    def _lsh_rows(self, tokens: list[str]) -> np.ndarray:
+        if not self.num_lsh:
+            return np.zeros((len(tokens), 0), np.int64)
+        from mhf_dist.lsh import lsh_coordinates  # torch: only where LSH is asked for
+
+        return lsh_coordinates(tokens, self.num_lsh, self.num_buckets, self.seed)
+
+    def _murmur_prefix(self, token: str) -> tuple[int, ...]:
+        coordinates = range(self.num_lsh, self.num_hashes - 1)
+        return tuple(reference_coordinate(token, self.seed + j, self.num_buckets) for j in coordinates)
+
+    def _last_coordinate(self, token: str, previous: int | None) -> tuple[int, int]:
+        """(redraws, value): the first draw of the last coordinate that differs from `previous`."""
+        seed = self.seed + self.num_hashes - 1
+        last = reference_coordinate(token, seed, self.num_buckets)
+        redraw = 0
+        while last == previous:
+            if self.num_buckets == 2:
+                raise SignatureError(
+                    f"no signature for {token!r} differs from the previous token with its prefix: with B=2 "
+                    "every coordinate but the padding token's is bucket 1; use more buckets"
+                )
+            redraw += 1
+            if redraw >= MAX_SALT:
+                raise SignatureError(
+                    f"no free signature for {token!r} after {MAX_SALT} redraws; use more buckets"
+                )
+            last = reference_coordinate(token, seed + redraw, self.num_buckets)
+        return redraw, last
+
+    def _latest_by_prefix(self) -> dict[tuple[int, ...], int]:
+        """The authors' state after the existing tokens: the last coordinate of each prefix's latest token.
+
+        All-zero rows other than the padding token's are tokens their loop never visits (a checkpoint's
+        added tokens) and leave the state alone."""
+        latest: dict[tuple[int, ...], int] = {}
+        if self.num_lsh == self.num_hashes:
+            return latest
+        for token_id, row in enumerate(self._rows[: len(self._tokens)].tolist()):
+            if token_id == self.pad_id or any(row):
+                latest[tuple(row[:-1])] = row[-1]
+        return latest
 
     @property
     def capacity(self) -> int:
-        """How many tokens the scheme can give distinct signatures (the padding token included)."""
+        """How many distinct signatures the scheme can give (the padding token's included). murmur32 is
+        collision-free and refuses a larger vocabulary; the reference scheme (the authors' rule) builds
+        one, with duplicates, and builds duplicates below this size too (`duplicate_signatures`)."""
         if self.scheme == "reference":
             return (self.num_buckets - 1) ** self.num_hashes + 1
         return self.num_buckets**self.num_hashes
+
+    @property
+    def duplicate_signatures(self) -> int:
+        """Tokens whose signature an earlier token already has (0 under murmur32)."""
+        if self._duplicates is None:
+            token_rows = self._rows[: len(self._tokens)]
+            distinct = len(np.unique(token_rows, axis=0)) if len(token_rows) else 0
+            self._duplicates = len(token_rows) - distinct
+        return self._duplicates
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the table: the tokens' and the reserved ones that exact scoring also normalises over."""
+        return self._rows.shape[0]
+
+    @property
+    def reserved_rows(self) -> int:
+        return self.num_rows - len(self._tokens)
 
     # --- queries ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -237,7 +336,8 @@ class SignatureTable:
 
     @property
     def rows(self) -> np.ndarray:
-        """The read-only [V, H] table, in the smallest unsigned dtype that holds B."""
+        """The read-only [num_rows, H] table (token rows, then reserved ones), in the smallest unsigned
+        dtype that holds B."""
         return self._rows
 
     @property
@@ -250,11 +350,16 @@ class SignatureTable:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 over (scheme, H, B, seed, table): equal fingerprints mean interchangeable tables."""
+        """sha256 over (scheme, H, B, seed, num_lsh, token count, rows): equal fingerprints mean
+        interchangeable tables. num_lsh and the token count enter only when they are not the plain case
+        (num_lsh 0, no reserved rows), so every table of that case keeps its earlier fingerprint."""
         if self._fingerprint is None:
-            digest = hashlib.sha256(
-                f"mhf-signatures:{self.scheme}:{self.num_hashes}:{self.num_buckets}:{self.seed}:".encode()
-            )
+            header = f"mhf-signatures:{self.scheme}:{self.num_hashes}:{self.num_buckets}:{self.seed}:"
+            if self.num_lsh:
+                header += f"lsh={self.num_lsh}:"
+            if self.reserved_rows:
+                header += f"tokens={len(self._tokens)}:"
+            digest = hashlib.sha256(header.encode())
             digest.update(self._rows.astype("<u8").tobytes())
             self._fingerprint = digest.hexdigest()
         return self._fingerprint
@@ -274,7 +379,7 @@ class SignatureTable:
         return self._packed.take(ids, mode="clip").view(self._rows.dtype).reshape(*ids.shape, self.num_hashes)
 
     def as_tensor(self) -> torch.Tensor:
-        """The table as an int64 [V, H] tensor, as models hold it."""
+        """The table as an int64 [num_rows, H] tensor, as models hold it (reserved rows included)."""
         import torch
 
         return torch.from_numpy(self._rows.astype(np.int64))
@@ -302,7 +407,7 @@ class SignatureTable:
         }
         metadata = {
             "format": "mhf-signature-table",
-            "version": str(FORMAT_VERSION),
+            "version": str(FORMAT_VERSION_EXTENDED if self._extended else FORMAT_VERSION),
             "num_hashes": str(self.num_hashes),
             "num_buckets": str(self.num_buckets),
             "seed": str(self.seed),
@@ -310,6 +415,8 @@ class SignatureTable:
             "pad_id": str(self.pad_id),
             "fingerprint": self.fingerprint,
         }
+        if self._extended:
+            metadata["num_lsh"] = str(self.num_lsh)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
@@ -335,10 +442,11 @@ class SignatureTable:
             raise SignatureError(
                 f"{str(path)!r} is not an mhf signature table; pass a table saved by mhf-dist"
             )
-        if metadata.get("version") != str(FORMAT_VERSION):
+        if metadata.get("version") not in READABLE_VERSIONS:
             raise SignatureError(
                 f"signature table {str(path)!r} has format {metadata.get('version')}, this mhf-dist reads "
-                f"format {FORMAT_VERSION}; re-run `mhf prepare` (or re-export the model) to rebuild it"
+                f"formats {' and '.join(READABLE_VERSIONS)}; re-run `mhf prepare` (or re-export the model) "
+                "to rebuild it"
             )
         blob = tensors["token_bytes"].tobytes()
         offsets = tensors["token_offsets"].tolist()
@@ -352,6 +460,7 @@ class SignatureTable:
             int(metadata["seed"]),
             metadata["scheme"],
             int(metadata["pad_id"]),
+            int(metadata.get("num_lsh", "0")),
         )
         if table.fingerprint != metadata.get("fingerprint"):
             raise SignatureError(
@@ -359,17 +468,25 @@ class SignatureTable:
             )
         return table
 
+    @property
+    def _extended(self) -> bool:
+        return bool(self.num_lsh or self.reserved_rows)
+
     def follows(self, hash_cfg: HashConfig) -> bool:
-        """Whether this table is of the shape, seed and scheme `model.hash` describes."""
-        mine = (self.num_hashes, self.num_buckets, self.seed, self.scheme)
-        return mine == (hash_cfg.num_hashes, hash_cfg.num_buckets, hash_cfg.seed, hash_cfg.signature_scheme)
+        """Whether this table is of the shape, seed, scheme and LSH count `model.hash` describes."""
+        mine = (self.num_hashes, self.num_buckets, self.seed, self.scheme, self.num_lsh)
+        wanted = (hash_cfg.num_hashes, hash_cfg.num_buckets, hash_cfg.seed, hash_cfg.signature_scheme)
+        return mine == (*wanted, hash_cfg.num_lsh)
 
     def describe(self) -> dict[str, str | int]:
         return {
             "spec": self.spec,
             "scheme": self.scheme,
             "seed": self.seed,
+            "num_lsh": self.num_lsh,
             "vocab_size": len(self),
+            "reserved_rows": self.reserved_rows,
+            "duplicate_signatures": self.duplicate_signatures,
             "fingerprint": self.fingerprint,
         }
 
@@ -380,9 +497,15 @@ class SignatureTable:
 def build_for_config(
     hash_cfg: HashConfig, tokens: Sequence[str], pad_token: str | None = None
 ) -> SignatureTable:
-    """The table `model.hash` describes (spec, seed, scheme) for a vocabulary in id order."""
+    """The table `model.hash` describes (spec, seed, scheme, num_lsh) for a vocabulary in id order."""
     return SignatureTable.build(
-        tokens, hash_cfg.num_hashes, hash_cfg.num_buckets, hash_cfg.seed, hash_cfg.signature_scheme, pad_token
+        tokens,
+        hash_cfg.num_hashes,
+        hash_cfg.num_buckets,
+        hash_cfg.seed,
+        hash_cfg.signature_scheme,
+        pad_token,
+        hash_cfg.num_lsh,
     )
 
 
@@ -393,3 +516,10 @@ def _check_shape(num_hashes: int, num_buckets: int, seed: int) -> None:
         raise SignatureError(f"num_buckets={num_buckets}; use at least two buckets (B>=2)")
     if not (seed >= 0 and seed + num_hashes - 1 < 2**32):
         raise SignatureError(f"seed={seed} must lie in [0, 2**32 - H); pick a smaller non-negative seed")
+
+
+def _check_lsh(num_lsh: int, num_hashes: int, scheme: str) -> None:
+    if not 0 <= num_lsh <= num_hashes:
+        raise SignatureError(f"num_lsh={num_lsh} must lie in 0..H={num_hashes}")
+    if num_lsh and scheme != "reference":
+        raise SignatureError(f"num_lsh={num_lsh}: LSH coordinates are the reference scheme's, not {scheme}'s")

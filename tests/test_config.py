@@ -22,12 +22,53 @@ def test_presets_exist():
     assert {"tiny", "100m", "1b", "3b"} <= set(available_presets())
 
 
+# Every name in the authors' README (HUIYINXUE/MHF) with the B of its checkpoint, e.g. MHF(H3B10K) is
+# `hf_qwen3_100m-model_10624_3_0_64_twe`, H4B16K `..._16384_4_0_64_twe`, H1B4K `shf_1b_4096_..`.
+PAPER_SPECS = {
+    "H3B4K": (3, 4096),
+    "H4B4K": (4, 4096),
+    "H3B8K": (3, 8192),
+    "H4B8K": (4, 8192),
+    "H3B10K": (3, 10624),
+    "H3B16K": (3, 16384),
+    "H4B16K": (4, 16384),
+    "H4B32K": (4, 32768),
+    "H1B4K": (1, 4096),
+    "H1B8K": (1, 8192),
+    "H1B16K": (1, 16384),
+}
+
+
 @pytest.mark.parametrize(
-    ("spec", "shape"), [("H4B16K", (4, 16384)), ("H2B64", (2, 64)), ("H3B1K", (3, 1024))]
+    ("spec", "shape"),
+    [*PAPER_SPECS.items(), ("H2B64", (2, 64)), ("H3B1K", (3, 1024)), ("H3B10240", (3, 10240))],
 )
-def test_hash_spec_parses_both_ways(spec, shape):
+def test_hash_spec_parses_both_ways_and_the_papers_names_give_its_bucket_counts(spec, shape):
     assert parse_hash_spec(spec) == shape
     assert format_hash_spec(*shape) == spec
+
+
+def test_exact_bucket_counts_always_parse_and_the_ambiguous_k_name_is_explained():
+    assert parse_hash_spec("H3B10624") == (3, 10624) and format_hash_spec(3, 10624) == "H3B10K"
+    assert parse_hash_spec("H4B16384") == (4, 16384)
+    with pytest.raises(ConfigError, match=r"K is x1024 except the paper's B10K = 10,624 \(H3B10K\)"):
+        parse_hash_spec("H3B10k")
+    for num_hashes in (1, 2, 3, 4):
+        for num_buckets in (2, 64, 1000, 1024, 10240, 10624, 11264, 16384, 16383):
+            assert parse_hash_spec(format_hash_spec(num_hashes, num_buckets)) == (num_hashes, num_buckets)
+
+
+def test_lsh_settings_are_validated_against_the_spec_and_scheme():
+    cfg = load_config(
+        "tiny", ["model.hash.spec=H4B64", "model.hash.num_lsh=2", "model.hash.lsh_only_embed=true"]
+    )
+    assert (cfg.model.hash.num_lsh, cfg.model.hash.lsh_only_embed) == (2, True)
+    with pytest.raises(ConfigError, match="num_lsh=3 exceeds the 2 hashes of H2B1K; use num_lsh <= 2"):
+        load_config("tiny", ["model.hash.num_lsh=3"])
+    with pytest.raises(ConfigError, match="needs the reference signature scheme"):
+        load_config("tiny", ["model.hash.num_lsh=1", "model.hash.scheme=murmur32"])
+    with pytest.raises(ConfigError, match="set num_lsh > 0 as well"):
+        load_config("tiny", ["model.hash.lsh_only_embed=true"])
 
 
 def test_overrides_are_typed_and_nested():
@@ -74,6 +115,14 @@ def test_flat_keys_match_override_paths():
         ("tiny", ["model.backbone=3"], "is a section; set one of its keys"),
         ("tiny", ["train.steps.x=1"], "train.steps is a value, not a section"),
         ("tiny", ["model.backbone.num_kv_heads=3"], "not a multiple of num_kv_heads"),
+        (
+            "tiny",
+            ["data.replay.corpus=builtin"],
+            "replayed only with a fraction > 0; set data.replay.fraction",
+        ),
+        ("tiny", ["data.replay.fraction=0.2"], "needs data.replay.corpus"),
+        ("tiny", ["data.replay.seed=-1"], "data.replay.seed: Input should be greater than or equal to 0"),
+        ("tiny", ["data.packing=stride"], "data.packing: Input should be 'overlap' or 'blocks'"),
     ],
 )
 def test_bad_config_is_a_one_line_error(source, overrides, message):

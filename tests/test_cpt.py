@@ -1,4 +1,6 @@
-"""`mhf cpt`: vocabulary expansion keeps old ids, signatures and rankings; mhf adds no parameters."""
+"""`mhf cpt`: vocabulary expansion keeps old ids, signatures and rankings; mhf adds no parameters; a
+baseline's new rows start as the mean of their old pieces' rows (HUIYINXUE/MHF `instantiate_model_by_mean`);
+training keeps the authors' frozen split and can replay the parent's corpus."""
 
 import itertools
 
@@ -6,12 +8,12 @@ import pytest
 import torch
 
 from mhf_dist.config import load_config
-from mhf_dist.cpt import expand_model, expanded_tokenizer, run_cpt
+from mhf_dist.cpt import _new_rows, expand_model, expanded_tokenizer, run_cpt
 from mhf_dist.data.corpus import builtin_documents
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError, TrainingError
 from mhf_dist.export import export_model, load_exported
-from mhf_dist.models import build_model, param_count
+from mhf_dist.models import build_model
 from mhf_dist.models.counting import TRIPLE_STACKS
 from mhf_dist.models.generation import generate
 from mhf_dist.signatures import SignatureTable
@@ -43,6 +45,11 @@ def exported_parent(tmp_path, tokenizer, family, *overrides):
     return load_exported(tmp_path / family), cfg
 
 
+def real_params(model):
+    """Parameters the built model holds (a tied table once), not the analytic count."""
+    return sum(param.numel() for param in model.parameters())
+
+
 def old_token_logprobs(model, context, vocab_size):
     with torch.no_grad():
         logprobs, _ = model.eval().next_token_logprobs(torch.tensor([context]), None)
@@ -65,11 +72,13 @@ def test_expansion_keeps_old_ids_signatures_and_rankings(
     parent, cfg = exported_parent(tmp_path, english_tokenizer, family, *overrides)
     tokenizer = english_tokenizer.with_added_tokens(NEW_TOKENS)
     assert tokenizer.vocabulary()[: english_tokenizer.vocab_size] == english_tokenizer.vocabulary()
-    expansion = expand_model(parent, tokenizer.vocabulary()[english_tokenizer.vocab_size :])
+    expansion = expand_model(
+        parent, tokenizer.vocabulary()[english_tokenizer.vocab_size :], tokenizer=tokenizer
+    )
 
     # mhf: zero new parameters; a baseline: dV x d per vocabulary table (embedding, and an untied head).
     assert expansion.params_added == heads * len(NEW_TOKENS) * cfg.model.backbone.hidden_size
-    assert param_count(expansion.config) - param_count(parent.config) == expansion.params_added
+    assert real_params(expansion.model) - real_params(parent.model) == expansion.params_added
     old = len(parent.table)
     assert (expansion.table.rows[:old] == parent.table.rows).all()
     assert expansion.table.tokens[:old] == parent.table.tokens
@@ -81,6 +90,44 @@ def test_expansion_keeps_old_ids_signatures_and_rankings(
     shift = after - before
     assert torch.allclose(shift, shift[0].expand_as(shift), atol=1e-5) and float(shift[0]) < 0
     assert torch.equal(torch.argsort(before, stable=True), torch.argsort(after, stable=True))
+
+
+NEW_WORDS = "continued pretraining expands vocabularies; signatures hash tokens into buckets. " * 30
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_baselines_new_rows_are_the_mean_of_their_old_pieces_rows(english_tokenizer, tmp_path, tied):
+    overrides = [] if tied else ["model.backbone.tie_word_embeddings=false"]
+    parent, _ = exported_parent(tmp_path, english_tokenizer, "qwen3", *overrides)
+    tokenizer = english_tokenizer.with_trained_tokens([NEW_WORDS], 60).with_added_tokens(["你好"])
+    old = english_tokenizer.vocab_size
+    new_tokens = tokenizer.vocabulary()[old:]
+    expansion = expand_model(parent, new_tokens, tokenizer=tokenizer)
+    assert expansion.init_new_rows == "subword" and expansion.fallback_rows == 0
+    before, after = parent.model.state_dict(), expansion.model.state_dict()
+    tables = ["model.model.embed_tokens.weight", *([] if tied else ["model.lm_head.weight"])]
+    for offset, token in enumerate(new_tokens):
+        # The token's text under the old tokenizer: the old pieces of "Ġexpands" are those of " expands".
+        pieces = english_tokenizer.encode_batch([tokenizer.decode([old + offset])])[0]
+        assert len(pieces) >= 2, token
+        for name in tables:
+            expected = before[name][pieces].mean(dim=0)
+            assert torch.allclose(after[name][old + offset], expected, atol=1e-6), (token, name)
+    assert any(token.startswith("Ġ") for token in new_tokens) and new_tokens[-1] == "你好"
+    if not tied:  # the head's rows average the head's own rows, not the embedding's
+        assert not torch.allclose(after[tables[0]][old:], after[tables[1]][old:])
+
+    # --init-new-rows mean: every new row is the mean of all old rows (the earlier rule).
+    mean = expand_model(parent, new_tokens, init_new_rows="mean").model.state_dict()
+    for name in tables:
+        assert torch.allclose(mean[name][old:], before[name].mean(dim=0).expand(len(new_tokens), -1))
+        assert not torch.allclose(mean[name][old:], after[name][old:])
+
+
+def test_a_new_token_without_old_pieces_starts_at_the_mean_of_all_rows():
+    table = torch.arange(12.0).reshape(4, 3)
+    rows = _new_rows(table, 2, [[1, 3], []])
+    assert torch.equal(rows, torch.stack([table[[1, 3]].mean(dim=0), table.mean(dim=0)]))
 
 
 def test_a_new_token_can_be_generated_after_short_training(english_tokenizer, tmp_path):
@@ -123,30 +170,50 @@ def test_learned_tokens_are_appended_and_shorten_the_new_text(english_tokenizer)
 def test_cpt_continues_training_through_mhf_train_with_the_lineage_recorded(
     ray_session, english_tokenizer, tmp_path
 ):
+    """One fit for several things: lineage and tags, the authors' frozen split under ZeRO-2 on two
+    workers (frozen layers leave training bit-identical), and a replayed share of another corpus."""
     from mlflow.tracking import MlflowClient
 
+    from mhf_dist.data.shards import read_manifest
     from mhf_dist.train.ray_trainer import TrainOptions
 
-    parent, _ = exported_parent(tmp_path, english_tokenizer, "mhf")
-    corpus = tmp_path / "mixed.txt"
+    parent, _ = exported_parent(tmp_path, english_tokenizer, "mhf", "model.backbone.num_layers=5")
+    corpus, replay = tmp_path / "mixed.txt", tmp_path / "english.txt"
     corpus.write_text("\n\n".join(f"{doc[:2000]} 你好 世界 مرحبا" for doc in builtin_documents()[:30]))
+    replay.write_text("\n\n".join(doc[:3000] for doc in builtin_documents()[30:80]))
     cfg = load_config(
-        "tiny", [f"data.corpus={corpus}", "train.steps=4", "train.seq_len=32", "train.eval_rows=8"]
+        "tiny",
+        [
+            f"data.corpus={corpus}",
+            "train.steps=4",
+            "train.seq_len=32",
+            "train.eval_rows=8",
+            f"data.replay.corpus={replay}",
+            "data.replay.fraction=0.3",
+        ],
     )
     result = run_cpt(
         cfg,
         str(parent.path),
         lambda old: old.with_added_tokens(NEW_TOKENS),
-        TrainOptions(storage=str(tmp_path / "cpt"), name="zh"),
+        TrainOptions(storage=str(tmp_path / "cpt"), name="zh", zero_stage=2),
         log=lambda _: None,
     )
     assert result.expansion.params_added == 0
     exported = load_exported(result.train_result.checkpoint / "model")
     assert exported.config.vocab_size == parent.config.vocab_size + len(NEW_TOKENS)
-    assert param_count(exported.config) == param_count(parent.config)
+    assert real_params(exported.model) == real_params(parent.model)
     assert exported.lineage == [
         {"fingerprint": parent.table.fingerprint, "vocab_size": parent.config.vocab_size}
     ]
+    # The authors' split: of 5 layers only layer 2 is frozen; everything else trained.
+    before, after = parent.model.state_dict(), exported.model.state_dict()
+    frozen = [name for name in before if name.startswith("backbone.layers.2.")]
+    assert frozen and all(torch.equal(before[name], after[name]) for name in frozen)
+    for name in ("backbone.layers.0.mlp.up_proj.weight", "backbone.layers.4.mlp.up_proj.weight"):
+        assert not torch.equal(before[name], after[name])
+    assert not torch.equal(before["encoder.table.weight"], after["encoder.table.weight"])
+
     run = MlflowClient(tracking_uri=result.train_result.tracking_uri).get_run(result.train_result.run_id)
     tags = run.data.tags
     assert tags["cpt_parent_fingerprint"] == parent.table.fingerprint
@@ -156,6 +223,28 @@ def test_cpt_continues_training_through_mhf_train_with_the_lineage_recorded(
         str(exported.config.vocab_size),
         "0",
     )
+    frozen_params = sum(before[name].numel() for name in frozen)
+    assert (tags["cpt_trainable"], tags["total_params"], tags["trainable_params"]) == (
+        "authors-ve",
+        str(real_params(parent.model)),
+        str(real_params(parent.model) - frozen_params),
+    )
+    mixture = read_manifest(tmp_path / "cpt" / "zh" / "data")["splits"]["train"]["mixture"]
+    assert mixture["sources"][1]["documents"] > 0 and 0.15 < mixture["realised_fraction"] < 0.45
+
+
+def test_mhf_cpt_refuses_an_unknown_trainable_pattern_before_preparing(english_tokenizer, tmp_path, capsys):
+    from mhf_dist.cli import main
+
+    parent, _ = exported_parent(tmp_path, english_tokenizer, "mhf")
+    (tmp_path / "new.txt").write_text("你好\n")
+    args = ["cpt", "--from", str(parent.path), "--data", "builtin", "--add-tokens", str(tmp_path / "new.txt")]
+    storage = tmp_path / "cpt"
+    code = main([*args, "--set", "train.trainable=[backbone.layers.9.*]", "--storage", str(storage)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "'backbone.layers.9.*' matches no parameter" in err
+    assert err.count("\n") == 1 and not (storage / "mhf-cpt" / "data").exists()
 
 
 def test_mhf_cpt_reports_a_missing_parent_in_one_line(tmp_path, capsys):

@@ -47,6 +47,19 @@ def test_any_range_of_rows_packs_alone_from_its_token_range():
     assert dropped_tokens(100, 7) == (100 - 1) % 7 and dropped_tokens(5, 7) == 5
 
 
+def test_block_packing_cuts_disjoint_blocks_as_the_authors_group_texts_does():
+    stream = np.arange(23)
+    rows = pack_rows(stream, 4, "blocks")
+    # the authors' rule written out: consecutive blocks of L = seq_len + 1 tokens, the short tail dropped
+    blocks = [stream[i : i + 5] for i in range(0, len(stream) - 4, 5)]
+    assert np.array_equal(rows, np.stack(blocks)) and row_count(23, 4, "blocks") == 4
+    assert dropped_tokens(23, 4, "blocks") == 3 and dropped_tokens(4, 4, "blocks") == 4
+    parts = [
+        pack_rows(stream[slice(*token_range(a, b, 4, "blocks"))], 4, "blocks") for a, b in [(0, 1), (1, 4)]
+    ]
+    assert np.array_equal(rows, np.concatenate(parts))
+
+
 def test_packing_rejects_a_seq_len_below_two():
     with pytest.raises(DataError, match="seq_len >= 2"):
         pack_rows(np.arange(10), 1)

@@ -1,16 +1,18 @@
 """The reference's checkpoint layout and plain transformers Qwen3, in and out.
 
-The reference checkpoint is written here from random weights under the reference's key names; what it
-should compute is worked out by a plain implementation of the reference's formulas (transformers'
-own Qwen3Model for the layers, everything else written out below), never through mhf-dist's classes.
+The reference checkpoint is written here from random weights under the reference's key names, its
+`hash_map` by `authors_loop` (an independent statement of the authors' `initialize_hash_map`: only the
+base vocabulary hashed, added tokens and the rows up to a multiple of 128 left all zeros); what it
+should compute is worked out by a plain implementation of the reference's formulas (transformers' own
+Qwen3Model for the layers, everything else written out below), never through mhf-dist's classes.
 """
 
 import json
 
-import mmh3
 import pytest
 import torch
 import torch.nn.functional as F
+from authors_loop import authors_hash_map
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
@@ -21,25 +23,12 @@ from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.export import export_model
 from mhf_dist.hf_layout import export_hf, import_hf
 from mhf_dist.models import build_model, param_count
+from mhf_dist.models.generation import generate
 from mhf_dist.signatures import SignatureTable
 
 H, B, D, K = 3, 32, 32, 8
 ROUNDED_VOCAB = 384  # the reference rounds V up to a multiple of 128; the bytes tokenizer has 259 tokens
-
-
-def reference_signatures(tokens, pad_id, rows):
-    """The reference's hash_map rule, written out: 1 + hash128 % (B-1), the last coordinate redrawn."""
-    hash_map, used = torch.zeros(rows, H, dtype=torch.long), set()
-    for token_id, token in enumerate(tokens):
-        if token_id == pad_id:
-            continue
-        prefix = tuple(1 + mmh3.hash128(token, seed=j) % (B - 1) for j in range(H - 1))
-        redraw = 0
-        while (*prefix, last := 1 + mmh3.hash128(token, seed=H - 1 + redraw) % (B - 1)) in used:
-            redraw += 1
-        used.add((*prefix, last))
-        hash_map[token_id] = torch.tensor([*prefix, last])
-    return hash_map
+BASE_VOCAB = 256  # the bytes tokenizer's model vocabulary; <bos>, <eos>, <pad> are added tokens
 
 
 def qwen3_hf_config(vocab_size, layers=2):
@@ -57,63 +46,130 @@ def qwen3_hf_config(vocab_size, layers=2):
     )
 
 
-@pytest.fixture(scope="module")
-def reference_checkpoint(tmp_path_factory):
-    """(directory, weights, hash_map, tokenizer, use_conditional_prob=False) of a random reference model."""
-    directory = tmp_path_factory.mktemp("reference")
+def write_reference_checkpoint(
+    directory, num_hashes=H, num_buckets=B, num_lsh=0, lsh_only_embed=False, use_conditional_prob=False
+):
+    """(weights, hash_map, tokenizer): a random reference model as their training script saves it."""
     tokenizer = TextTokenizer.bytes()
     pad_id = tokenizer.tokenizer.token_to_id("<pad>")
     torch.manual_seed(0)
-    backbone = Qwen3Model(qwen3_hf_config(H * B))  # embed_tokens is the [H*B, d] table
+    backbone = Qwen3Model(qwen3_hf_config(num_hashes * num_buckets))  # embed_tokens: the [H*B, d] table
     weights = {f"model.{name}": tensor.clone() for name, tensor in backbone.state_dict().items()}
-    weights["model.embed_tokens.weight"] = torch.randn(H * B, D)
+    weights["model.embed_tokens.weight"] = torch.randn(num_hashes * num_buckets, D)
     shapes = {
         "model.combiner.scorer.0": (K, D),
         "model.combiner.scorer.2": (1, K),
         "model.combiner.output_proj.0": (D, D),
-        **{f"hash_head.cascade_mixer.{j}.0": (K, 2 * D) for j in range(H - 1)},
-        **{f"hash_head.cascade_mixer.{j}.2": (D, K) for j in range(H - 1)},
+        **{f"hash_head.cascade_mixer.{j}.0": (K, 2 * D) for j in range(num_hashes - 1)},
+        **{f"hash_head.cascade_mixer.{j}.2": (D, K) for j in range(num_hashes - 1)},
     }
     for name, shape in shapes.items():
         weights[f"{name}.weight"] = torch.randn(shape) * shape[1] ** -0.5
         weights[f"{name}.bias"] = torch.randn(shape[0]) * 0.1
-    hash_map = reference_signatures(tokenizer.vocabulary(), pad_id, ROUNDED_VOCAB)
+    base = tokenizer.vocabulary()[:BASE_VOCAB]  # their range(tokenizer.vocab_size)
+    hash_map = authors_hash_map(base, num_hashes, num_buckets, num_lsh, pad_id=pad_id, rows=ROUNDED_VOCAB)
     save_file({**weights, "model.hash_map": hash_map}, str(directory / "model.safetensors"))
     config = qwen3_hf_config(ROUNDED_VOCAB).to_dict()
-    extra = {"num_hashes": H, "num_buckets": B, "bottle_neck_dim": K, "num_lsh": 0, "lsh_only_embed": False}
-    config.update(extra, use_conditional_prob=False, fused_decoding=False, pad_token_id=pad_id)
+    extra = {"num_hashes": num_hashes, "num_buckets": num_buckets, "bottle_neck_dim": K}
+    config.update(extra, num_lsh=num_lsh, lsh_only_embed=lsh_only_embed, fused_decoding=False)
+    config.update(use_conditional_prob=use_conditional_prob, pad_token_id=pad_id)
     (directory / "config.json").write_text(json.dumps(config))
     tokenizer.save(directory / "tokenizer.json")
-    return directory, weights, hash_map, tokenizer
+    return weights, hash_map, tokenizer
 
 
-def reference_coordinate_logps(weights, hash_map, ids):
-    """The reference's forward, [batch, T, H, B] log-probabilities of each coordinate's buckets."""
+@pytest.fixture(scope="module")
+def reference_checkpoint(tmp_path_factory):
+    """(directory, weights, hash_map, tokenizer) of a random reference model (use_conditional_prob=False)."""
+    directory = tmp_path_factory.mktemp("reference")
+    return directory, *write_reference_checkpoint(directory)
+
+
+def reference_coordinate_logps(weights, hash_map, ids, num_hashes=H, num_buckets=B, embedded=None):
+    """The reference's forward, [batch, T, H, B] log-probabilities of each coordinate's buckets;
+    `embedded`: the leading coordinates the combiner reads (their lsh_only_embed: num_lsh)."""
     table = weights["model.embed_tokens.weight"]
+    embedded = num_hashes if embedded is None else embedded
 
     def bottleneck(name, x):
         hidden = F.silu(x @ weights[f"{name}.0.weight"].T + weights[f"{name}.0.bias"])
         return hidden @ weights[f"{name}.2.weight"].T + weights[f"{name}.2.bias"]
 
-    rows = table[hash_map[ids] + torch.arange(H) * B]  # [batch, T, H, d]
+    rows = table[hash_map[ids][..., :embedded] + torch.arange(embedded) * num_buckets]  # [batch, T, h, d]
     gate = torch.softmax(bottleneck("model.combiner.scorer", rows), dim=-2)
     pooled = (gate * rows).sum(-2)
     embeds = (
         pooled @ weights["model.combiner.output_proj.0.weight"].T
         + weights["model.combiner.output_proj.0.bias"]
     )
-    backbone = Qwen3Model(qwen3_hf_config(H * B))
+    backbone = Qwen3Model(qwen3_hf_config(num_hashes * num_buckets))
     layers = {name.removeprefix("model."): t for name, t in weights.items() if name.startswith("model.")}
     backbone.load_state_dict({name: t for name, t in layers.items() if not name.startswith("combiner.")})
     state = backbone(inputs_embeds=embeds).last_hidden_state
     logits = []
-    for k in range(H):
-        block = table[k * B : (k + 1) * B]
+    for k in range(num_hashes):
+        block = table[k * num_buckets : (k + 1) * num_buckets]
         logits.append(state @ block.T)
-        if k < H - 1:
+        if k < num_hashes - 1:
             soft = torch.softmax(logits[-1], -1) @ block
             state = state + bottleneck(f"hash_head.cascade_mixer.{k}", torch.cat([state, soft], -1))
     return torch.log_softmax(torch.stack(logits, dim=-2), dim=-1)
+
+
+def authors_token_logits(coords, hash_map):
+    """Their use_conditional_prob logits: sum over k of log-softmax_k at hash_map[:, k], one per ROW."""
+    return sum(coords[..., k, hash_map[:, k]] for k in range(hash_map.shape[1]))
+
+
+def check_import_scores_as_the_authors(imported, weights, hash_map, num_hashes, num_buckets, embedded=None):
+    """The imported model's coordinate log-probabilities, exact NLL and `coordinates` loss against the
+    reference's formulas on the checkpoint's raw tensors (exact NLL: their use_conditional_prob)."""
+    vocab = imported.tokenizer.vocab_size
+    rows = torch.randint(0, vocab, (2, 13), generator=torch.Generator().manual_seed(1))
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    with torch.no_grad():
+        coords = reference_coordinate_logps(weights, hash_map, inputs, num_hashes, num_buckets, embedded)
+        assert torch.allclose(imported.model.coord_logprobs(inputs), coords, atol=1e-5)
+        token_logits = authors_token_logits(coords, hash_map)  # every hash_map row, reserved ones too
+        expected_nll = F.cross_entropy(token_logits.transpose(1, 2), targets, reduction="none")
+        assert torch.allclose(imported.model.token_nll(inputs, targets), expected_nll, atol=1e-5)
+        # the coordinates objective: B-way cross-entropy averaged over positions and coordinates, times H
+        coord_loss = (
+            F.cross_entropy(coords.reshape(-1, num_buckets), hash_map[targets].reshape(-1)) * num_hashes
+        )
+        if imported.config.hash.loss == "coordinates":
+            assert imported.model(rows).loss.item() == pytest.approx(coord_loss.item(), abs=1e-5)
+        else:  # use_conditional_prob=True: their training loss is the mean of those NLLs
+            assert imported.model(rows).loss.item() == pytest.approx(expected_nll.mean().item(), abs=1e-5)
+    return expected_nll, token_logits, targets
+
+
+def check_export_and_reimport(first, weights, hash_map, tmp_path, name):
+    out = tmp_path / f"{name}-hf"
+    assert main(["export-hf", str(first.path), "--out", str(out)]) == 0
+    written = load_file(str(out / "model.safetensors"))
+    assert set(written) == {*weights, "model.hash_map"}  # no lm_head.weight when tied
+    assert all(torch.equal(written[key], tensor) for key, tensor in weights.items())
+    assert torch.equal(written["model.hash_map"], hash_map)  # every row, the reserved ones too
+    config = json.loads((out / "config.json").read_text())
+    hash_cfg = first.config.hash
+    assert (config["num_hashes"], config["num_buckets"], config["bottle_neck_dim"]) == (
+        hash_cfg.num_hashes,
+        hash_cfg.num_buckets,
+        K,
+    )
+    assert (config["num_lsh"], config["lsh_only_embed"]) == (hash_cfg.num_lsh, hash_cfg.lsh_only_embed)
+    assert config["vocab_size"] == ROUNDED_VOCAB
+    second = import_hf(out, tmp_path / f"{name}-second")
+    assert second.config == first.config and second.table.fingerprint == first.table.fingerprint
+    for (key, a), b in zip(first.model.state_dict().items(), second.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), key
+    rows = torch.randint(0, first.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(
+            first.model.token_nll(rows[:, :-1], rows[:, 1:]),
+            second.model.token_nll(rows[:, :-1], rows[:, 1:]),
+        )
 
 
 def test_an_imported_reference_checkpoint_scores_as_the_reference_formulas_do(reference_checkpoint, tmp_path):
@@ -121,43 +177,77 @@ def test_an_imported_reference_checkpoint_scores_as_the_reference_formulas_do(re
     imported = import_hf(directory, tmp_path / "imported")
     vocab = tokenizer.vocab_size
     assert imported.config.vocab_size == vocab and imported.table.pad_id == 258
-    assert torch.equal(imported.table.as_tensor(), hash_map[:vocab])
-    rows = torch.randint(0, vocab, (2, 13), generator=torch.Generator().manual_seed(1))
-    inputs, targets = rows[:, :-1], rows[:, 1:]
+    assert torch.equal(imported.table.as_tensor(), hash_map)  # the whole hash_map, as it is
+    assert (len(imported.table), imported.table.reserved_rows) == (vocab, ROUNDED_VOCAB - vocab)
+    # their loop hashes the 256 byte tokens only: <bos>, <eos>, <pad> keep the all-zero signature
+    assert imported.table.duplicate_signatures == 2
+    check_import_scores_as_the_authors(imported, weights, hash_map, H, B)
+
+
+def test_padded_vocab_rows_stay_in_the_normaliser_as_the_authors_use_conditional_prob_loss(tmp_path):
+    """Their training loss with use_conditional_prob: cross-entropy over all config.vocab_size = 384
+    hash_map rows (the 125 rows past the tokenizer included); the import reproduces it, and generation
+    still emits only ids the tokenizer has."""
+    (tmp_path / "ckpt").mkdir()
+    weights, hash_map, tokenizer = write_reference_checkpoint(tmp_path / "ckpt", use_conditional_prob=True)
+    imported = import_hf(tmp_path / "ckpt", tmp_path / "imported")
+    assert imported.config.hash.loss == "vocab" and imported.table.num_rows == ROUNDED_VOCAB
+    nll, token_logits, targets = check_import_scores_as_the_authors(imported, weights, hash_map, H, B)
+    vocab = tokenizer.vocab_size
+    real_only = F.cross_entropy(token_logits[..., :vocab].transpose(1, 2), targets, reduction="none")
+    assert (nll - real_only).min() >= 0 and (nll - real_only).max() > 1e-2  # what dropping them gave
     with torch.no_grad():
-        coords = reference_coordinate_logps(weights, hash_map, inputs)
-        # use_conditional_prob: the V-way logits are the summed coordinate log-probabilities of each token
-        token_logits = sum(coords[..., k, hash_map[:vocab, k]] for k in range(H))
-        expected_nll = F.cross_entropy(token_logits.transpose(1, 2), targets, reduction="none")
-        assert torch.allclose(imported.model.token_nll(inputs, targets), expected_nll, atol=1e-4)
-        # the coordinates objective: B-way cross-entropy averaged over positions and coordinates, times H
-        coord_loss = F.cross_entropy(coords.reshape(-1, B), hash_map[targets].reshape(-1)) * H
-        assert imported.model(rows).loss == pytest.approx(coord_loss.item(), abs=1e-4)
+        logprobs, _ = imported.model.next_token_logprobs(torch.tensor([[1, 2, 3]]), None)
+        assert logprobs.shape == (1, vocab)  # ids only; the reserved rows share <bos>'s (256) signature
+        with_reserved = torch.cat([logprobs[0], logprobs[0, 256].expand(ROUNDED_VOCAB - vocab)])
+        assert with_reserved.logsumexp(-1).item() == pytest.approx(0.0, abs=1e-5)
+        # Bucket 0 of every coordinate made the most likely: the all-zero signature wins, shared by
+        # <bos> <eos> <pad> and the 125 reserved rows (128 rows, equal scores, each counted once), so
+        # the ids keep 3/128 of the mass and greedy takes the lowest id among them, 256, never a row
+        # past the tokenizer.
+        scores = torch.full((1, 1, H, B), -30.0)
+        scores[..., 0] = 0.0
+        imported.model.coord_logprobs = lambda ids, cache=None: scores.expand(
+            ids.shape[0], ids.shape[1], H, B
+        )
+        logprobs, _ = imported.model.next_token_logprobs(torch.tensor([[1, 2]]), None)
+        assert logprobs.exp().sum().item() == pytest.approx(3 / 128, rel=1e-4)
+        assert list(generate(imported.model, [1, 2], 4, use_cache=False)) == [256] * 4
+    del imported.model.coord_logprobs
+    check_export_and_reimport(imported, weights, hash_map, tmp_path, "padded")
 
 
-def test_reference_export_then_import_is_exact_and_the_layout_is_the_references(
-    reference_checkpoint, tmp_path
+@pytest.mark.parametrize(
+    ("num_hashes", "num_lsh", "lsh_only_embed"),
+    [(3, 2, False), (3, 2, True), (2, 2, True), (1, 0, False)],
+    ids=["lsh-2:1", "lsh-2:1-only-embed", "lsh-2:0-only-embed", "single-hash"],
+)
+def test_lsh_and_single_hash_checkpoints_import_score_as_the_authors_and_export_back(
+    tmp_path, num_hashes, num_lsh, lsh_only_embed
 ):
-    directory, weights, hash_map, tokenizer = reference_checkpoint
-    first = import_hf(directory, tmp_path / "first")
-    assert main(["export-hf", str(first.path), "--out", str(tmp_path / "hf")]) == 0
-    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    assert set(written) == {*weights, "model.hash_map"}  # no lm_head.weight when tied
-    assert all(torch.equal(written[name], tensor) for name, tensor in weights.items())
-    assert torch.equal(written["model.hash_map"], hash_map[: tokenizer.vocab_size])
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert (config["num_hashes"], config["num_buckets"], config["bottle_neck_dim"], config["num_lsh"]) == (
-        H,
-        B,
-        K,
-        0,
+    """The paper's LSH:MMH3 ablations and its single-hash H1 models, built here by the authors' loop:
+    the import keeps their hash_map, equals mhf-dist's own table for the same vocabulary, scores as
+    their forward does (the encoder reading only the LSH coordinates under lsh_only_embed), and the
+    export writes the same checkpoint back."""
+    (tmp_path / "ckpt").mkdir()
+    weights, hash_map, tokenizer = write_reference_checkpoint(
+        tmp_path / "ckpt", num_hashes, B, num_lsh, lsh_only_embed
     )
-    second = import_hf(tmp_path / "hf", tmp_path / "second")
-    assert second.config == first.config and second.table.fingerprint == first.table.fingerprint
-    for (name, a), b in zip(
-        first.model.state_dict().items(), second.model.state_dict().values(), strict=True
-    ):
-        assert torch.equal(a, b), name
+    imported = import_hf(tmp_path / "ckpt", tmp_path / "imported")
+    hash_cfg = imported.config.hash
+    assert (hash_cfg.num_hashes, hash_cfg.num_lsh, hash_cfg.lsh_only_embed) == (
+        num_hashes,
+        num_lsh,
+        lsh_only_embed,
+    )
+    assert torch.equal(imported.table.as_tensor(), hash_map) and imported.table.num_lsh == num_lsh
+    ours = SignatureTable.build(tokenizer.vocabulary()[:BASE_VOCAB], num_hashes, B, num_lsh=num_lsh)
+    assert torch.equal(ours.as_tensor(), hash_map[:BASE_VOCAB])
+    if num_hashes == 1:  # one coordinate: only consecutive tokens are kept apart
+        assert imported.table.duplicate_signatures > BASE_VOCAB - B
+    embedded = num_lsh if lsh_only_embed else None
+    check_import_scores_as_the_authors(imported, weights, hash_map, num_hashes, B, embedded)
+    check_export_and_reimport(imported, weights, hash_map, tmp_path, "variant")
 
 
 def test_vocabulary_expansion_of_an_imported_model_adds_no_parameters_and_follows_the_scheme(
@@ -171,8 +261,12 @@ def test_vocabulary_expansion_of_an_imported_model_adds_no_parameters_and_follow
     rows = expansion.table.as_tensor()
     vocab = tokenizer.vocab_size
     assert torch.equal(rows[:vocab], hash_map[:vocab])
-    every = reference_signatures([*tokenizer.vocabulary(), *new_tokens], imported.table.pad_id, vocab + 3)
-    assert torch.equal(rows[vocab:], every[vocab:])
+    # the authors' loop continued after the base vocabulary (their added tokens are never hashed); the
+    # new tokens take the first reserved rows' places and the other reserved rows stay
+    base = tokenizer.vocabulary()[:BASE_VOCAB]
+    every = authors_hash_map([*base, *new_tokens], H, B)  # <pad> (id 258) is an added token: not hashed
+    assert torch.equal(rows[vocab : vocab + 3], every[BASE_VOCAB:])
+    assert expansion.table.num_rows == ROUNDED_VOCAB and torch.equal(rows[vocab + 3 :], hash_map[vocab + 3 :])
 
 
 def test_qwen3_exports_as_a_plain_transformers_directory_and_imports_back(tmp_path):
@@ -206,7 +300,8 @@ def test_bad_checkpoints_are_one_line_errors_and_leave_nothing(reference_checkpo
 
     cases = [
         (tmp_path, "is not a Hugging Face checkpoint directory (no config.json)"),
-        (variant("lsh", num_lsh=2), "mhf-dist imports MurmurHash3 signatures only (num_lsh=0)"),
+        (variant("lsh", num_lsh=4), "num_lsh=4 exceeds the 3 hashes of H3B32; use num_lsh <= 3"),
+        (variant("lsh-embed", lsh_only_embed=True), "lsh_only_embed=true embeds the LSH coordinates only"),
         (variant("shape", num_buckets=64), "model.embed_tokens.weight has shape (96, 32) but"),
         (variant("llama", model_type="llama"), "has model_type 'llama'"),
     ]

@@ -22,6 +22,7 @@ from mhf_dist.data.corpus import builtin_documents
 from mhf_dist.data.packing import pack_rows
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.models import build_model
+from mhf_dist.models.registry import FAMILIES
 from mhf_dist.signatures import build_for_config
 from mhf_dist.train.loop import train_local
 from mhf_dist.train.optim import build_optimizer, lr_factor, param_groups
@@ -64,6 +65,26 @@ def test_weight_decay_reaches_matrices_and_tables_only_each_parameter_once():
     for name, p in model.named_parameters():
         expected = before[name] * (shrink if name not in undecayed else 1.0)
         assert torch.allclose(p.detach(), expected, atol=1e-7), name
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[f"model.family={family}"] for family in FAMILIES] + [["model.family=mhf", "model.hash.io=compact"]],
+    ids=[*FAMILIES, "mhf-compact"],
+)
+def test_the_decayed_parameters_are_the_ones_the_hf_trainer_decays(overrides):
+    """The authors train with the HF Trainer's AdamW groups; its own rule picks the same parameters."""
+    from transformers import Trainer
+
+    cfg = load_config("tiny", overrides)
+    table = build_for_config(cfg.model.hash, [f"t{i}" for i in range(cfg.model.vocab_size)])
+    with torch.device("meta"):
+        model = build_model(cfg.model, table if cfg.model.family == "mhf" else None)
+    hf_decayed = set(Trainer.get_decay_parameter_names(None, model))
+    expected = {id(p) for name, p in model.named_parameters() if name in hf_decayed}  # as Trainer groups
+    decay, no_decay = param_groups(model, 0.1)
+    assert {id(p) for p in decay["params"]} == expected
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
 def golden_losses() -> list[float]:

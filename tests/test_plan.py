@@ -1,4 +1,9 @@
-"""`mhf plan`: model states from DeepSpeed's estimators, activation counts against what autograd keeps."""
+"""`mhf plan`: model states from DeepSpeed's estimators (bf16 mixed) and against the live tensors of
+bf16-pure engines, activation counts against what autograd keeps."""
+
+import gc
+import os
+import socket
 
 import pytest
 import torch
@@ -16,10 +21,13 @@ from mhf_dist.plan import (
     io_activation_bytes,
     largest_layer_params,
     layer_activation_elements,
+    model_state_bytes,
     plan,
     recommend,
 )
 from mhf_dist.signatures import SignatureTable
+from mhf_dist.train.engine import DeepSpeedStepper
+from mhf_dist.train.hardware import live_tensor_bytes
 
 
 def _built(model_cfg):
@@ -46,6 +54,77 @@ def test_model_states_agree_with_deepspeeds_estimators_called_directly(family):
     assert result.state_gb[3] == pytest.approx(zero3 / GIB, rel=1e-12)
     assert result.state_gb[0] == pytest.approx(20 * params / GIB)
     assert result.state_gb[0] > result.state_gb[1] > result.state_gb[2]
+
+
+def _pure_bf16_state_bytes(zero_stage, world_size, rank):
+    """(live bytes, parameters, largest layer) of a bf16-pure engine on this worker, after a backward
+    once AdamW's moments exist: every live tensor's storage counted once (weights or their ZeRO
+    partitions, gradients, moments, DeepSpeed's flat buffers), less the model's buffers."""
+    overrides = ["model.vocab_size=300", "model.hash.spec=H2B64", "train.precision=bf16-pure"]
+    cfg = load_config("tiny", [*overrides, f"train.batch_size={4 * world_size}"])
+    table = SignatureTable.build([f"tok{i}" for i in range(300)], 2, 64)
+    rows = torch.randint(0, 300, (4, 33), generator=torch.Generator().manual_seed(rank))
+    gc.collect()
+    before = live_tensor_bytes()
+    torch.manual_seed(0)
+    model = build_model(cfg.model, table)
+    params, largest = model_to_params(model)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # signatures, RoPE: not states
+    stepper = DeepSpeedStepper(model, cfg.train, zero_stage, world_size, bf16=True, hidden_size=64)
+    stepper.step({"tokens": rows})
+    stepper.engine.backward(stepper.engine(tokens=rows).loss)
+    gc.collect()
+    measured = live_tensor_bytes() - before - buffers
+    stepper.engine.step()
+    return measured, params, largest
+
+
+def _planned_resident(params, largest, zero_stage, gpus):
+    """The plan's bf16-pure bytes less ZeRO-3's gathered largest layer (weights and gradient), which
+    lives only inside that layer's forward and backward."""
+    planned = model_state_bytes(params, largest, zero_stage, Cluster(gpus, 1, 80), pure_bf16=True)
+    return planned - 4 * largest if zero_stage == 3 else planned
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_bf16_pure_model_states_are_the_live_bytes_of_a_bf16_pure_engine(one_process_group, zero_stage):
+    """Measured, not recomputed, on one worker, where no stage partitions anything: the bytes per
+    parameter (8 at ZeRO-0; 10 with DeepSpeed's bf16 master partition at 1-3)."""
+    measured, params, largest = _pure_bf16_state_bytes(zero_stage, world_size=1, rank=0)
+    assert measured == pytest.approx(_planned_resident(params, largest, zero_stage, 1), rel=0.01)
+    mixed = model_state_bytes(params, largest, zero_stage, Cluster(1, 1, 80))
+    assert measured < 0.55 * mixed  # no fp32 master weights, gradients or moments
+
+
+def _measure_on_worker(rank, port, stages, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ["WORLD_SIZE"] = "2"
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    for stage in stages:
+        results.put((rank, stage, *_pure_bf16_state_bytes(stage, world_size=2, rank=rank)))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_bf16_pure_partitions_are_what_two_workers_hold():
+    """Two gloo workers (about 25 s): what ZeRO-2 and ZeRO-3 partition over N, which one worker cannot
+    show. (ZeRO-1 holds 6.1 B/param here after DeepSpeed's reduce; the plan's 7 counts the whole
+    gradients the backward produces before it.)"""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.Queue()
+    workers = [context.Process(target=_measure_on_worker, args=(r, port, (2, 3), results)) for r in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=300)
+        assert worker.exitcode == 0, "a measuring worker failed (its traceback is in the captured stderr)"
+    measured = [results.get(timeout=10) for _ in range(4)]
+    for _rank, stage, live, params, largest in measured:
+        assert live == pytest.approx(_planned_resident(params, largest, stage, 2), rel=0.03)
+        assert live < 0.7 * _planned_resident(params, largest, stage, 1)  # really partitioned
 
 
 def _kept_by_autograd(model, tokens):
@@ -127,6 +206,13 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| mhf") or line.startswith("| qwen3")]
     assert len(rows) == 4 and "151,936" in out and "32,000" in out
+    assert "| bf16 " in out and "bf16 mixed precision: fp32 master weights" in out
+    pure = ["--set", "train.precision=bf16-pure"]
+    assert (
+        main(["plan", "--preset", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--tokens", "1e9", *pure]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "| bf16-pure " in out and "bf16-pure: bf16 weights, grads and Adam moments, no fp32 copy" in out
     assert main(["plan", "--preset", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--mfu", "2"]) == 2
     assert "error: --mfu is a fraction of peak" in capsys.readouterr().err
     triple = ["--set", "model.backbone.kind=triple_hybrid"]

@@ -1,6 +1,8 @@
-"""The signature contract: both schemes' MurmurHash3 coordinates, collision-free redraws, stable
-expansion, storage."""
+"""The signature contract: both schemes' MurmurHash3 coordinates, the reference scheme's LSH coordinates
+and its authors' redraw rule (checked row for row against `authors_loop`, an independent statement of the
+authors' loop), murmur32's collision-free redraws, stable expansion, storage."""
 
+import itertools
 import json
 import pickle
 
@@ -8,9 +10,12 @@ import mmh3
 import numpy as np
 import pytest
 import torch
+from authors_loop import authors_hash_map
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 
+from mhf_dist import lsh
 from mhf_dist.errors import SignatureError
 from mhf_dist.signatures import SignatureTable, token_signature
 
@@ -65,14 +70,120 @@ def test_reference_collisions_redraw_only_the_last_coordinate_with_the_next_seed
 
 
 @settings(max_examples=40, deadline=None)
-@given(vocabularies, st.integers(1, 2), st.integers(0, 3), st.sampled_from(["reference", "murmur32"]))
-def test_every_token_gets_a_distinct_signature_even_when_collisions_are_frequent(
-    tokens, num_hashes, seed, scheme
+@given(vocabularies, st.integers(1, 2), st.integers(0, 3))
+def test_murmur32_gives_every_token_a_distinct_signature_even_when_collisions_are_frequent(
+    tokens, num_hashes, seed
 ):
     num_buckets = 64 if num_hashes == 2 else 256
-    table = SignatureTable.build(tokens, num_hashes, num_buckets, seed, scheme=scheme)
+    table = SignatureTable.build(tokens, num_hashes, num_buckets, seed, scheme="murmur32")
     assert len({tuple(row) for row in table.rows.tolist()}) == len(tokens)
-    assert table.rows.max() < num_buckets
+    assert table.rows.max() < num_buckets and table.duplicate_signatures == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(vocabularies, st.integers(1, 3), st.sampled_from([2, 3, 8, 64]), st.integers(0, 3), st.data())
+def test_reference_tables_equal_the_authors_loop_row_for_row(tokens, num_hashes, num_buckets, seed, data):
+    pad_id = data.draw(st.sampled_from([None, *range(len(tokens))]))
+    pad_token = None if pad_id is None else tokens[pad_id]
+    try:
+        table = SignatureTable.build(tokens, num_hashes, num_buckets, seed, pad_token=pad_token)
+    except SignatureError as err:  # where the authors' loop would never end: no second value to draw
+        assert num_buckets == 2 and "with B=2 every coordinate but the padding token's is bucket 1" in str(
+            err
+        )
+        return
+    expected = authors_hash_map(tokens, num_hashes, num_buckets, pad_id=pad_id, seed=seed)
+    assert np.array_equal(table.rows.astype(np.int64), expected.numpy())
+    distinct = len({tuple(row) for row in table.rows.tolist()})
+    assert table.duplicate_signatures == len(tokens) - distinct
+    latest = {}  # the rule itself: a token differs from the latest earlier token of its prefix
+    for row in table.rows.tolist():
+        assert latest.get(tuple(row[:-1])) != row[-1] or not any(row)
+        latest[tuple(row[:-1])] = row[-1]
+
+
+def test_single_hash_tables_keep_only_consecutive_tokens_apart_and_count_their_duplicates():
+    """H1B64 over 300 tokens (the paper's H1B4K.. at small scale): no prefix, so the one coordinate is
+    redrawn only when it equals the previous token's; the build warns through the count, never fails."""
+    tokens = [f"tok{i}" for i in range(300)]
+    table = SignatureTable.build(tokens, 1, 64, pad_token="tok7")
+    column = table.rows[:, 0].tolist()
+    assert column[7] == 0 and all(value >= 1 for i, value in enumerate(column) if i != 7)
+    assert all(a != b for a, b in itertools.pairwise(column))
+    assert table.duplicate_signatures == 300 - len(set(column)) > 200
+    assert table.describe()["duplicate_signatures"] == table.duplicate_signatures
+    assert table.capacity == 64 < len(table)  # more tokens than distinct signatures is fine here
+    assert np.array_equal(table.rows.astype(np.int64), authors_hash_map(tokens, 1, 64, pad_id=7).numpy())
+
+
+def test_the_padding_token_is_the_latest_of_its_prefix_too():
+    """Their loop records the padding token's 0 as the latest last coordinate of its prefix; at H=1 the
+    prefix is everyone's, so the token after the padding token is never redrawn, even onto the bucket of
+    the token before it."""
+    from mhf_dist.signatures import reference_coordinate
+
+    first = reference_coordinate("a", 0, 16)
+    after = next(f"c{i}" for i in range(100) if reference_coordinate(f"c{i}", 0, 16) == first)
+    table = SignatureTable.build(["a", "<pad>", after], 1, 16, pad_token="<pad>")
+    assert table.rows[:, 0].tolist() == [first, 0, first] and table.duplicate_signatures == 1
+    assert np.array_equal(
+        table.rows.astype(np.int64), authors_hash_map(["a", "<pad>", after], 1, 16, pad_id=1)
+    )
+    grown = SignatureTable.build(["a", "<pad>"], 1, 16, pad_token="<pad>").expand([after])
+    assert np.array_equal(grown.rows, table.rows)  # the state rebuilt from the rows keeps the padding token
+
+
+def test_a_third_token_of_a_prefix_is_compared_with_the_latest_only_so_it_may_repeat_the_first():
+    """The authors' dict keeps one token per prefix: where three tokens share an H-1 prefix, the third is
+    redrawn only against the second and may take the first one's signature (H2B4 makes it frequent)."""
+    tokens = [f"w{i}" for i in range(40)]
+    table = SignatureTable.build(tokens, 2, 4)
+    rows = [tuple(row) for row in table.rows.tolist()]
+    repeated = [i for i, row in enumerate(rows) if row in rows[:i]]
+    assert repeated and table.duplicate_signatures == len(repeated)
+    for index in repeated:
+        same_prefix = [i for i in range(index) if rows[i][0] == rows[index][0]]
+        assert rows[same_prefix[-1]] != rows[index]  # apart from the latest one, not from every one
+
+
+def test_lsh_matrices_streamed_in_chunks_equal_one_whole_draw(monkeypatch):
+    monkeypatch.setattr(lsh, "_CHUNK_VALUES", 3 * 5 * 16)  # 16 rows a chunk: several chunks
+    shape = (48, 3, 5)
+    whole = torch.randn(shape, generator=torch.Generator().manual_seed(11))
+    normalised = torch.nn.functional.normalize(whole, dim=-1)
+    for j in range(3):
+        assert torch.equal(lsh.normal_slice(11, shape, j), whole[:, j, :])
+        assert torch.equal(lsh.normal_slice(11, shape, j, normalize=True), normalised[:, j, :])
+
+
+LSH_TOKENS = ["the", "Ġthe", "Ġthere", "Ġtheir", "ab", "a", "", "aaaa", "<pad>", "日本語", "Ġcat", "Ġcats"]
+
+
+@pytest.mark.parametrize(
+    ("num_hashes", "num_buckets", "num_lsh"),
+    [(2, 64, 1), (3, 64, 2), (4, 64, 3), (2, 64, 2), (1, 64, 1), (2, 4096, 1)],
+    ids=["H2-1:1", "H3-2:1", "H4-3:1", "H2-2:0", "H1-1:0", "H2B4K-1:1"],
+)
+def test_lsh_coordinates_equal_the_authors_loop_row_for_row(num_hashes, num_buckets, num_lsh):
+    tokens = [*LSH_TOKENS, *(f"Ġword{i}" for i in range(60)), *(f"x{i}y" for i in range(30))]
+    table = SignatureTable.build(tokens, num_hashes, num_buckets, pad_token="<pad>", num_lsh=num_lsh)
+    expected = authors_hash_map(tokens, num_hashes, num_buckets, num_lsh, pad_id=tokens.index("<pad>"))
+    assert np.array_equal(table.rows.astype(np.int64), expected.numpy())
+    assert table.num_lsh == num_lsh and table.rows[tokens.index("<pad>")].tolist() == [0] * num_hashes
+    lsh_part = table.rows[:, :num_lsh]
+    assert lsh_part[[i for i, t in enumerate(tokens) if t != "<pad>"]].min() >= 1
+    assert table.duplicate_signatures == len(tokens) - len({tuple(r) for r in table.rows.tolist()})
+    if num_lsh == num_hashes:  # nothing is redrawn: every prefix collision is a duplicate
+        assert table.salts.max() == 0 and table.duplicate_signatures > 0
+
+
+def test_lsh_at_the_papers_bucket_count_equals_the_authors_one_token_products():
+    """B = 16,384 (H4B16K, LSH:MMH3 2:2): the blocked second stage picks the same arg-max as the authors'
+    one-token products on every token (a float32 near-tie could differ; none does here)."""
+    tokens = [*LSH_TOKENS, *(f"Ġtok{i}en" for i in range(40))]
+    table = SignatureTable.build(tokens, 4, 16384, pad_token="<pad>", num_lsh=2)
+    expected = authors_hash_map(tokens, 4, 16384, 2, pad_id=tokens.index("<pad>"))
+    assert np.array_equal(table.rows.astype(np.int64), expected.numpy())
 
 
 def test_collisions_are_redrawn_with_a_recorded_salt():
@@ -86,15 +197,35 @@ def test_collisions_are_redrawn_with_a_recorded_salt():
 
 
 @settings(max_examples=30, deadline=None)
-@given(vocabularies, vocabularies, st.sampled_from(["reference", "murmur32"]))
-def test_expansion_keeps_old_rows_and_stays_collision_free(old, new, scheme):
+@given(vocabularies, vocabularies, st.sampled_from(["reference", "murmur32"]), st.integers(1, 2), st.data())
+def test_expansion_keeps_old_rows_and_follows_the_scheme(old, new, scheme, num_hashes, data):
     new = [token for token in new if token not in set(old)]
-    table = SignatureTable.build(old, 2, 64, scheme=scheme)
+    num_buckets = 64 if scheme == "reference" else 256
+    pad_id = data.draw(st.integers(0, len(old) - 1))  # the last old token too: H=1 then starts from 0
+    table = SignatureTable.build(old, num_hashes, num_buckets, scheme=scheme, pad_token=old[pad_id])
     expanded = table.expand(new)
     assert np.array_equal(expanded.rows[: len(old)], table.rows)
     assert expanded.tokens[: len(old)] == table.tokens
-    assert len({tuple(row) for row in expanded.rows.tolist()}) == len(old) + len(new)
+    if scheme == "murmur32":
+        assert len({tuple(row) for row in expanded.rows.tolist()}) == len(old) + len(new)
+    else:  # the authors' loop over old + new: their state after the old tokens is rebuilt from the rows
+        expected = authors_hash_map([*old, *new], num_hashes, num_buckets, pad_id=pad_id).numpy()
+        assert np.array_equal(expanded.rows.astype(np.int64), expected)
     assert expanded.fingerprint != table.fingerprint or not new
+
+
+def test_expanding_a_table_whose_added_tokens_were_never_hashed_continues_the_authors_loop():
+    """An imported H1 table: the authors hash the base vocabulary only, so the added tokens' all-zero
+    rows are not part of their loop's state; a new token is compared with the last base token."""
+    from mhf_dist.signatures import reference_coordinate
+
+    base, added = [f"b{i}" for i in range(50)], ["<x>", "<y>"]
+    rows = authors_hash_map(base, 1, 16, rows=52).numpy().astype(np.uint8)
+    imported = SignatureTable([*base, *added], rows, np.zeros(52, np.uint32), 1, 16, 0)
+    new = next(f"n{i}" for i in range(100) if reference_coordinate(f"n{i}", 0, 16) == rows[49, 0])
+    grown = imported.expand([new])
+    assert grown.rows[52, 0] == authors_hash_map([*base, new], 1, 16)[50, 0] != rows[49, 0]
+    assert grown.salts[52] == 1
 
 
 @pytest.mark.parametrize("scheme", ["reference", "murmur32"])
@@ -116,6 +247,31 @@ def test_save_load_round_trip_is_exact(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_lsh_and_reserved_rows_survive_save_and_load_and_a_plain_table_keeps_format_2(tmp_path):
+    table = SignatureTable.build(LSH_TOKENS, 3, 64, pad_token="<pad>", num_lsh=1)
+    rows = np.concatenate([table.rows, np.zeros((4, 3), table.rows.dtype)])  # 4 reserved rows
+    salts = np.concatenate([table.salts, np.zeros(4, np.uint32)])
+    padded = SignatureTable(table.tokens, rows, salts, 3, 64, 0, pad_id=table.pad_id, num_lsh=1)
+    assert (len(padded), padded.num_rows, padded.reserved_rows) == (len(LSH_TOKENS), len(LSH_TOKENS) + 4, 4)
+    for name, original in (("lsh", table), ("padded", padded)):
+        original.save(tmp_path / f"{name}.safetensors")
+        loaded = SignatureTable.load(tmp_path / f"{name}.safetensors")
+        assert (loaded.num_lsh, loaded.tokens, loaded.reserved_rows) == (
+            1,
+            original.tokens,
+            original.reserved_rows,
+        )
+        assert np.array_equal(loaded.rows, original.rows) and loaded.fingerprint == original.fingerprint
+    assert padded.as_tensor().shape == (len(LSH_TOKENS) + 4, 3)  # what a model's normaliser holds
+    with pytest.raises(SignatureError, match=r"token id 12 is outside the signature table \(ids 0..11\)"):
+        padded.lookup(np.array([len(LSH_TOKENS)]))  # a reserved row is no id
+    SignatureTable.build(["a", "b"], 2, 8).save(tmp_path / "plain.safetensors")
+    with safe_open(str(tmp_path / "plain.safetensors"), framework="numpy") as handle:
+        assert handle.metadata()["version"] == "2" and "num_lsh" not in handle.metadata()
+    with safe_open(str(tmp_path / "lsh.safetensors"), framework="numpy") as handle:
+        assert (handle.metadata()["version"], handle.metadata()["num_lsh"]) == ("3", "1")
+
+
 def test_saved_file_is_safetensors_not_pickle(tmp_path):
     """The safetensors layout: an 8-byte little-endian header length, a JSON header naming every tensor
     with its dtype, shape and byte range, then raw bytes; nothing a pickle loader can run."""
@@ -132,7 +288,9 @@ def test_saved_file_is_safetensors_not_pickle(tmp_path):
         pickle.loads(blob)
 
 
-@pytest.mark.parametrize("change", ["num_hashes", "num_buckets", "seed", "row", "scheme"])
+@pytest.mark.parametrize(
+    "change", ["num_hashes", "num_buckets", "seed", "row", "scheme", "num_lsh", "token_count"]
+)
 def test_fingerprint_changes_when_any_ingredient_changes(change):
     tokens = [f"t{i}" for i in range(50)]
     base = SignatureTable.build(tokens, 2, 64, 0)
@@ -140,6 +298,10 @@ def test_fingerprint_changes_when_any_ingredient_changes(change):
         other = SignatureTable.build([*tokens[:-1], "different"], 2, 64, 0)
     elif change == "scheme":  # the same rows under another scheme's name are another table
         other = SignatureTable(tokens, base.rows.copy(), base.salts.copy(), 2, 64, 0, "murmur32")
+    elif change == "num_lsh":  # the same rows said to hold an LSH coordinate
+        other = SignatureTable(tokens, base.rows.copy(), base.salts.copy(), 2, 64, 0, num_lsh=1)
+    elif change == "token_count":  # the same rows, the last one reserved (no id)
+        other = SignatureTable(tokens[:-1], base.rows.copy(), base.salts.copy(), 2, 64, 0)
     else:
         kwargs = {"num_hashes": 2, "num_buckets": 64, "seed": 0}
         kwargs[change] += 1
@@ -165,12 +327,14 @@ def test_lookup_is_vectorised_for_numpy_and_torch():
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path):
-    with pytest.raises(SignatureError, match="exceeds the 4 signatures"):
+    with pytest.raises(SignatureError, match=r"exceeds the 4 signatures of H=2, B=2 \(murmur32 scheme"):
         SignatureTable.build(["a", "b", "c", "d", "e"], 2, 2, scheme="murmur32")
-    with pytest.raises(SignatureError, match=r"exceeds the 10 signatures of H=2, B=4 \(reference scheme\)"):
-        SignatureTable.build([f"t{i}" for i in range(11)], 2, 4)
-    with pytest.raises(SignatureError, match="all 3 last-coordinate values after its first 1 are taken"):
-        SignatureTable.build([f"t{i}" for i in range(10)], 2, 4)
+    beyond = SignatureTable.build([f"t{i}" for i in range(11)], 2, 4)  # reference: duplicates, no error
+    assert beyond.capacity == 10 and beyond.duplicate_signatures >= 1
+    with pytest.raises(SignatureError, match=r"num_lsh=3 must lie in 0..H=2"):
+        SignatureTable.build(["a"], 2, 8, num_lsh=3)
+    with pytest.raises(SignatureError, match="LSH coordinates are the reference scheme's, not murmur32's"):
+        SignatureTable.build(["a"], 2, 8, scheme="murmur32", num_lsh=1)
     with pytest.raises(SignatureError, match=r"H>=1"):
         SignatureTable.build(["a"], 0, 8)
     with pytest.raises(SignatureError, match=r"B>=2"):

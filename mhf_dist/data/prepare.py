@@ -34,9 +34,9 @@ import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
 from mhf_dist.config import Config
-from mhf_dist.data import recall
+from mhf_dist.data import mixture, recall
 from mhf_dist.data.corpus import read_corpus
-from mhf_dist.data.packing import dropped_tokens, pack_rows, row_count, token_range
+from mhf_dist.data.packing import Packing, dropped_tokens, pack_rows, row_count, token_range
 from mhf_dist.data.shards import (
     FORMAT,
     MANIFEST,
@@ -48,7 +48,7 @@ from mhf_dist.data.shards import (
     shard_name,
     write_shard,
 )
-from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.data.tokenizer import TextTokenizer, check_document_format
 from mhf_dist.errors import DataError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
@@ -74,19 +74,15 @@ def _worker_tokenizer(tokenizer_json: str) -> Tokenizer:
     return Tokenizer.from_str(tokenizer_json)
 
 
-def tokenize_batch(batch: pa.Table, tokenizer_json: str, eos_id: int) -> pa.Table:
-    """Ray Data task: token ids of each document with EOS appended."""
+def tokenize_batch(batch: pa.Table, tokenizer_json: str, before: list[int], after: list[int]) -> pa.Table:
+    """Ray Data task: token ids of each document between its boundary tokens ([BOS] before, or [EOS]
+    after: `TextTokenizer.boundaries`)."""
     encodings = _worker_tokenizer(tokenizer_json).encode_batch(
         batch["text"].to_pylist(), add_special_tokens=False
     )
-    ids = [[*encoding.ids, eos_id] for encoding in encodings]
-    return pa.table(
-        {
-            "split": batch["split"],
-            "replaced": batch["replaced"],
-            "ids": pa.array(ids, type=pa.list_(pa.int32())),
-        }
-    )
+    ids = [[*before, *encoding.ids, *after] for encoding in encodings]
+    columns = {name: batch[name] for name in ("split", "replaced", "source", "key")}  # (mixture.py)
+    return pa.table({**columns, "ids": pa.array(ids, type=pa.list_(pa.int32()))})
 
 
 def prepare_if_missing(cfg: Config, log: Callable[[str], None] = print) -> None:
@@ -125,12 +121,29 @@ def prepare(
             assign_split, batch_format="pyarrow", fn_kwargs={"val_percent": data.val_percent}
         )
         tokenizer = _resolve_tokenizer(cfg, documents)
+        documents = mixture.with_replay(documents, data)  # after the BPE is learned: from data.corpus only
+    # Generated recall rows are not documents: they keep the EOS-filler layout of their generator.
+    if data.corpus == recall.CORPUS and data.document_format == "bos":
+        raise DataError(
+            "data.corpus=recall writes generated rows in the eos layout; drop data.document_format=bos "
+            "(or set it to eos)"
+        )
+    document_format = (
+        "eos" if data.corpus == recall.CORPUS else tokenizer.resolve_format(data.document_format)
+    )
     num_hashes, num_buckets, seed = cfg.model.hash.num_hashes, cfg.model.hash.num_buckets, cfg.model.hash.seed
     table = signature_table(cfg, tokenizer)
+    _check_model_documents(cfg, document_format)
     log(
-        f"tokenizer: {tokenizer.vocab_size} tokens (sha256 {tokenizer.sha256[:12]}); signatures "
+        f"tokenizer: {tokenizer.vocab_size} tokens (sha256 {tokenizer.sha256[:12]}), {document_format} "
+        f"documents ({_describe_format(tokenizer, document_format)}); signatures "
         f"{table.spec} seed {seed} ({table.scheme} scheme), fingerprint {table.fingerprint[:12]}"
     )
+    if table.duplicate_signatures:  # the authors' rule allows them (H=1, shared prefixes, all-LSH)
+        log(
+            f"warning: {table.duplicate_signatures} tokens share an earlier token's signature; exact "
+            "scoring gives them equal scores (the authors' redraw rule, as in their tables)"
+        )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
@@ -139,21 +152,24 @@ def prepare(
         if data.corpus == recall.CORPUS:
             splits = _write_recall_shards(cfg, table, staging)
         else:
-            splits = _write_shards(cfg, tokenizer, table, documents, staging)
+            splits = _write_shards(cfg, tokenizer, table, documents, staging, document_format)
         tokenizer.save(staging / TOKENIZER_FILE)
         table.save(staging / SIGNATURES_FILE)
         manifest = {
             "format": FORMAT,
             "version": 2,
             "seq_len": cfg.train.seq_len,
+            "packing": cfg.data.packing,
             "rows_per_group": ROWS_PER_GROUP,
             "splits": splits,
             "content_sha256": content_hash(splits),
+            "document_format": document_format,
             "tokenizer": {
                 "file": TOKENIZER_FILE,
                 "sha256": tokenizer.sha256,
                 "vocab_size": tokenizer.vocab_size,
                 "eos_id": tokenizer.eos_id,
+                "bos_id": tokenizer.bos_id if document_format == "bos" else None,
             },
             "signatures": {
                 "file": SIGNATURES_FILE,
@@ -164,6 +180,8 @@ def prepare(
                 "scheme": table.scheme,
                 "fingerprint": table.fingerprint,
                 "dtype": str(table.rows.dtype),
+                "num_lsh": table.num_lsh,
+                "duplicate_signatures": table.duplicate_signatures,
             },
             "config": {
                 "data": data.model_dump(exclude={"path"}),
@@ -186,6 +204,27 @@ def prepare(
     return manifest
 
 
+def _check_model_documents(cfg: Config, document_format: str) -> None:
+    """Shards for the exported model `data.signatures` names are framed as its training documents."""
+    from mhf_dist.export import CONFIG_FILE, document_format_of, read_export_config
+
+    path = Path(cfg.data.signatures) if cfg.data.signatures else None
+    if path is None or not (path / CONFIG_FILE).is_file():
+        return
+    check_document_format(
+        document_format,
+        document_format_of(read_export_config(path)),
+        f"corpus {cfg.data.corpus!r} as prepared",
+        f"model {str(path)!r}",
+    )
+
+
+def _describe_format(tokenizer: TextTokenizer, document_format: str) -> str:
+    if document_format == "bos":
+        return f"{tokenizer.tokenizer.id_to_token(tokenizer.bos_id)} first, no EOS"
+    return f"{tokenizer.tokenizer.id_to_token(tokenizer.eos_id)} after each"
+
+
 def _resolve_tokenizer(cfg: Config, documents: Any) -> TextTokenizer:
     from ray.data.expressions import col
 
@@ -205,12 +244,14 @@ def _write_shards(
     table: SignatureTable,
     documents: Any,
     staging: Path,
+    document_format: str,
 ) -> dict[str, dict[str, Any]]:
     import ray
 
+    before, after = tokenizer.boundaries(document_format)
     tokenized = documents.map_batches(
         tokenize_batch,
-        fn_kwargs={"tokenizer_json": tokenizer.tokenizer.to_str(), "eos_id": tokenizer.eos_id},
+        fn_kwargs={"tokenizer_json": tokenizer.tokenizer.to_str(), "before": before, "after": after},
         batch_format="pyarrow",
         # One task per block as read (one file, or a read block of a .jsonl/.parquet corpus): a row count
         # here would make Ray Data bundle the files themselves (one row each) into a single task.
@@ -218,12 +259,13 @@ def _write_shards(
     )
     blocks = tokenized.to_arrow_refs()  # in document order (preserve_order)
     counts = ray.get([ray.remote(count_block).remote(block) for block in blocks])
-    seq_len = cfg.train.seq_len
+    threshold, mix = mixture.select(counts, cfg.data)  # replayed documents join the train counts
+    seq_len, packing = cfg.train.seq_len, cfg.data.packing
     keys = ("documents", "replaced", "tokens")
     totals = {split: {key: sum(block[split][key] for block in counts) for key in keys} for split in SPLITS}
     if sum(totals[split]["documents"] for split in SPLITS) == 0:
         raise DataError(f"corpus {cfg.data.corpus!r} holds no text; pass a corpus with at least one document")
-    if row_count(totals["train"]["tokens"], seq_len) == 0:
+    if row_count(totals["train"]["tokens"], seq_len, packing) == 0:
         raise DataError(
             f"the training split has {totals['train']['tokens']} tokens, fewer than one row of "
             f"seq_len+1={seq_len + 1}; use more text or a smaller train.seq_len"
@@ -234,15 +276,17 @@ def _write_shards(
     for split in SPLITS:
         lengths = np.array([block[split]["tokens"] for block in counts], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(lengths)])
-        bounds = shard_bounds(row_count(totals[split]["tokens"], seq_len), cfg.data.rows_per_shard)
+        bounds = shard_bounds(row_count(totals[split]["tokens"], seq_len, packing), cfg.data.rows_per_shard)
         pending[split] = [
             write_task.remote(
-                block_pieces(blocks, starts, *token_range(first, end, seq_len)),
+                block_pieces(blocks, starts, *token_range(first, end, seq_len, packing)),
                 split,
                 seq_len,
+                packing,
                 table_ref,
                 str(staging.resolve()),  # tasks run in working directories of their own
                 shard_name(split, index),
+                threshold,
             )
             for index, (first, end) in enumerate(bounds)
         ]
@@ -256,8 +300,11 @@ def _write_shards(
             "shards": shards,
             "documents": totals[split]["documents"],
             "replaced": totals[split]["replaced"],
-            "dropped_tokens": dropped_tokens(totals[split]["tokens"], seq_len),
+            "dropped_tokens": dropped_tokens(totals[split]["tokens"], seq_len, packing),
         }
+    if mix is not None:
+        splits["train"]["mixture"] = mix
+        _log_mixture(mix)
     replaced = sum(totals[split]["replaced"] for split in SPLITS)
     if replaced:
         print(
@@ -267,14 +314,15 @@ def _write_shards(
     return splits
 
 
-def count_block(block: pa.Table) -> dict[str, dict[str, int]]:
-    """Ray task: documents, replaced documents and tokens of each split in one tokenized block."""
-    counts = {}
+def count_block(block: pa.Table) -> dict[str, Any]:
+    """Ray task: documents, replaced documents and tokens of each split in one tokenized block (of
+    data.corpus; replayed candidates are listed under `candidates` for `mixture.select`)."""
+    counts: dict[str, Any] = {"candidates": mixture.candidates(block)}
     for split in SPLITS:
         if block.num_rows == 0:  # an empty block carries no columns
             counts[split] = {"documents": 0, "replaced": 0, "tokens": 0}
             continue
-        selected = block.filter(pc.equal(block["split"], split))
+        selected = block.filter(mixture.in_split(block, split, mixture.NONE_SELECTED))
         counts[split] = {
             "documents": selected.num_rows,
             "replaced": int(pc.sum(selected["replaced"]).as_py() or 0),
@@ -305,21 +353,39 @@ def write_shard_from_blocks(
     pieces: list[tuple[Any, int, int]],
     split: str,
     seq_len: int,
+    packing: Packing,
     table: SignatureTable,
     directory: str,
     name: str,
+    threshold: int = mixture.NONE_SELECTED,
 ) -> dict[str, Any]:
-    """Ray task: one shard's rows packed from its pieces of the tokenized blocks, written to `directory`."""
+    """Ray task: one shard's rows packed from its pieces of the tokenized blocks, written to `directory`
+    (replayed documents with keys below `threshold` are in the train split)."""
     import ray
 
     blocks = ray.get([block for block, _, _ in pieces])
     stream = np.concatenate(
         [
-            block.filter(pc.equal(block["split"], split))["ids"].combine_chunks().flatten().to_numpy()[lo:hi]
+            block.filter(mixture.in_split(block, split, threshold))["ids"]
+            .combine_chunks()
+            .flatten()
+            .to_numpy()[lo:hi]
             for block, (_, lo, hi) in zip(blocks, pieces, strict=True)
         ]
     )
-    return write_shard(pack_rows(stream, seq_len), table, Path(directory), name)
+    return write_shard(pack_rows(stream, seq_len, packing), table, Path(directory), name)
+
+
+def _log_mixture(mix: dict[str, Any]) -> None:
+    main, replay = mix["sources"]
+    short = mix["realised_fraction"] < 0.9 * mix["requested_fraction"]
+    print(
+        f"{'warning: ' if short else ''}replay: {replay['documents']:,} of {replay['candidate_documents']:,} "
+        f"documents of {replay['corpus']!r} ({replay['tokens']:,} tokens) join {main['tokens']:,} training "
+        f"tokens: {mix['realised_fraction']:.2%} of them (asked for {mix['requested_fraction']:.2%}"
+        f"{'; the replay corpus has too little text' if short else ''})",
+        file=sys.stderr if short else sys.stdout,
+    )
 
 
 def check_writable(directory: Path) -> None:
@@ -344,9 +410,11 @@ def signature_table(cfg: Config, tokenizer: TextTokenizer) -> SignatureTable:
         )
     hash_cfg = cfg.model.hash
     if not table.follows(hash_cfg):
+        lsh = (f", num_lsh {table.num_lsh}", f", num_lsh {hash_cfg.num_lsh}")
+        lsh = lsh if table.num_lsh or hash_cfg.num_lsh else ("", "")
         raise DataError(
-            f"data.signatures {str(path)!r} is {table.spec} seed {table.seed} ({table.scheme}) but "
-            f"model.hash says {hash_cfg.spec} seed {hash_cfg.seed} ({hash_cfg.signature_scheme}); "
+            f"data.signatures {str(path)!r} is {table.spec} seed {table.seed} ({table.scheme}{lsh[0]}) but "
+            f"model.hash says {hash_cfg.spec} seed {hash_cfg.seed} ({hash_cfg.signature_scheme}{lsh[1]}); "
             "make them agree"
         )
     return table

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mhf_dist.config import Config
+from mhf_dist.data.tokenizer import FORMAT_TEXT, LEGACY_FORMAT
 from mhf_dist.errors import DataError
 from mhf_dist.signatures import SignatureTable
 
@@ -92,11 +93,23 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def document_format(manifest: dict[str, Any]) -> str:
+    """The shards' document format (bos / eos); manifests written before it was recorded are eos."""
+    return manifest.get("document_format", LEGACY_FORMAT)
+
+
 def check_compatible(manifest: dict[str, Any], cfg: Config, fingerprint: str | None = None) -> None:
     """Refuse shards that do not fit the model: each mismatch names both values."""
+    have, want = document_format(manifest), cfg.data.document_format
+    if want != "auto" and want != have:
+        raise DataError(
+            f"shards hold {have}-format documents ({FORMAT_TEXT[have]}) but data.document_format is "
+            f"{want}; set --set data.document_format={have} or re-prepare with {want}"
+        )
     hashes = manifest["signatures"]
     pairs = [
         ("seq_len", manifest["seq_len"], cfg.train.seq_len, "train.seq_len"),
+        ("packing", manifest.get("packing", "overlap"), cfg.data.packing, "data.packing"),
         ("vocab_size", manifest["tokenizer"]["vocab_size"], cfg.model.vocab_size, "model.vocab_size"),
     ]
     if cfg.model.family == "mhf":
@@ -104,6 +117,7 @@ def check_compatible(manifest: dict[str, Any], cfg: Config, fingerprint: str | N
             ("hash spec", hashes["spec"], cfg.model.hash.spec, "model.hash.spec"),
             ("hash seed", hashes["seed"], cfg.model.hash.seed, "model.hash.seed"),
             ("signature scheme", hashes.get("scheme"), cfg.model.hash.signature_scheme, "model.hash.scheme"),
+            ("LSH coordinate count", hashes.get("num_lsh", 0), cfg.model.hash.num_lsh, "model.hash.num_lsh"),
         ]
     for name, have, want, key in pairs:
         if have != want:

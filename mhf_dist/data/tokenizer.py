@@ -1,7 +1,12 @@
-"""Tokenizers: any Hugging Face `tokenizer.json`, a byte-level BPE trained on a corpus, or raw bytes.
+"""Tokenizers: any Hugging Face `tokenizer.json`, Mistral-7B-v0.3's (`mistral-v0.3`), a byte-level BPE
+trained on a corpus, or raw bytes.
 
-All three are `tokenizers.Tokenizer` objects underneath, so every one saves as a `tokenizer.json` that
+All are `tokenizers.Tokenizer` objects underneath, so every one saves as a `tokenizer.json` that
 shards, checkpoints and exported models carry.
+
+A document's boundary tokens follow the tokenizer (`document_format`): `bos` documents are `<s> text`
+with no EOS (what a tokenizer whose default special tokens put a BOS first gives, e.g. Mistral's); `eos`
+documents are `text EOS` (a tokenizer without such a BOS, e.g. byte-level BPEs and raw bytes).
 """
 
 from __future__ import annotations
@@ -20,6 +25,22 @@ EOS = "<|endoftext|>"
 EOS_CANDIDATES = (EOS, "</s>", "<eos>")
 BYTE_SPECIALS = ("<bos>", "<eos>", "<pad>")
 PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
+BOS_CANDIDATES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>")
+DOCUMENT_FORMATS = ("bos", "eos")
+LEGACY_FORMAT = "eos"  # what manifests and exported models written before the format was recorded hold
+FORMAT_TEXT = {"bos": "BOS first, no EOS", "eos": "EOS after each"}
+
+
+def check_document_format(
+    data_format: str, model_format: str, data: str, model: str, error: type[Exception] = DataError
+) -> None:
+    """Data and model must frame documents alike: a mismatch is one line naming both and the fix."""
+    if data_format != model_format:
+        raise error(
+            f"{data} holds {data_format}-format documents ({FORMAT_TEXT[data_format]}) but {model} was "
+            f"trained on {model_format}-format documents ({FORMAT_TEXT[model_format]}); re-prepare the "
+            f"data with --set data.document_format={model_format}"
+        )
 
 
 def byte_level_alphabet() -> list[str]:
@@ -103,18 +124,89 @@ class TextTokenizer:
         return cls(tokenizer)
 
     @classmethod
+    def mistral(cls) -> TextTokenizer:
+        """Mistral-7B-v0.3's tokenizer (32,768 ids), converted once from mistral-common and cached."""
+        from mhf_dist.data import mistral
+
+        return cls(Tokenizer.from_str(mistral.tokenizer_json()), eos_token="</s>")
+
+    @classmethod
     def resolve(cls, spec: str, vocab_size: int, training_texts: Iterable[str]) -> TextTokenizer:
-        """`bytes`, `bpe` (trained on `training_texts` to `vocab_size`) or a path to a tokenizer.json."""
+        """`bytes`, `bpe` (trained on `training_texts` to `vocab_size`), `mistral-v0.3` or a path to a
+        tokenizer.json."""
+        from mhf_dist.data import mistral
+
         if spec == "bytes":
             return cls.bytes()
         if spec == "bpe":
             return cls.train_bpe(training_texts, vocab_size)
+        if spec == mistral.NAME:
+            return cls.mistral()
         path = Path(spec)
         if not path.is_file():
             raise DataError(
-                f"tokenizer {spec!r} is neither 'bpe', 'bytes' nor an existing tokenizer.json file"
+                f"tokenizer {spec!r} is neither 'bpe', 'bytes', '{mistral.NAME}' nor an existing "
+                "tokenizer.json file"
             )
         return cls.load(path)
+
+    # --- document boundaries ------------------------------------------------------------------------
+    @property
+    def default_bos_id(self) -> int | None:
+        """The token the tokenizer's default special tokens put before a text (its post-processor's
+        `<s> $A` template), or None when they add nothing in front."""
+        plain = self.tokenizer.encode("a", add_special_tokens=False).ids
+        full = self.tokenizer.encode("a", add_special_tokens=True).ids
+        if len(full) > len(plain) and full[1 : 1 + len(plain)] == plain:
+            return full[0]
+        return None
+
+    def resolve_format(self, requested: str) -> str:
+        """`auto` -> `bos` when the default special tokens lead with a BOS, else `eos`; `bos`/`eos` as
+        asked (`bos` needs a BOS token in the vocabulary)."""
+        if requested == "auto":
+            return "bos" if self.default_bos_id is not None else "eos"
+        if requested not in DOCUMENT_FORMATS:
+            raise DataError(f"document format {requested!r}; use auto, bos or eos")
+        if requested == "bos":
+            _ = self.bos_id  # raises when there is none
+        return requested
+
+    @property
+    def bos_id(self) -> int:
+        """The BOS of `bos` documents: the default template's, else the first of BOS_CANDIDATES."""
+        default = self.default_bos_id
+        if default is not None:
+            return default
+        for token in BOS_CANDIDATES:
+            index = self.tokenizer.token_to_id(token)
+            if index is not None:
+                return index
+        raise DataError(
+            f"the tokenizer has no BOS token ({', '.join(BOS_CANDIDATES)}); set data.document_format=eos"
+        )
+
+    def boundaries(self, document_format: str) -> tuple[list[int], list[int]]:
+        """(ids before, ids after) each document's tokens: ([BOS], []) or ([], [EOS])."""
+        if document_format == "bos":
+            return [self.bos_id], []
+        if document_format == "eos":
+            return [], [self.eos_id]
+        raise DataError(f"document format {document_format!r}; use bos or eos")
+
+    def encode_documents(self, texts: Sequence[str], document_format: str) -> list[list[int]]:
+        """Each text's ids framed as a document of `document_format`."""
+        before, after = self.boundaries(document_format)
+        return [[*before, *ids, *after] for ids in self.encode_batch(texts)]
+
+    def context_prefix(self, document_format: str) -> list[int]:
+        """What a scored context starts with: [BOS] for `bos` models, nothing for `eos` models."""
+        return self.boundaries(document_format)[0]
+
+    def empty_context(self, document_format: str) -> list[int]:
+        """The context of a text scored from its start (lm-eval's prefix token): BOS for `bos` models,
+        EOS (the end of a previous document) for `eos` models."""
+        return [self.bos_id] if document_format == "bos" else [self.eos_id]
 
     # --- vocabulary expansion (continued pretraining): old ids keep their strings -------------------
     def with_added_tokens(self, tokens: Sequence[str]) -> TextTokenizer:
@@ -210,6 +302,19 @@ class TextTokenizer:
         return [
             encoding.ids for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
         ]
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids) as the continuation is tokenized after the context.
+
+        As lm-eval's Hugging Face model does: trailing spaces of the context move to the continuation,
+        and the continuation's ids are those of the whole text past the context's. A SentencePiece
+        tokenizer encodes " word" alone with an extra `▁` (`▁▁word`), never as it appears in text.
+        """
+        spaces = len(context) - len(context.rstrip(" "))
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        context_ids, whole = self.encode_batch([context, context + continuation])
+        return context_ids, whole[len(context_ids) :]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)

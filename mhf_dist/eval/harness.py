@@ -7,6 +7,10 @@ vocabulary through the KV cache; V_actl-renormalised for `mhf`), so both agree o
     # or in Python, after `import mhf_dist.eval.harness`:
     lm_eval.simple_evaluate(model="mhf", model_args="path=...", tasks=[...])
 
+Contexts follow the model's document format as lm-eval's Hugging Face model does with the tokenizer's
+default special tokens: a `bos` model reads BOS before every context and as the empty context (the
+prefix token of rolling windows); an `eos` model reads contexts as they are and EOS as the empty context.
+
 `lm_eval` itself cannot discover models outside its source tree, so `mhf-lm-eval` is lm-eval's own
 command line with this model registered. Needs `pip install 'mhf-dist[eval]'`.
 """
@@ -32,17 +36,27 @@ class MhfHarnessLM(LM):
         exported = load_exported(path)
         self.model = exported.model.eval()
         self.tokenizer = exported.tokenizer
+        self.document_format = exported.document_format
         self.max_length = int(max_length)
+        self.prefix_token_id = self.tokenizer.empty_context(self.document_format)[0]
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode_batch([text])[0]
+
+    def _context(self, ids: list[int]) -> list[int]:
+        """A context as the model's documents start: BOS first (`bos`); an empty one is the prefix token."""
+        framed = self.tokenizer.context_prefix(self.document_format) + ids
+        return framed or [self.prefix_token_id]
 
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
         results = []
         for request in requests:
             context, continuation = request.args
-            context_ids = self._encode(context) or [self.tokenizer.eos_id]
-            results.append(continuation_logprob(self.model, context_ids, self._encode(continuation)))
+            if context:
+                context_ids, continuation_ids = self.tokenizer.encode_pair(context, continuation)
+            else:
+                context_ids, continuation_ids = [], self._encode(continuation)
+            results.append(continuation_logprob(self.model, self._context(context_ids), continuation_ids))
         return results
 
     @torch.no_grad()
@@ -51,7 +65,7 @@ class MhfHarnessLM(LM):
         for request in requests:
             (text,) = request.args
             windows = get_rolling_token_windows(
-                self._encode(text), self.tokenizer.eos_id, self.max_length, context_len=1
+                self._encode(text), self.prefix_token_id, self.max_length, context_len=1
             )
             total = 0.0
             for context, targets in map(make_disjoint_window, windows):
@@ -67,7 +81,7 @@ class MhfHarnessLM(LM):
             context, kwargs = request.args
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else until
-            prompt = self._encode(context) or [self.tokenizer.eos_id]
+            prompt = self._context(self._encode(context))
             ids = list(
                 generate(
                     self.model, prompt, int(kwargs.get("max_gen_toks", 128)), stop_ids=[self.tokenizer.eos_id]

@@ -42,16 +42,21 @@ def evaluate_rows(model: CausalLM, rows: np.ndarray, batch_size: int = 16) -> di
 
 
 def text_scores(
-    model: CausalLM, tokenizer: TextTokenizer, texts: Sequence[str], seq_len: int, batch_size: int = 16
+    model: CausalLM,
+    tokenizer: TextTokenizer,
+    texts: Sequence[str],
+    seq_len: int,
+    batch_size: int = 16,
+    document_format: str = "eos",
 ) -> dict[str, float]:
-    """Exact NLL per token and bits per UTF-8 byte of `texts` (each followed by EOS), comparable across
-    tokenizers through the bytes.
+    """Exact NLL per token and bits per UTF-8 byte of `texts`, each framed as the model's documents
+    (`bos`: BOS first; `eos`: EOS after), comparable across tokenizers through the bytes.
 
     The texts are packed into windows of seq_len targets (no context carried across a window); the tail
-    that does not fill a window is dropped, and the byte count (each EOS counted as one byte) is scaled
-    by the share of tokens scored.
+    that does not fill a window is dropped, and the byte count (each boundary token counted as one byte)
+    is scaled by the share of tokens scored.
     """
-    stream = [token for ids in tokenizer.encode_batch(list(texts)) for token in (*ids, tokenizer.eos_id)]
+    stream = [token for ids in tokenizer.encode_documents(list(texts), document_format) for token in ids]
     rows = pack_rows(np.asarray(stream), seq_len)  # rows overlap by one token: each target scored once
     total, count = nll_totals(model, rows, batch_size)
     if count == 0:

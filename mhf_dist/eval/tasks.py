@@ -2,6 +2,8 @@
 
 - `ppl`, `bpb`: exact NLL per token / bits per UTF-8 byte of a text set (`.txt`: documents separated by
   blank lines; `.jsonl`: field `text`), in windows of seq_len targets with no context carried across.
+  `ppl` also scores the validation rows of a prepared directory (`mhf prepare` output) whose
+  signatures and document format are the model's.
 - `lambada`: jsonl `{"text"}`; the last word given the rest: accuracy (greedy decoding reproduces every
   token of the word) and the word's perplexity, exp(-mean log-likelihood per example).
 - `hellaswag`: jsonl `{"ctx", "endings", "label"}`; accuracy of the ending with the highest summed
@@ -11,6 +13,8 @@
 - `recall`: generated multi-query associative recall (`mhf_dist.data.recall`, no file): accuracy of the
   greedy prediction of each queried value.
 Continuations are scored token by token through the KV cache over the full vocabulary (V_actl for mhf).
+Texts follow the model's document format: `bos` models read `<s>` before each document and context
+(lambada, hellaswag, card660 words), `eos` models an EOS after each document.
 """
 
 from __future__ import annotations
@@ -87,21 +91,59 @@ def continuation_logprob(model: Any, context: list[int], continuation: list[int]
 
 
 def eval_text(exported: ExportedModel, path: Path, limit: int, seq_len: int) -> dict[str, float]:
+    if path.is_dir():
+        return eval_prepared(exported, path, limit)
     texts = read_texts(path)[: limit or None]
-    scores = text_scores(exported.model, exported.tokenizer, texts, seq_len)
+    scores = text_scores(
+        exported.model, exported.tokenizer, texts, seq_len, document_format=exported.document_format
+    )
     return {"nll": scores["val_nll"], "ppl": scores["val_ppl"], "bits_per_byte": scores["bits_per_byte"],
             "tokens": scores["val_tokens"], "documents": len(texts)}  # fmt: skip
 
 
+def eval_prepared(exported: ExportedModel, path: Path, limit: int) -> dict[str, float]:
+    """`ppl` over the validation rows of a prepared directory (its rows as they are: seq_len + 1 ids)."""
+    from mhf_dist.data.reader import RowReader
+    from mhf_dist.data.shards import document_format, read_manifest
+    from mhf_dist.data.tokenizer import check_document_format
+    from mhf_dist.eval.perplexity import evaluate_rows
+
+    manifest = read_manifest(path)
+    fingerprint = manifest["signatures"]["fingerprint"]
+    if fingerprint != exported.table.fingerprint:
+        raise EvalDataError(
+            f"shards {str(path)!r} have signature fingerprint {fingerprint[:12]} but model "
+            f"{str(exported.path)!r} has {exported.table.fingerprint[:12]}; prepare the data with the "
+            f"model's tokenizer.json and --set data.signatures={exported.path}"
+        )
+    check_document_format(
+        document_format(manifest),
+        exported.document_format,
+        f"shards {str(path)!r}",
+        f"model {str(exported.path)!r}",
+        EvalDataError,
+    )
+    reader = RowReader(path, "validation", signatures=False)
+    rows = reader.read_range(0, min(reader.num_rows, limit) if limit else None)["tokens"]
+    scores = evaluate_rows(exported.model, rows)
+    return {"nll": scores["val_nll"], "ppl": scores["val_ppl"], "tokens": scores["val_tokens"],
+            "rows": len(rows)}  # fmt: skip
+
+
+def _framed_pair(exported: ExportedModel, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """Context ids (after the model's context prefix: BOS for `bos` models) and continuation ids."""
+    context_ids, continuation_ids = exported.tokenizer.encode_pair(context, continuation)
+    return exported.tokenizer.context_prefix(exported.document_format) + context_ids, continuation_ids
+
+
 def eval_lambada(exported: ExportedModel, path: Path, limit: int) -> dict[str, float]:
     records = read_jsonl(path, {"text": str})[: limit or None]
-    encode = exported.tokenizer.encode_batch
     correct, logprob_sum = 0, 0.0
     for number, record in enumerate(records, start=1):
         context, _, word = record["text"].strip().rpartition(" ")
         if not context:
             raise EvalDataError(f"{path}: example {number} has no context before its last word")
-        logprob, greedy = continuation_logprob(exported.model, encode([context])[0], encode([" " + word])[0])
+        logprob, greedy = continuation_logprob(exported.model, *_framed_pair(exported, context, " " + word))
         correct += greedy
         logprob_sum += logprob
     return {
@@ -113,14 +155,15 @@ def eval_lambada(exported: ExportedModel, path: Path, limit: int) -> dict[str, f
 
 def eval_hellaswag(exported: ExportedModel, path: Path, limit: int) -> dict[str, float]:
     records = read_jsonl(path, {"ctx": str, "endings": list, "label": int})[: limit or None]
-    encode = exported.tokenizer.encode_batch
     correct = correct_norm = 0
     for number, record in enumerate(records, start=1):
         endings, label = record["endings"], record["label"]
         if len(endings) < 2 or not 0 <= label < len(endings):
             raise EvalDataError(f"{path}: example {number} has label {label} for {len(endings)} endings")
-        context = encode([record["ctx"]])[0]
-        scores = [continuation_logprob(exported.model, context, encode([" " + e])[0])[0] for e in endings]
+        scores = [
+            continuation_logprob(exported.model, *_framed_pair(exported, record["ctx"], " " + e))[0]
+            for e in endings
+        ]
         normed = [
             score / max(1, len((" " + e).encode("utf-8"))) for score, e in zip(scores, endings, strict=True)
         ]
@@ -134,7 +177,9 @@ def word_vector(exported: ExportedModel, word: str, layer: int) -> torch.Tensor 
     ids = exported.tokenizer.encode_batch([word.replace("_", " ")])[0]
     if not ids:
         return None
-    return exported.model.layer_states(torch.tensor([ids]), layer)[0].float().mean(dim=0)
+    prefix = exported.tokenizer.context_prefix(exported.document_format)  # BOS for `bos` models
+    states = exported.model.layer_states(torch.tensor([prefix + ids]), layer)[0]
+    return states[len(prefix) :].float().mean(dim=0)
 
 
 def eval_card660(exported: ExportedModel, path: Path, limit: int, layer: int) -> dict[str, float]:
@@ -207,5 +252,10 @@ def run_task(
         raise EvalDataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     if data is None and task != "recall":
         raise EvalDataError(f"task {task!r} reads a file; pass --data")
+    if data is not None and data.is_dir() and task != "ppl":
+        raise EvalDataError(
+            f"--data {str(data)!r} is a directory; task {task!r} reads a file (ppl alone scores prepared "
+            "shards)"
+        )
     exported.model.eval()
     return runners[task]()

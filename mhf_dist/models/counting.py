@@ -52,13 +52,19 @@ def reference_io_params(cfg: ModelConfig) -> int:
     return tables + gate + projection + (num_hashes - 1) * mixer
 
 
+def input_coordinates(cfg: ModelConfig) -> int:
+    """The coordinates the hash encoder reads: all H, or the num_lsh LSH ones under `lsh_only_embed`
+    (the parameters stay: the decoder still uses every coordinate's table block)."""
+    return cfg.hash.num_lsh if cfg.hash.lsh_only_embed else cfg.hash.num_hashes
+
+
 def hash_encoder_forward_flops(cfg: ModelConfig) -> int:
-    d_model = cfg.backbone.hidden_size
+    d_model, read = cfg.backbone.hidden_size, input_coordinates(cfg)
     if cfg.hash.io == "reference":
         k = cfg.hash.bottleneck
-        return 2 * (cfg.hash.num_hashes * (d_model * k + k) + d_model * d_model)
+        return 2 * (read * (d_model * k + k) + d_model * d_model)
     d_hash = cfg.hash_widths()[0]
-    gate = cfg.hash.num_hashes * (d_hash * cfg.hash.gate_hidden + cfg.hash.gate_hidden)
+    gate = read * (d_hash * cfg.hash.gate_hidden + cfg.hash.gate_hidden)
     return 2 * (gate + d_hash * d_model)
 
 

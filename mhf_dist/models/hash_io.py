@@ -46,13 +46,21 @@ class HashEncoder(nn.Module):
     coordinate so that [a, b] and [b, a] embed differently. A feed-forward bottleneck scores each
     bucket vector, the scores are softmax-normalised over the H coordinates, and a linear adapter
     projects the weighted combination to the backbone's width. The gate lets a token lean on its
-    least-shared buckets, since every bucket is shared by many unrelated tokens.
+    least-shared buckets, since every bucket is shared by many unrelated tokens. `input_coords` (default
+    H): the leading coordinates read (`lsh_only_embed`: the LSH ones).
     """
 
     def __init__(
-        self, num_hashes: int, num_buckets: int, d_hash: int, gate_hidden: int, d_model: int
+        self,
+        num_hashes: int,
+        num_buckets: int,
+        d_hash: int,
+        gate_hidden: int,
+        d_model: int,
+        input_coords: int | None = None,
     ) -> None:
         super().__init__()
+        self.input_coords = num_hashes if input_coords is None else input_coords
         self.bucket_embed = nn.Embedding(num_buckets, d_hash)
         self.coord_embed = nn.Parameter(torch.empty(num_hashes, d_hash))
         self.gate = nn.Sequential(
@@ -62,7 +70,8 @@ class HashEncoder(nn.Module):
         init_hash_params(self)
 
     def forward(self, signatures: torch.Tensor) -> torch.Tensor:
-        buckets = self.bucket_embed(signatures) + self.coord_embed  # [..., H, d_hash]
+        read = self.input_coords
+        buckets = self.bucket_embed(signatures[..., :read]) + self.coord_embed[:read]  # [..., H, d_hash]
         weights = torch.softmax(self.gate(buckets), dim=-2)  # [..., H, 1]
         return self.adapter((weights * buckets).sum(dim=-2))
 

@@ -5,7 +5,10 @@
 vocabulary likelihood.
 
 Parameters depend on the number of buckets B, not on the vocabulary V: the vocabulary lives only in
-the [V, H] signature buffer, which exact scoring uses to renormalise over the real tokens V_actl. The
+the [rows, H] signature buffer, which exact scoring uses to renormalise over the real tokens V_actl: every
+row once, duplicate signatures included (they score alike), and an imported checkpoint's reserved rows
+past the tokenizer (the authors round V up to a multiple of 128), as the authors' `use_conditional_prob`
+does; only the first `vocab_size` rows are ids, so generation never produces a reserved row. The
 stack (`model.backbone.kind`) sees vectors in and hidden states out, so the encoder and decoder are
 the same code over every backbone. Over a triple-latent stack (except gated_hybrid, whose memory keeps
 every token pair) neither the parameters nor the generation state grow with V or with the context.
@@ -21,7 +24,7 @@ from torch import nn
 from mhf_dist.config import ModelConfig
 from mhf_dist.errors import SignatureError
 from mhf_dist.models.base import CausalLM, LMOutput, split_rows
-from mhf_dist.models.counting import triple_parts
+from mhf_dist.models.counting import input_coordinates, triple_parts
 from mhf_dist.models.hash_io import (
     CascadedHashDecoder,
     HashEncoder,
@@ -49,19 +52,22 @@ def build_hash_io(cfg: ModelConfig) -> tuple[nn.Module, nn.Module]:
     """The (encoder, decoder) pair `model.hash.io` names; the reference pair shares one table."""
     num_hashes, num_buckets = cfg.hash.num_hashes, cfg.hash.num_buckets
     d_model = cfg.backbone.hidden_size
+    read = input_coordinates(cfg)
     if cfg.hash.io == "reference":
-        encoder = ReferenceHashEncoder(num_hashes, num_buckets, d_model, cfg.hash.bottleneck)
+        encoder = ReferenceHashEncoder(num_hashes, num_buckets, d_model, cfg.hash.bottleneck, read)
         tied = cfg.backbone.tie_word_embeddings
         decoder = ReferenceCascadeDecoder(
             encoder.table.weight, num_hashes, num_buckets, cfg.hash.bottleneck, tied
         )
         return encoder, decoder
     d_hash, d_casc, mixer_hidden = cfg.hash_widths()
-    encoder = HashEncoder(num_hashes, num_buckets, d_hash, cfg.hash.gate_hidden, d_model)
+    encoder = HashEncoder(num_hashes, num_buckets, d_hash, cfg.hash.gate_hidden, d_model, read)
     return encoder, CascadedHashDecoder(d_model, num_hashes, num_buckets, d_casc, mixer_hidden)
 
 
 class MultiHashFormer(CausalLM):
+    """`vocab_signatures` is [rows, H]: ids 0..vocab_size-1, then any reserved rows (normaliser only)."""
+
     def __init__(self, cfg: ModelConfig, vocab_signatures: torch.Tensor) -> None:
         super().__init__()
         num_hashes, num_buckets = cfg.hash.num_hashes, cfg.hash.num_buckets
@@ -133,7 +139,8 @@ class MultiHashFormer(CausalLM):
 
     def next_token_logprobs(self, new_ids: torch.Tensor, cache: Any | None) -> tuple[torch.Tensor, Any]:
         coord_logp = self.coord_logprobs(new_ids, cache)[:, -1]
-        return vocab_logprobs(coord_logp, self.vocab_signatures), cache
+        # normalised over every row, returned for the ids only: a reserved row's mass is never sampled
+        return vocab_logprobs(coord_logp, self.vocab_signatures)[:, : self.vocab_size], cache
 
     def new_cache(self) -> Any:
         """The stack's decoding state: a KV cache (qwen3) or a `RecurrentState` (triple-latent stacks)."""
@@ -153,9 +160,9 @@ def _check_signatures(sigs: torch.Tensor, vocab_size: int, num_hashes: int, num_
             f"signature table has shape {tuple(sigs.shape)} but the model expects [V, {num_hashes}]; "
             "build the table with the model's hash spec"
         )
-    if sigs.shape[0] != vocab_size:
+    if sigs.shape[0] < vocab_size:
         raise SignatureError(
-            f"signature table has {sigs.shape[0]} tokens but model.vocab_size={vocab_size}; "
+            f"signature table has {sigs.shape[0]} rows but model.vocab_size={vocab_size}; "
             f"set --set model.vocab_size={sigs.shape[0]}"
         )
     if sigs.device.type != "meta" and sigs.numel() and int(sigs.max()) >= num_buckets:

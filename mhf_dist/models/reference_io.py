@@ -2,7 +2,8 @@
 
 One table E of [H*B, d_model] serves both ends: coordinate j owns rows j*B .. j*B + B-1.
 - Encoder: a token's H rows E[j*B + s_j] are scored by a gate (Linear(d, k) + SiLU + Linear(k, 1)),
-  softmax-normalised over the H coordinates, summed, and projected by Linear(d, d).
+  softmax-normalised over the H coordinates, summed, and projected by Linear(d, d). Under
+  `lsh_only_embed` it reads only the first num_lsh coordinates (the LSH ones), as the authors' forward.
 - Decoder: from the backbone's final-norm output h_0, coordinate j scores its B buckets with its own
   block E_j (tied: the same parameter as the encoder's table, or a separate `lm_head` when untied); the
   expected bucket vector under those probabilities, soft_j = p_j E_j (always the input table), feeds a
@@ -32,18 +33,29 @@ def _bottleneck(d_in: int, k: int, d_out: int) -> nn.Sequential:
 
 
 class ReferenceHashEncoder(nn.Module):
-    """Signatures [..., H] -> vectors [..., d_model] through the shared [H*B, d] table."""
+    """Signatures [..., H] -> vectors [..., d_model] through the shared [H*B, d] table.
 
-    def __init__(self, num_hashes: int, num_buckets: int, d_model: int, bottleneck: int) -> None:
+    `input_coords` (default H): the leading coordinates read; the table keeps all H blocks (the decoder's).
+    """
+
+    def __init__(
+        self,
+        num_hashes: int,
+        num_buckets: int,
+        d_model: int,
+        bottleneck: int,
+        input_coords: int | None = None,
+    ) -> None:
         super().__init__()
+        self.input_coords = num_hashes if input_coords is None else input_coords
         self.table = nn.Embedding(num_hashes * num_buckets, d_model)
         self.gate = _bottleneck(d_model, bottleneck, 1)
         self.proj = nn.Linear(d_model, d_model)
-        self.register_buffer("offsets", torch.arange(num_hashes) * num_buckets, persistent=False)
+        self.register_buffer("offsets", torch.arange(self.input_coords) * num_buckets, persistent=False)
         init_reference(self)
 
     def forward(self, signatures: torch.Tensor) -> torch.Tensor:
-        rows = self.table(signatures + self.offsets)  # [..., H, d]
+        rows = self.table(signatures[..., : self.input_coords] + self.offsets)  # [..., H, d]
         weights = torch.softmax(self.gate(rows), dim=-2)  # [..., H, 1]
         return self.proj((weights * rows).sum(dim=-2))
 

@@ -70,11 +70,17 @@ def _build_mhf(cfg: ModelConfig, signatures: SignatureTable | None) -> CausalLM:
         raise SignatureError("the mhf family needs a signature table; build one with SignatureTable.build")
     if not signatures.follows(cfg.hash):
         raise SignatureError(
-            f"signature table is {signatures.spec} seed {signatures.seed} ({signatures.scheme} scheme) but "
-            f"the model config says {cfg.hash.spec} seed {cfg.hash.seed} ({cfg.hash.signature_scheme} "
-            "scheme); rebuild the table or change model.hash"
+            f"signature table is {signatures.spec} seed {signatures.seed} ({signatures.scheme} scheme, "
+            f"num_lsh {signatures.num_lsh}) but the model config says {cfg.hash.spec} seed {cfg.hash.seed} "
+            f"({cfg.hash.signature_scheme} scheme, num_lsh {cfg.hash.num_lsh}); rebuild the table or "
+            "change model.hash"
         )
-    return MultiHashFormer(cfg, signatures.as_tensor())
+    if len(signatures) != cfg.vocab_size:
+        raise SignatureError(
+            f"signature table has {len(signatures)} tokens but model.vocab_size={cfg.vocab_size}; "
+            f"set --set model.vocab_size={len(signatures)}"
+        )
+    return MultiHashFormer(cfg, signatures.as_tensor())  # reserved rows too: exact scoring counts them
 
 
 register("mhf", Family(_build_mhf, counting.mhf_params, counting.mhf_forward_flops, uses_signatures=True))

@@ -129,6 +129,12 @@ def check_resumable(path: Path, cfg: Config, fingerprint: str, workers: int, zer
             f"checkpoint {str(path)!r} has signature fingerprint {run['fingerprint'][:12]} but the data has "
             f"{fingerprint[:12]}; resume with the shards the run was trained on"
         )
+    if (run.get("trainable", cfg.train.trainable) or None) != (cfg.train.trainable or None):
+        saved = json.dumps(run["trainable"])
+        raise TrainingError(
+            f"checkpoint {str(path)!r} was trained with train.trainable={saved} (frozen parameters have "
+            f"no optimizer state); resume with --set 'train.trainable={saved}'"
+        )
     model = cfg.model.model_dump(mode="json")
     if run["model"] != model:
         changed = sorted(key for key, value in model.items() if run["model"].get(key) != value)

@@ -64,8 +64,28 @@ def zero_config(stage: int, hidden_size: int) -> dict[str, Any]:
 
 
 def uses_bf16(cfg: TrainConfig, use_gpu: bool) -> bool:
-    """train.precision: bf16 or fp32 as asked; auto is bf16 on GPUs and fp32 on CPUs."""
-    return cfg.precision == "bf16" or (cfg.precision == "auto" and use_gpu)
+    """train.precision: bf16 (mixed or pure) or fp32 as asked; auto is bf16 on GPUs and fp32 on CPUs."""
+    return cfg.precision in ("bf16", "bf16-pure") or (cfg.precision == "auto" and use_gpu)
+
+
+def precision_config(cfg: TrainConfig, zero_stage: int, bf16: bool) -> dict[str, Any]:
+    """DeepSpeed's precision keys for train.precision (resolved to `bf16` by `uses_bf16`).
+
+    bf16 (mixed): DeepSpeed's bf16 section; its optimizers keep fp32 master weights, gradients and Adam
+    states. bf16-pure (the authors' recipe: the model built in bf16, torch AdamW stepping it): at ZeRO-0
+    the stepper casts the parameters to bf16 and DeepSpeed, with no precision section, steps the torch
+    optimizer on them directly (bf16 gradients, all-reduced in bf16); ZeRO 1-3 take DeepSpeed's
+    `bf16_master_weights_and_grads` and `bf16_optimizer_states`, whose "master" partition is a bf16
+    copy of the rank's weight partition, so no fp32 copy exists at any stage. DeepSpeed refuses those two
+    keys at ZeRO-0, hence the two routes.
+    """
+    if not bf16:
+        return {"bf16": {"enabled": False}}
+    if cfg.precision != "bf16-pure":
+        return {"bf16": {"enabled": True}}
+    if zero_stage == 0:
+        return {"bf16": {"enabled": False}, "communication_data_type": "bf16"}
+    return {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
 
 
 def check_training_options(cfg: TrainConfig, zero_stage: int, use_gpu: bool) -> None:
@@ -79,7 +99,9 @@ def check_training_options(cfg: TrainConfig, zero_stage: int, use_gpu: bool) -> 
         from deepspeed.accelerator import get_accelerator
 
         if get_accelerator().device_name() == "cpu" and not get_accelerator().is_bf16_supported():
-            raise ConfigError("train.precision=bf16: DeepSpeed's CPU accelerator here has no bf16; use fp32")
+            raise ConfigError(
+                f"train.precision={cfg.precision}: DeepSpeed's CPU accelerator here has no bf16; use fp32"
+            )
 
 
 def check_zero_stage(stage: int) -> None:
@@ -98,7 +120,7 @@ def deepspeed_config(
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": zero_config(zero_stage, hidden_size),
         "zero_allow_untested_optimizer": True,  # torch AdamW: the same optimizer as local training
-        "bf16": {"enabled": bf16},
+        **precision_config(cfg, zero_stage, bf16),
         "steps_per_print": 2**31 - 1,  # the shared loop prints progress
         "wall_clock_breakdown": False,
     }
@@ -139,6 +161,11 @@ class DeepSpeedStepper:
         skip_cpu_shm_comm_op()
         self.zero_stage = zero_stage
         self.micro = micro_batch_size(cfg, world_size)
+        if bf16 and cfg.precision == "bf16-pure":
+            # The weights themselves in bf16, as the authors build the model; buffers keep their dtype,
+            # as DeepSpeed's own bf16 cast leaves them. The decoder's log-softmax upcasts to fp32 itself.
+            for param in model.parameters():
+                param.data = param.data.to(torch.bfloat16)
         optimizer, scheduler = build_optimizer(model, cfg)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model,

@@ -26,10 +26,11 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
             continue
         try:
             storage = obj.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # meta or sparse tensors hold no storage
+            pointer = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # meta, sparse or fake (torch.compile's) tensors
             continue
-        if storage.data_ptr():
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        if pointer:
+            seen[pointer] = max(seen.get(pointer, 0), storage.nbytes())
     return sum(seen.values())
 
 

@@ -19,6 +19,7 @@ from mhf_dist.config import TrainConfig
 from mhf_dist.errors import TrainingError
 from mhf_dist.models.base import CausalLM
 from mhf_dist.train.optim import build_optimizer
+from mhf_dist.train.trainable import apply_trainable
 
 Batch = dict[str, torch.Tensor]
 
@@ -141,6 +142,7 @@ def train_local(
     log: Callable[[str], None] | None = print,
 ) -> list[dict[str, float]]:
     """Train `model` in this process for `cfg.steps` steps: the code path every runner shares."""
+    apply_trainable(model, cfg.trainable)  # None: every parameter trains
     throughput = Throughput(tokens_per_step=cfg.batch_size * cfg.seq_len, flops_per_token=flops_per_token)
 
     def on_step(metrics: dict[str, float]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -18,10 +19,21 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+# The HF Trainer's rule (`Trainer.get_decay_parameter_names`), which the authors' `--weight_decay 0.1`
+# goes through: no decay for biases and norms, by the parameter's lower-cased name, nor for anything
+# inside an nn.LayerNorm; every other parameter decays.
+NO_DECAY_NAME = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices and tables only; norms' gains and other vectors are not decayed."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    """Weight decay on everything but biases and norms' gains (the HF Trainer's rule); a tied parameter
+    counts once, under its first name."""
+    in_layer_norm = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            exempt = id(param) in in_layer_norm or NO_DECAY_NAME.search(name.lower())
+            (no_decay if exempt else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

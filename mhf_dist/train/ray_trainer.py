@@ -20,10 +20,12 @@ from typing import Any
 
 from mhf_dist.config import Config
 from mhf_dist.data.reader import RowReader, training_plan
-from mhf_dist.data.shards import check_compatible, read_manifest
+from mhf_dist.data.shards import SIGNATURES_FILE, check_compatible, document_format, read_manifest
+from mhf_dist.data.tokenizer import check_document_format
 from mhf_dist.errors import Interrupted, MhfError, TrainingError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
+from mhf_dist.signatures import SignatureTable
 from mhf_dist.tracking import end_run, log_artifact, reopen_run, start_run, tracking_uri
 from mhf_dist.train.checkpoints import (
     MODEL_DIR,
@@ -36,6 +38,7 @@ from mhf_dist.train.checkpoints import (
     resolve_resume,
 )
 from mhf_dist.train.engine import check_training_options, micro_batch_size
+from mhf_dist.train.trainable import config_split
 from mhf_dist.train.worker import STAGING_PREFIX, train_loop_per_worker
 
 TRACKING_FILE = "mlflow-run.json"  # in the run directory: the MLflow run a continued run logs to
@@ -146,10 +149,12 @@ def train(
         )
     if options.init_from is not None:
         check_initial_model(Path(options.init_from), cfg, fingerprint)
+        check_model_documents(Path(options.init_from), manifest, cfg.data.path)
     resume = None
     if options.resume is not None:
         resume = resolve_resume(options.resume, storage)
         check_resumable(resume, cfg, fingerprint, options.workers, options.zero_stage)
+        check_model_documents(resume / MODEL_DIR, manifest, cfg.data.path)
     # Workers run in their own working directories: hand them absolute paths.
     data = cfg.data.model_copy(update={"path": str(Path(cfg.data.path).resolve())})
     worker_cfg = cfg.model_copy(update={"data": data})
@@ -157,8 +162,12 @@ def train(
     reader = RowReader(data.path, "train")
     reader.check_all()  # every shard's footer, once, here rather than in every worker
     training_plan(reader, cfg)  # enough rows for one batch
+    # train.trainable: a bad pattern fails here, before any worker starts; the counts go to MLflow.
+    table = SignatureTable.load(Path(data.path) / SIGNATURES_FILE)
+    split = config_split(cfg.model, table, cfg.train.trainable)
     uri = tracking_uri(storage)
-    run_id = _tracking_run(uri, run_dir, cfg, options, {**_tags(cfg, options, manifest), **(tags or {})})
+    run_tags = {**_tags(cfg, options, manifest), **split.tags(), **(tags or {})}
+    run_id = _tracking_run(uri, run_dir, cfg, options, run_tags)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -286,6 +295,21 @@ def _worker_user_error(err: BaseException) -> MhfError | None:
         if isinstance(cause, MhfError):
             return cause
     return None
+
+
+def check_model_documents(model_dir: Path, manifest: dict[str, Any], data_path: str) -> None:
+    """A model continued (`--init-from`, `mhf cpt`, a resume) trains only on documents framed as its own."""
+    from mhf_dist.export import document_format_of, read_export_config
+
+    if not (model_dir / "config.json").is_file():
+        return  # a checkpoint without its exported model: check_resumable has judged it already
+    check_document_format(
+        document_format(manifest),
+        document_format_of(read_export_config(model_dir)),
+        f"shards {data_path!r}",
+        f"model {str(model_dir)!r}",
+        TrainingError,
+    )
 
 
 def _tags(cfg: Config, options: TrainOptions, manifest: dict[str, Any]) -> dict[str, Any]:

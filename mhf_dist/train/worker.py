@@ -22,7 +22,7 @@ import torch
 
 from mhf_dist.config import Config, validate_config
 from mhf_dist.data.reader import RowReader, step_batches, training_plan
-from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
+from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE, document_format, read_manifest
 from mhf_dist.eval.perplexity import nll_summary, nll_totals
 from mhf_dist.export import export_model, load_exported
 from mhf_dist.files import write_json_atomic
@@ -40,6 +40,7 @@ from mhf_dist.train.checkpoints import (
 )
 from mhf_dist.train.engine import DeepSpeedStepper, uses_bf16
 from mhf_dist.train.hardware import default_peak_flops, live_tensor_bytes, peak_memory_bytes
+from mhf_dist.train.trainable import apply_trainable
 
 # Test hooks in a run's storage directory: the step the last worker is to die at, and the proof it did.
 FAULT_PLAN = "fail-at-step"
@@ -127,6 +128,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         model, lineage = initial.model.train(), initial.lineage
     else:
         model = build_model(cfg.model, table)
+    apply_trainable(model, cfg.train.trainable)  # before the optimizer sees requires_grad
     use_gpu = loop_config["gpus_per_worker"] > 0
     if use_gpu:
         model = model.to(ray.train.torch.get_device())
@@ -184,6 +186,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         "zero_stage": loop_config["zero_stage"],
         "fingerprint": table.fingerprint,
         "lineage": lineage,
+        "trainable": cfg.train.trainable,  # a resume must freeze the same parameters (no optimizer state)
+        "document_format": document_format(read_manifest(cfg.data.path)),  # exports carry the shards'
     }
     run_dir = Path(loop_config["run_dir"])
     tracking = StepLogger(loop_config["tracking_uri"], loop_config["run_id"], run_dir, start_step)
@@ -296,6 +300,7 @@ def _report_checkpoint(
                     tokenizer,
                     directory / MODEL_DIR,
                     run_info["lineage"],
+                    document_format=run_info["document_format"],
                 )
         if rank == 0:
             write_history(directory, history, run_info)

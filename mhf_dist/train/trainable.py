@@ -1,0 +1,142 @@
+"""`train.trainable`: the parameters that train; every other one is frozen (`requires_grad=False`).
+
+Patterns are shell-style globs (`fnmatch`, `*` also crosses dots) over the model's parameter names, as
+`model.named_parameters()` spells them. A numeric path segment may also be written counting from the
+end of its module list, Python-style: `backbone.layers.-1.*` is the last decoder layer whatever the
+depth. Tied parameters answer to every name they have (a tied Qwen3 head is also `model.lm_head.weight`).
+None or an empty list leaves every parameter trainable; a pattern that matches nothing is an error.
+
+`AUTHORS_VE` is the vocabulary-expansion recipe of HUIYINXUE/MHF (`vocab_expansion/src/main_ve.py`):
+everything is frozen except decoder layers 0, 1, -2 and -1, the final norm, the token tables and head,
+and, for MultiHashFormer, the hash head and the combiner. `mhf cpt` applies it by default.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mhf_dist.config import ModelConfig
+from mhf_dist.errors import ConfigError
+
+AUTHORS_VE = "authors-ve"  # the recipe's name, as cpt's console and MLflow tags show it
+_EDGE_LAYERS = ("0", "1", "-2", "-1")  # main_ve.py: `for layer_idx in [0, 1, -1, -2]`
+
+
+def authors_ve_trainable(model: ModelConfig) -> list[str] | None:
+    """The authors' trainable list for `model`, in our parameter names; None for families it has no
+    counterpart in (they keep every parameter trainable).
+
+    mhf (main_ve.py with --enable_hashformer): the bucket table (their `embed_tokens`) and combiner are
+    our `encoder`, the bucket output table (`lm_head`) and cascade (`hash_head`) our `decoder`. Over a
+    triple-latent stack the same edge blocks train (`backbone.blocks`), by analogy: the authors have no
+    such model. qwen3: the V x d embedding and the head (one tensor when tied) train as well.
+    """
+    # A one-layer stack has no layer 1 or -2: a pattern that matches nothing would be an error.
+    edges = _EDGE_LAYERS if model.backbone.num_layers > 1 else ("0", "-1")
+    if model.family == "mhf":
+        stack = "backbone.layers" if model.backbone.kind == "qwen3" else "backbone.blocks"
+        return [*(f"{stack}.{i}.*" for i in edges), "backbone.norm.*", "encoder.*", "decoder.*"]
+    if model.family in ("qwen3", "qwen3_matched"):
+        return [
+            *(f"model.model.layers.{i}.*" for i in edges),
+            "model.model.norm.*",
+            "model.model.embed_tokens.*",
+            "model.lm_head.*",
+        ]
+    return None
+
+
+@dataclass(frozen=True)
+class TrainableSplit:
+    trainable_params: int  # elements, each tied tensor once
+    total_params: int
+    frozen: tuple[str, ...]  # names of the frozen parameters
+
+    def summary(self) -> str:
+        share = self.trainable_params / self.total_params if self.total_params else 1.0
+        return (
+            f"trainable parameters {self.trainable_params:,} of {self.total_params:,} ({share:.1%}); "
+            f"{len(self.frozen)} tensors frozen"
+        )
+
+    def tags(self) -> dict[str, int]:
+        return {"trainable_params": self.trainable_params, "total_params": self.total_params}
+
+
+def _aliases(name: str, lengths: dict[str, int]) -> list[str]:
+    """`name` and its spellings with numeric segments counted from the end of their module list."""
+    parts = name.split(".")
+    choices = []
+    for index, part in enumerate(parts):
+        length = lengths.get(".".join(parts[:index]))
+        if part.isdigit() and length is not None:
+            choices.append((part, str(int(part) - length)))
+        else:
+            choices.append((part,))
+    return [".".join(combo) for combo in itertools.product(*choices)]
+
+
+def select_trainable(model: nn.Module, patterns: Sequence[str] | None) -> set[int]:
+    """ids of the parameters `patterns` keep trainable (all of them for None or [])."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    if not patterns:
+        return {id(param) for _, param in named}
+    lengths = {
+        name: len(module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList | nn.Sequential)
+    }
+    spellings = [(_aliases(name, lengths), param) for name, param in named]
+    selected: set[int] = set()
+    for pattern in patterns:
+        hits = [param for names, param in spellings if any(fnmatch.fnmatchcase(n, pattern) for n in names)]
+        if not hits:
+            examples = ", ".join(name for name, _ in named[:3])
+            raise ConfigError(
+                f"train.trainable pattern {pattern!r} matches no parameter of the "
+                f"{type(model).__name__} model ({len(named)} names, e.g. {examples}); fix the pattern"
+            )
+        selected.update(id(param) for param in hits)
+    return selected
+
+
+def split_of(model: nn.Module, selected: set[int]) -> TrainableSplit:
+    params = list(model.named_parameters())  # each tied tensor once
+    return TrainableSplit(
+        trainable_params=sum(p.numel() for _, p in params if id(p) in selected),
+        total_params=sum(p.numel() for _, p in params),
+        frozen=tuple(name for name, p in params if id(p) not in selected),
+    )
+
+
+def trainable_split(model: nn.Module, patterns: Sequence[str] | None) -> TrainableSplit:
+    """What `apply_trainable` would freeze, without changing the model."""
+    return split_of(model, select_trainable(model, patterns))
+
+
+def apply_trainable(model: nn.Module, patterns: Sequence[str] | None) -> TrainableSplit:
+    """Freeze every parameter `patterns` do not match (None or []: none is touched)."""
+    if not patterns:
+        return trainable_split(model, patterns)
+    selected = select_trainable(model, patterns)
+    for param in model.parameters():
+        param.requires_grad_(id(param) in selected)
+    return split_of(model, selected)
+
+
+def config_split(
+    model: ModelConfig, signatures: object | None, patterns: Sequence[str] | None
+) -> TrainableSplit:
+    """The split of the model `model` builds, built on the meta device (no memory, milliseconds): what
+    the driver checks and logs before any worker starts."""
+    from mhf_dist.models import build_model
+
+    with torch.device("meta"):
+        built = build_model(model, signatures)  # type: ignore[arg-type]
+    return trainable_split(built, patterns)
