@@ -97,9 +97,9 @@ def test_the_training_split_holds_the_asked_share_of_replayed_tokens_determinist
     assert manifest_other["splits"]["train"]["mixture"]["realised_fraction"] == pytest.approx(0.25, abs=0.015)
 
 
-def test_without_a_fraction_nothing_is_replayed(ray_session, corpora):
-    _, plain = prepared(ray_session, corpora, "plain")
-    _, zero = prepared(ray_session, corpora, "zero", f"data.replay.corpus={corpora[0] / 'parent.jsonl'}")
-    assert zero["content_sha256"] == plain["content_sha256"] and "mixture" not in zero["splits"]["train"]
+def test_a_replay_corpus_needs_a_fraction_and_a_fraction_needs_a_corpus():
+    # A corpus named without a fraction would replay nothing: refused rather than silently ignored.
+    with pytest.raises(ConfigError, match=r"replayed only with a fraction > 0; set data\.replay\.fraction"):
+        load_config("tiny", ["data.replay.corpus=parent.jsonl"])
     with pytest.raises(ConfigError, match=r"fraction=0\.3 needs data\.replay\.corpus"):
         load_config("tiny", ["data.replay.fraction=0.3"])
