@@ -11,7 +11,7 @@ token counts. Membership depends only on the text, the seed and the counts, neve
 data into blocks, so the shards are the same on any cluster. Replayed documents follow data.corpus's in
 the token stream; the reader's shuffle (`data.shuffle`) mixes the rows.
 
-A further weighted source would be one more `source` value with a threshold of its own (`data.sources`).
+A further weighted source would be one more `source` value with a threshold of its own (no such setting yet).
 """
 
 from __future__ import annotations
