@@ -168,7 +168,7 @@ def test_prepare_warns_about_duplicate_signatures_and_records_them_in_the_manife
     table = build_for_config(cfg.model.hash, tokenizer.vocabulary(), tokenizer.pad_token)
     assert table.duplicate_signatures > 0 and manifest["signatures"]["fingerprint"] == table.fingerprint
     assert manifest["signatures"]["duplicate_signatures"] == table.duplicate_signatures
-    assert sum(f"warning: {table.duplicate_signatures} tokens share" in line for line in lines) == 1
+    assert sum(f"warning: {table.duplicate_signatures} token(s) share" in line for line in lines) == 1
 
 
 def test_a_table_without_the_configs_lsh_coordinates_is_refused():

@@ -141,8 +141,9 @@ def prepare(
     )
     if table.duplicate_signatures:  # the authors' rule allows them (H=1, shared prefixes, all-LSH)
         log(
-            f"warning: {table.duplicate_signatures} tokens share an earlier token's signature; exact "
-            "scoring gives them equal scores (the authors' redraw rule, as in their tables)"
+            f"warning: {table.duplicate_signatures} token(s) share an earlier token's signature; exact "
+            "scoring gives them equal scores (the authors' redraw rule, as in their tables; "
+            "model.hash.scheme=murmur32 is collision-free)"
         )
 
     out.parent.mkdir(parents=True, exist_ok=True)
