@@ -20,8 +20,8 @@ from pydantic import ValidationError
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
-from mhf_dist.data.tokenizer import DOCUMENT_FORMATS, LEGACY_FORMAT, TextTokenizer
-from mhf_dist.errors import MhfError, SignatureError
+from mhf_dist.data.tokenizer import DOCUMENT_FORMATS, LEGACY_FORMAT, TextTokenizer, check_document_format
+from mhf_dist.errors import DataError, MhfError, SignatureError
 from mhf_dist.files import read_json
 from mhf_dist.models.base import CausalLM
 from mhf_dist.signatures import SignatureTable
@@ -128,6 +128,22 @@ def document_format_of(description: dict) -> str:
             f"{', '.join(DOCUMENT_FORMATS)} (re-export the model)"
         )
     return document_format
+
+
+def check_documents_fit(
+    model_dir: Path, data_format: str, data_label: str, error: type[MhfError] = DataError
+) -> None:
+    """Data for the exported model in `model_dir` frames documents as its training data did (a directory
+    without config.json holds no exported model and is not judged here)."""
+    if not (model_dir / CONFIG_FILE).is_file():
+        return
+    check_document_format(
+        data_format,
+        document_format_of(read_export_config(model_dir)),
+        data_label,
+        f"model {str(model_dir)!r}",
+        error,
+    )
 
 
 def load_exported(directory: str | Path) -> ExportedModel:

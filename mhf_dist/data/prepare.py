@@ -48,7 +48,7 @@ from mhf_dist.data.shards import (
     shard_name,
     write_shard,
 )
-from mhf_dist.data.tokenizer import TextTokenizer, check_document_format
+from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
@@ -122,15 +122,15 @@ def prepare(
         )
         tokenizer = _resolve_tokenizer(cfg, documents)
         documents = mixture.with_replay(documents, data)  # after the BPE is learned: from data.corpus only
-    # Generated recall rows are not documents: they keep the EOS-filler layout of their generator.
-    if data.corpus == recall.CORPUS and data.document_format == "bos":
-        raise DataError(
-            "data.corpus=recall writes generated rows in the eos layout; drop data.document_format=bos "
-            "(or set it to eos)"
-        )
-    document_format = (
-        "eos" if data.corpus == recall.CORPUS else tokenizer.resolve_format(data.document_format)
-    )
+    if data.corpus == recall.CORPUS:  # generated rows, not documents: their generator's EOS-filler layout
+        if data.document_format == "bos":
+            raise DataError(
+                "data.corpus=recall writes generated rows in the eos layout; drop data.document_format=bos "
+                "(or set it to eos)"
+            )
+        document_format = "eos"
+    else:
+        document_format = tokenizer.resolve_format(data.document_format)
     num_hashes, num_buckets, seed = cfg.model.hash.num_hashes, cfg.model.hash.num_buckets, cfg.model.hash.seed
     table = signature_table(cfg, tokenizer)
     _check_model_documents(cfg, document_format)
@@ -207,17 +207,12 @@ def prepare(
 
 def _check_model_documents(cfg: Config, document_format: str) -> None:
     """Shards for the exported model `data.signatures` names are framed as its training documents."""
-    from mhf_dist.export import CONFIG_FILE, document_format_of, read_export_config
+    from mhf_dist.export import check_documents_fit  # torch: only here, never in the shard tasks
 
-    path = Path(cfg.data.signatures) if cfg.data.signatures else None
-    if path is None or not (path / CONFIG_FILE).is_file():
-        return
-    check_document_format(
-        document_format,
-        document_format_of(read_export_config(path)),
-        f"corpus {cfg.data.corpus!r} as prepared",
-        f"model {str(path)!r}",
-    )
+    if cfg.data.signatures:
+        check_documents_fit(
+            Path(cfg.data.signatures), document_format, f"corpus {cfg.data.corpus!r} as prepared"
+        )
 
 
 def _describe_format(tokenizer: TextTokenizer, document_format: str) -> str:

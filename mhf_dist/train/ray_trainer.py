@@ -21,7 +21,6 @@ from typing import Any
 from mhf_dist.config import Config
 from mhf_dist.data.reader import RowReader, training_plan
 from mhf_dist.data.shards import SIGNATURES_FILE, check_compatible, document_format, read_manifest
-from mhf_dist.data.tokenizer import check_document_format
 from mhf_dist.errors import Interrupted, MhfError, TrainingError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
@@ -298,18 +297,11 @@ def _worker_user_error(err: BaseException) -> MhfError | None:
 
 
 def check_model_documents(model_dir: Path, manifest: dict[str, Any], data_path: str) -> None:
-    """A model continued (`--init-from`, `mhf cpt`, a resume) trains only on documents framed as its own."""
-    from mhf_dist.export import document_format_of, read_export_config
+    """A model continued (`--init-from`, `mhf cpt`, a resume) trains only on documents framed as its own
+    (a checkpoint without its exported model: check_resumable has judged it already)."""
+    from mhf_dist.export import check_documents_fit
 
-    if not (model_dir / "config.json").is_file():
-        return  # a checkpoint without its exported model: check_resumable has judged it already
-    check_document_format(
-        document_format(manifest),
-        document_format_of(read_export_config(model_dir)),
-        f"shards {data_path!r}",
-        f"model {str(model_dir)!r}",
-        TrainingError,
-    )
+    check_documents_fit(model_dir, document_format(manifest), f"shards {data_path!r}", TrainingError)
 
 
 def _tags(cfg: Config, options: TrainOptions, manifest: dict[str, Any]) -> dict[str, Any]:
