@@ -127,10 +127,10 @@ def main() -> None:
                 ray.shutdown()
                 if cluster_dir is not None:
                     stop_local_cluster(cluster_dir)
-            hashes.add(manifest["content_sha256"])
+            hashes.add(manifest.content_sha256)
             tokens = sum(
-                info["target_tokens"] + info["dropped_tokens"] + (1 if info["rows"] else 0)
-                for info in manifest["splits"].values()
+                info.target_tokens + info.dropped_tokens + (1 if info.rows else 0)
+                for info in manifest.splits.values()
             )
             rate = tokens / seconds
             rows.append(

@@ -27,7 +27,6 @@ Results: <workdir>/results.json and Markdown tables on stdout; every run is in M
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -38,7 +37,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from mhf_dist.config import load_config
-from mhf_dist.cpt import run_cpt
+from mhf_dist.cpt import INIT_NEW_ROWS, run_cpt
 from mhf_dist.data.prepare import prepare
 from mhf_dist.eval.perplexity import text_scores
 from mhf_dist.export import load_exported
@@ -98,13 +97,13 @@ def scores(model_dir: Path, held_out: dict[str, list[str]], seq_len: int) -> dic
     }
 
 
-def english_parent(family_cfg, options, name: str) -> Path:
+def english_parent(family_cfg, name: str) -> Path:
     """The English model: the newest checkpoint of run `name` if it was trained before, else trained now."""
-    existing = newest_checkpoint(Path(options.storage) / name)
+    existing = newest_checkpoint(Path(family_cfg.topology.storage) / name)
     if existing is not None and checkpoint_step(existing) == family_cfg.train.steps:
         print(f"{name}: reusing {existing}")
         return existing / MODEL_DIR
-    options = dataclasses.replace(options, name=name, continue_run=existing is not None)  # an interrupted one
+    options = TrainOptions(name=name, continue_run=existing is not None)  # continues an interrupted one
     return train(family_cfg, options).checkpoint / MODEL_DIR
 
 
@@ -159,7 +158,7 @@ def main() -> None:
         default=0.0,
         help="share of the cpt training tokens replayed from the English pretraining corpus",
     )
-    parser.add_argument("--init-new-rows", choices=["subword", "mean"], default="subword")
+    parser.add_argument("--init-new-rows", choices=INIT_NEW_ROWS, default="subword")
     parser.add_argument("--workdir", type=Path, default=Path("runs/jobs/cpt-multilingual"))
     parser.add_argument("--shared", type=Path, default=SHARED, help="the shared data directory")
     args = parser.parse_args()
@@ -173,8 +172,14 @@ def main() -> None:
     wiki = args.shared / "wikitext-2-raw" / "wiki.valid.raw"
     english = str(wiki) if wiki.is_file() else "builtin"
     train_text, held_out = language_texts(args.shared)
-    base_overrides = [f"data.corpus={english}", f"data.path={workdir / 'english'}"]
-    base_overrides += [f"train.steps={args.base_steps}", f"model.backbone.num_layers={args.layers}"]
+    topology = {"topology.workers": args.workers, "topology.storage": str(workdir / "runs")}
+    base_overrides = {
+        "data.corpus": english,
+        "data.path": str(workdir / "english"),
+        "train.steps": args.base_steps,
+        "model.backbone.num_layers": args.layers,
+        **topology,
+    }
     base = load_config(args.preset, base_overrides)
     if not (workdir / "english" / "manifest.json").is_file():
         prepare(base, base.data.path)
@@ -185,11 +190,11 @@ def main() -> None:
         "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in mixed_texts),
     )
     setting = f"{args.trainable}-r{args.replay_fraction:g}-{args.init_new_rows}"
-    cpt_overrides = [f"data.corpus={mixed}", f"train.steps={args.cpt_steps}"]
+    cpt_overrides = {"data.corpus": str(mixed), "train.steps": args.cpt_steps, **topology}
     if args.trainable == "all":
-        cpt_overrides.append("train.trainable=[]")  # unset (null) is the authors' split
+        cpt_overrides["train.trainable"] = []  # unset (null) is the authors' split
     if args.replay_fraction > 0:
-        cpt_overrides += [f"data.replay.corpus={english}", f"data.replay.fraction={args.replay_fraction}"]
+        cpt_overrides |= {"data.replay.corpus": english, "data.replay.fraction": args.replay_fraction}
     # Results of every cpt setting (trainable, replay, init) over the same parents share one file.
     per_setting = ("seeds", "trainable", "replay_fraction", "init_new_rows")
     settings = {k: str(v) for k, v in vars(args).items() if k not in per_setting}
@@ -203,21 +208,19 @@ def main() -> None:
             print(f"{family} seed {seed} {setting}: found in {results_file}; not run again")
             continue
         started = time.perf_counter()
-        seeded = [f"train.seed={seed}"]
-        family_cfg = load_config(args.preset, [*base_overrides, *seeded, f"model.family={family}"])
-        options = TrainOptions(workers=args.workers, storage=str(workdir / "runs"))
+        family_cfg = load_config(args.preset, {**base_overrides, "train.seed": seed, "model.family": family})
         parent_name = f"{family}-english-{args.preset}-L{args.layers}-s{args.base_steps}-seed{seed}"
-        parent = english_parent(family_cfg, options, parent_name)
+        parent = english_parent(family_cfg, parent_name)
         before = scores(parent, held_out, base.train.seq_len)
 
-        cpt_cfg = load_config(args.preset, [*cpt_overrides, *seeded])
+        cpt_cfg = load_config(args.preset, {**cpt_overrides, "train.seed": seed})
         cpt = run_cpt(
             cpt_cfg,
             str(parent),
             lambda old: old.with_trained_tokens(
                 [text for language in NEW_LANGUAGES for text in train_text[language]], args.new_tokens
             ),
-            dataclasses.replace(options, name=f"{family}-cpt-{setting}-{digest}-seed{seed}"),
+            TrainOptions(name=f"{family}-cpt-{setting}-{digest}-seed{seed}"),
             init_new_rows=args.init_new_rows,
         )
         after = scores(cpt.train_result.checkpoint / MODEL_DIR, held_out, base.train.seq_len)

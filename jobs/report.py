@@ -30,7 +30,7 @@ from triple_benchmarks import PAPER  # the triple-latent paper's numbers, keyed 
 from mhf_dist.compare import read_runs
 from mhf_dist.config import load_config
 from mhf_dist.data.corpus import builtin_documents
-from mhf_dist.data.prepare import is_validation
+from mhf_dist.data.shards import is_validation
 from mhf_dist.files import write_json_atomic, write_text_atomic
 from mhf_dist.sweep.runner import SWEEP_FILE, sweep_dir
 from mhf_dist.sweep.spec import SweepConfig, load_sweep

@@ -1,9 +1,11 @@
 """`mhf compare`: runs read back from MLflow, grouped across seeds, as tables, plots and tags.
 
 A group is a sweep's variant (tag `group`: the family in a matched sweep, the grid values in a grid
-sweep) or, for runs outside a sweep, the family. Per group: the final value of the metric over the
-seeds (mean, std, min, max, max - min, coefficient of variation), parameters and tokens seen; a group is
-`unstable` when its coefficient of variation passes the threshold.
+sweep) or, for runs outside a sweep, the family; `group_by` (`--group-by`) groups by MLflow params or
+tags instead (`topology.zero_stage=2,model.family=mhf`: every config key is a param). Per group: the
+final value of the metric over the seeds (mean, std, min, max, max - min, coefficient of variation),
+parameters and tokens seen; a group is `unstable` when its coefficient of variation passes the
+threshold.
 """
 
 from __future__ import annotations
@@ -11,17 +13,16 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
 import re
 import statistics
-import tempfile
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mhf_dist.errors import MhfError
-from mhf_dist.files import write_text_atomic
+from mhf_dist.files import staged_file, write_text_atomic
 from mhf_dist.tables import markdown_table
 
 COLUMNS = (
@@ -61,8 +62,11 @@ class RunCurve:
         return self.curve[-1][1]
 
 
-def read_runs(uri: str, experiment: str, metric: str, sweep_run_id: str | None = None) -> list[RunCurve]:
-    """Finished training runs of `experiment` (only the sweep's children with `sweep_run_id`)."""
+def read_runs(
+    uri: str, experiment: str, metric: str, sweep_run_id: str | None = None, group_by: Sequence[str] = ()
+) -> list[RunCurve]:
+    """Finished training runs of `experiment` (only the sweep's children with `sweep_run_id`), grouped
+    by `group_by`'s params or tags, else as the module's docstring says."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
@@ -85,7 +89,7 @@ def read_runs(uri: str, experiment: str, metric: str, sweep_run_id: str | None =
         curves.append(
             RunCurve(
                 run_id=run.info.run_id,
-                group=tags.get("group", tags["family"]),
+                group=run_group(run.info.run_id, params, tags, group_by),
                 family=tags["family"],
                 seed=int(tags["seed"]),
                 params=int(tags["param_count"]),
@@ -100,6 +104,21 @@ def read_runs(uri: str, experiment: str, metric: str, sweep_run_id: str | None =
             f"no finished runs with metric {metric!r} in {where}; pick another --metric (e.g. loss)"
         )
     return sorted(curves, key=lambda c: (c.group, c.seed))
+
+
+def run_group(
+    run_id: str, params: Mapping[str, str], tags: Mapping[str, str], group_by: Sequence[str]
+) -> str:
+    """`group_by`'s keys and the run's values (a param, else a tag), e.g. `topology.zero_stage=2`."""
+    if not group_by:
+        return tags.get("group", tags["family"])
+    missing = [key for key in group_by if key not in params and key not in tags]
+    if missing:
+        raise CompareError(
+            f"run {run_id} has no MLflow param or tag {missing[0]!r}; --group-by takes a config key "
+            "(e.g. topology.zero_stage, model.family) or a tag (e.g. family, group)"
+        )
+    return ",".join(f"{key}={params.get(key, tags.get(key))}" for key in group_by)
 
 
 def by_group(curves: list[RunCurve]) -> dict[str, list[RunCurve]]:
@@ -119,7 +138,7 @@ def summarize(curves: list[RunCurve], unstable_cv: float) -> list[dict[str, Any]
         rows.append(
             {
                 "group": group,
-                "family": members[0].family,
+                "family": ",".join(sorted({member.family for member in members})),
                 "n_seeds": len(members),
                 "mean": mean,
                 "std": std,
@@ -191,11 +210,9 @@ def _new_figure() -> tuple[Any, Any]:
 def _save_figure(figure: Any, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
-    os.close(fd)
-    figure.savefig(tmp, dpi=110)
+    with staged_file(path, suffix=".png") as staging:  # the suffix tells matplotlib the format
+        figure.savefig(staging, dpi=110)
     plt.close(figure)
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -212,9 +229,10 @@ def compare_runs(
     metric: str = "val_nll",
     sweep_run_id: str | None = None,
     unstable_cv: float = 0.05,
+    group_by: Sequence[str] = (),
 ) -> Comparison:
     """Read, summarize, write Markdown/CSV/PNG to `out_dir`; with a sweep, log them to its parent run."""
-    curves = read_runs(uri, experiment, metric, sweep_run_id)
+    curves = read_runs(uri, experiment, metric, sweep_run_id, group_by)
     rows = summarize(curves, unstable_cv)
     table = markdown_table(rows, COLUMNS)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -228,7 +246,7 @@ def compare_runs(
     files += [out_dir / "curves.png", out_dir / "finals.png"]
     if metric != "loss":  # the training loss beside it, logged every train.log_every steps
         # Each family's own objective: mhf's coordinates loss is not a per-token NLL over V.
-        loss = read_runs(uri, experiment, "loss", sweep_run_id)
+        loss = read_runs(uri, experiment, "loss", sweep_run_id, group_by)
         plot_curves(loss, "training loss (each family's objective)", out_dir / "loss.png")
         files.append(out_dir / "loss.png")
     if sweep_run_id:

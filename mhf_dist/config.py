@@ -10,27 +10,43 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from mhf_dist.errors import ConfigError
+from mhf_dist.plugins import BACKBONES, FAMILIES, Registry
 
 PRESET_DIR = Path(__file__).parent / "presets"
-Family = Literal[
-    "mhf",
-    "qwen3",
-    "qwen3_matched",
-    "triple_latent",
-    "triple_slot",
-    "triple_hybrid",
-    "transformer_plus_triple",
-    "gated_hybrid",
-]
-# The stacks a MultiHashFormer can run between its hash encoder and decoder.
-BackboneKind = Literal["qwen3", "triple_latent", "triple_slot", "triple_hybrid", "gated_hybrid"]
+
+
+def _registered(registry: Registry) -> AfterValidator:
+    """A name `registry` holds: the built-in ones and those an outside package registers."""
+
+    def check(name: str) -> str:
+        if name not in registry:
+            raise ValueError(registry.unknown(name))
+        return name
+
+    return AfterValidator(check)
+
+
+# The model families (`mhf_dist.models.registry.register_family` adds one).
+Family = Annotated[str, _registered(FAMILIES)]
+# The stacks a MultiHashFormer can run between its hash encoder and decoder (`register_backbone`).
+BackboneKind = Annotated[str, _registered(BACKBONES)]
 HASH_SPEC = re.compile(r"^H(\d+)B(\d+)(K?)$")
+# Overrides: dotted keys and their values, or `KEY=VALUE` texts (see `load_config`).
+Overrides = Mapping[str, Any] | Iterable[str]
 
 
 class StrictModel(BaseModel):
@@ -358,11 +374,69 @@ class DataConfig(StrictModel):
     replay: ReplayConfig = ReplayConfig()
 
 
+class TopologyConfig(StrictModel):
+    """What a run trains on: Ray Train workers, their GPUs, the ZeRO stage and where runs are stored.
+
+    The batch split over these workers (`train.batch_size`, `train.micro_batch_size`) is checked
+    against it before a run starts (`check_topology`). The CLI's `--workers`,
+    `--gpus-per-worker`, `--zero-stage` and `--storage` set these keys; every key is an MLflow param.
+    """
+
+    workers: int = Field(2, gt=0, description="Ray Train workers, one process each")
+    gpus_per_worker: int = Field(0, ge=0, description="GPUs per worker; 0 trains on CPUs")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage (0: plain data parallel)")
+    storage: str = Field(
+        "runs/train", description="Ray Train storage: run directories, checkpoints, the embedded MLflow"
+    )
+
+
+def rows_per_worker(cfg: TrainConfig, world_size: int) -> int:
+    """train.batch_size is the global batch; each worker takes an equal share of it every step."""
+    if cfg.batch_size % world_size:
+        raise ConfigError(
+            f"train.batch_size={cfg.batch_size} does not split over {world_size} workers; "
+            f"use a multiple of {world_size}"
+        )
+    return cfg.batch_size // world_size
+
+
+def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """Rows per worker per forward: train.micro_batch_size, which must divide the worker's share."""
+    share = rows_per_worker(cfg, world_size)
+    micro = cfg.micro_batch_size or share
+    if share % micro:
+        raise ConfigError(
+            f"train.micro_batch_size={micro} does not divide the {share} rows each of {world_size} workers "
+            f"gets per step (train.batch_size={cfg.batch_size}); use a divisor of {share}"
+        )
+    return micro
+
+
+def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
+    return rows_per_worker(cfg, world_size) // micro_batch_size(cfg, world_size)
+
+
+def check_topology(cfg: Config) -> None:
+    """What a run's topology asks of the rest of its config, checked once before a run starts (`mhf
+    train`, `mhf cpt`, every sweep trial): the batch splits over the workers, no compile under ZeRO-3.
+    Commands that start no run (`mhf count`, `plan`, `prepare`) do not ask."""
+    try:
+        micro_batch_size(cfg.train, cfg.topology.workers)
+    except ConfigError as err:
+        raise ConfigError(f"{err} (topology.workers={cfg.topology.workers}, --workers)") from None
+    if cfg.train.compile and cfg.topology.zero_stage == 3:
+        raise ConfigError(
+            "train.compile under ZeRO-3 is not supported; use --zero-stage 2 or lower (topology."
+            "zero_stage), or train.compile=false"
+        )
+
+
 class Config(StrictModel):
     preset: str | None = None
     model: ModelConfig
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
+    topology: TopologyConfig = TopologyConfig()
 
     def flat(self) -> dict[str, Any]:
         """`{"model.backbone.hidden_size": 64, ...}`: the form MLflow params and `--set` use."""
@@ -373,11 +447,13 @@ def available_presets() -> list[str]:
     return sorted(path.stem for path in PRESET_DIR.glob("*.yaml"))
 
 
-def load_config(source: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Resolve a preset name or YAML path plus `a.b=c` overrides into a validated `Config`."""
+def load_config(source: str | Path | None = None, overrides: Overrides = ()) -> Config:
+    """Resolve a preset name or YAML path plus overrides into a validated `Config`.
+
+    `overrides` maps dotted keys to values (`{"train.steps": 50}`, as sweep files write them) or lists
+    `KEY=VALUE` texts (`["train.steps=50"]`, as `--set` takes them); later ones win."""
     raw = _load_source(source if source is not None else "tiny")
-    for override in overrides:
-        _apply_override(raw, override)
+    apply_overrides(raw, parse_overrides(overrides))
     return validate_config(raw)
 
 
@@ -426,42 +502,92 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _apply_override(raw: dict[str, Any], override: str) -> None:
-    key, sep, text = override.partition("=")
+def split_assignment(text: str, flag: str = "--set", example: str = "train.steps=50") -> tuple[str, str]:
+    """`KEY=VALUE` -> (KEY, VALUE text), the form of `--set` and of `mhf submit --env`."""
+    key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"bad override {override!r}; write --set section.key=value, e.g. train.steps=50")
+        raise ConfigError(f"{flag} {text!r} is not KEY=VALUE; write e.g. {flag} {example}")
+    return key.strip(), value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.steps=50` -> ("train.steps", 50): the value typed as YAML reads it (`[a, b]` a list,
+    `null` None, `1.0e-3` a float), text that is not YAML kept as it is."""
+    key, value = split_assignment(text)
     try:
-        value = yaml.safe_load(text)
+        return key, yaml.safe_load(value)
     except yaml.YAMLError:
-        value = text
-    parts = key.strip().split(".")
-    model_cls: type[BaseModel] = Config
-    node = raw
-    for depth, part in enumerate(parts):
-        fields = model_cls.model_fields
-        if part not in fields:
-            where = ".".join(parts[:depth]) or "the top level"
-            raise ConfigError(
-                f"unknown key {key!r} in --set {override}; keys under {where}: {', '.join(fields)}"
-            )
-        annotation = _submodel(fields[part].annotation)
-        path = ".".join(parts[: depth + 1])
-        if depth == len(parts) - 1:
-            if annotation is HashConfig and isinstance(value, str) and isinstance(node.get(part), dict):
-                node[part] = {**node[part], "spec": value}  # `model.hash=H2B64` keeps the widths
-            elif annotation is not None and not isinstance(value, dict | str):
-                first = next(iter(annotation.model_fields))
-                raise ConfigError(f"{path} is a section; set one of its keys, e.g. --set {path}.{first}=...")
-            else:
-                node[part] = value
-            return
-        if annotation is None:
+        return key, value
+
+
+def parse_overrides(overrides: Overrides) -> dict[str, Any]:
+    """Overrides as one mapping of dotted keys, in the order they apply; of a key given twice the
+    later value wins, at the later place."""
+    if isinstance(overrides, Mapping):
+        return dict(overrides)
+    settings: dict[str, Any] = {}
+    for key, value in map(parse_override, overrides):
+        settings.pop(key, None)
+        settings[key] = value
+    return settings
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    """Set each dotted key of `overrides` in `raw`, a config as read from YAML, in order.
+
+    A key must name a field (the error lists the keys allowed there). A value given to a whole section
+    merges into it: a mapping key by key, and a section's shorthand as its model reads it
+    (`model.hash=H2B64` is `{spec: H2B64}`: the spec changes, the widths stay)."""
+    for key, value in overrides.items():
+        _set_key(raw, key, value)
+
+
+def _set_key(raw: dict[str, Any], key: str, value: Any) -> None:
+    node, section = raw, Config
+    *parents, last = key.split(".")
+    for depth, part in enumerate(parents):
+        child = _field_section(section, key, depth)
+        path = ".".join(parents[: depth + 1])
+        if child is None:
             raise ConfigError(f"{path} is a value, not a section; use --set {path}=...")
-        child = node.get(part)
-        if isinstance(child, str) and annotation is HashConfig:
-            child = {"spec": child}
-        node[part] = child if isinstance(child, dict) else {}
-        node, model_cls = node[part], annotation
+        node[part] = _section_keys(child, node.get(part) or {}, path)
+        node, section = node[part], child
+    child = _field_section(section, key, len(parents))
+    if child is None:
+        node[last] = value
+        return
+    if isinstance(value, Mapping):  # key by key: a shorthand deeper down is read as its section reads it
+        for sub_key, sub_value in value.items():
+            _set_key(raw, f"{key}.{sub_key}", sub_value)
+        return
+    merged = _section_keys(child, node.get(last) or {}, key)
+    _deep_merge(merged, _section_keys(child, value, key))
+    node[last] = merged
+
+
+def _field_section(model_cls: type[BaseModel], key: str, depth: int) -> type[BaseModel] | None:
+    """The section model of `key`'s part at `depth` under `model_cls`, None for a plain value."""
+    parts = key.split(".")
+    fields = model_cls.model_fields
+    if parts[depth] not in fields:
+        where = ".".join(parts[:depth]) or "the top level"
+        raise ConfigError(f"unknown key {key!r}; keys under {where}: {', '.join(fields)}")
+    return _submodel(fields[parts[depth]].annotation)
+
+
+def _section_keys(section: type[BaseModel], value: Any, path: str) -> dict[str, Any]:
+    """`value` given to a section as the mapping of keys it sets; the section's model reads any
+    shorthand, so the shorthand is defined once, on the model."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    try:
+        return section.model_validate(value).model_dump(mode="json", exclude_unset=True)
+    except ValidationError as err:
+        first = err.errors()[0]
+        if first["loc"]:  # read as the shorthand, but a bad one (`model.hash=X9`)
+            raise ConfigError(f"{path}: {first['msg'].removeprefix('Value error, ')}") from None
+    example = next(iter(section.model_fields))
+    raise ConfigError(f"{path} is a section; set one of its keys, e.g. --set {path}.{example}=...") from None
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:
@@ -500,7 +626,7 @@ def _describe(err: ValidationError) -> str:
     message = first["msg"].removeprefix("Value error, ")
     value = first.get("input")
     shown = f" (got {value!r})" if location and not isinstance(value, dict) else ""
-    return f"{location or 'config'}: {message}{shown}"
+    return f"{location}: {message}{shown}" if location else message  # a check across sections names its keys
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:

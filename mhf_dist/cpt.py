@@ -219,7 +219,7 @@ def run_cpt(
     trainable, recipe = cpt_trainable(cfg, expansion.config)
     split = trainable_split(expansion.model, trainable)  # a bad pattern fails here, before prepare
     log(f"train.trainable ({recipe}): {trainable if trainable else 'every parameter'}; {split.summary()}")
-    workdir = Path(options.storage).resolve() / options.name
+    workdir = Path(cfg.topology.storage).resolve() / options.name
     init_dir = workdir / INIT_DIR
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer_file = workdir / "tokenizer.json"
@@ -264,19 +264,19 @@ def run_cpt(
     if not (workdir / "data" / "manifest.json").is_file():
         prepare(run_cfg, data.path, log=log)
     manifest = read_manifest(data.path)
-    prepared_replay = manifest["config"]["data"].get("replay", ReplayConfig().model_dump())
+    prepared_replay = manifest.config.data.get("replay", ReplayConfig().model_dump())
     if prepared_replay != data.replay.model_dump():
         raise TrainingError(
             f"shards in {data.path!r} were prepared with data.replay {prepared_replay}, not "
             f"{data.replay.model_dump()}; remove the directory or pick another --name"
         )
-    mixture = manifest["splits"]["train"].get("mixture")
+    mixture = manifest.splits["train"].mixture
     if mixture is not None:
         log(
-            f"replay: {mixture['realised_fraction']:.1%} of the training tokens from "
-            f"{mixture['sources'][1]['corpus']} (asked for {mixture['requested_fraction']:.1%})"
+            f"replay: {mixture.realised_fraction:.1%} of the training tokens from "
+            f"{mixture.sources[1].corpus} (asked for {mixture.requested_fraction:.1%})"
         )
-    prepared = manifest["signatures"]["fingerprint"]
+    prepared = manifest.signatures.fingerprint
     if prepared != expansion.table.fingerprint:
         raise TrainingError(
             f"shards in {data.path!r} have signature fingerprint {prepared[:12]}, the expanded model "
@@ -291,7 +291,7 @@ def run_cpt(
         "cpt_init_new_rows": expansion.init_new_rows,
         "cpt_init_fallback_rows": expansion.fallback_rows,
         "cpt_trainable": recipe,
-        "cpt_replay_fraction": mixture["realised_fraction"] if mixture else 0.0,
+        "cpt_replay_fraction": mixture.realised_fraction if mixture else 0.0,
     }
     result = train(run_cfg, dataclasses.replace(options, init_from=str(init_dir)), tags=tags)
     return CptResult(expansion, init_dir, result)

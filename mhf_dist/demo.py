@@ -12,12 +12,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import yaml
-
 from mhf_dist.compare import Comparison
-from mhf_dist.config import Config, load_config
+from mhf_dist.config import Config, Overrides, load_config, parse_overrides
 from mhf_dist.data.prepare import prepare
-from mhf_dist.errors import ConfigError
 from mhf_dist.export import load_exported
 from mhf_dist.models.generation import Sampling, generate
 from mhf_dist.models.registry import resolved_config
@@ -33,17 +30,18 @@ SAMPLING = {"temperature": 0.8, "top_k": 40}
 
 def run_demo(
     config: str,
-    overrides: Sequence[str],
+    overrides: Overrides,
     workdir: Path,
     seeds: Sequence[int] = (0, 1),
-    workers: int = 2,
     log: Callable[[str], None] = print,
     verbose: bool = False,
 ) -> Comparison:
+    """The demo on `config` with `overrides` (every trial's; `topology.workers` sets each trial's Ray
+    Train workers), its data, sweep and comparison under `workdir`."""
     workdir = workdir.resolve()
     data_dir = workdir / "data"
-    settings = {**_as_dict(overrides), "data.path": str(data_dir)}
-    cfg = load_config(config, [*overrides, f"data.path={data_dir}"])
+    settings = {**parse_overrides(overrides), "data.path": str(data_dir)}
+    cfg = load_config(config, settings)
     settings.setdefault("train.eval_every", max(1, cfg.train.steps // EVAL_PASSES))
     families = demo_families(cfg, log)
     started = time.monotonic()
@@ -65,13 +63,12 @@ def run_demo(
             "seeds": list(seeds),
             "storage": str(workdir / "sweeps"),
             "experiment": "mhf-demo",
-            "workers": workers,
         },
         "demo sweep",
     )
     stage(
         f"[2/3] matched sweep on Ray Tune: {len(families)} families x seeds {list(seeds)}, "
-        f"{workers} Ray Train workers per trial"
+        f"{cfg.topology.workers} Ray Train workers per trial"
     )
     result = run_sweep(spec, log=log, verbose=verbose)
 
@@ -106,13 +103,3 @@ def demo_families(cfg: Config, log: Callable[[str], None]) -> list[str]:
         return list(DEMO_FAMILIES)
     log(f"qwen3_matched skipped: at this size its closest match has qwen3's own {layers} layers")
     return [family for family in DEMO_FAMILIES if family != "qwen3_matched"]
-
-
-def _as_dict(overrides: Sequence[str]) -> dict[str, object]:
-    settings = {}
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if not sep:
-            raise ConfigError(f"bad override {override!r}; write key=value, e.g. train.steps=50")
-        settings[key.strip()] = yaml.safe_load(value)
-    return settings

@@ -2,16 +2,15 @@
 
 An exported directory holds `config.json` (the model config and the signature fingerprint),
 `model.safetensors` (the weights), `signatures.safetensors` (the vocabulary's SignatureTable) and
-`tokenizer.json`. It is written to a temporary sibling and renamed, so a directory that exists is
-complete. Loading never unpickles: safetensors only. `config.json` also records the document format the
-model was trained on (`document_format`: bos or eos); a model written before it was recorded is `eos`.
+`tokenizer.json`. It is written through `staged_directory`, so a directory that exists is complete.
+Loading never unpickles: safetensors only. `config.json` also records the document format the model was
+trained on (`document_format`: bos or eos); a model written before it was recorded is `eos`.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +21,9 @@ from mhf_dist.config import ModelConfig
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
 from mhf_dist.data.tokenizer import DOCUMENT_FORMATS, LEGACY_FORMAT, TextTokenizer, check_document_format
 from mhf_dist.errors import DataError, MhfError, SignatureError
-from mhf_dist.files import read_json
+from mhf_dist.files import read_json, staged_directory
 from mhf_dist.models.base import CausalLM
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.signatures import SignatureTable, load_table, save_table
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -67,24 +66,18 @@ def export_model(
     directory = Path(directory)
     if directory.exists():
         raise ExportError(f"export directory {str(directory)!r} already exists; remove it or pick another")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
-    try:
-        description = {
-            "format": FORMAT,
-            "model": config.model_dump(mode="json"),
-            "signature_fingerprint": table.fingerprint,
-            "lineage": lineage or [],
-            "document_format": document_format,
-        }
+    description = {
+        "format": FORMAT,
+        "model": config.model_dump(mode="json"),
+        "signature_fingerprint": table.fingerprint,
+        "lineage": lineage or [],
+        "document_format": document_format,
+    }
+    with staged_directory(directory) as staging:
         (staging / CONFIG_FILE).write_text(json.dumps(description, indent=2))
         save_file(_weights(model), str(staging / WEIGHTS_FILE))
-        table.save(staging / SIGNATURES_FILE)
+        save_table(table, staging / SIGNATURES_FILE)
         shutil.copyfile(tokenizer_file, staging / TOKENIZER_FILE)
-        staging.rename(directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return directory
 
 
@@ -160,7 +153,7 @@ def load_exported(directory: str | Path) -> ExportedModel:
         raise ExportError(
             f"{str(directory)!r}: config.json holds no valid model config ({err!s:.80}); re-export"
         ) from None
-    table = SignatureTable.load(directory / SIGNATURES_FILE)
+    table = load_table(directory / SIGNATURES_FILE)
     if table.fingerprint != description["signature_fingerprint"]:
         raise SignatureError(
             f"{str(directory)!r}: the signature table's fingerprint {table.fingerprint[:12]} differs from "

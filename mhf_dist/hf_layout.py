@@ -6,7 +6,11 @@ Two layouts are understood:
   `lsh_only_embed`, `use_conditional_prob`; weights `model.embed_tokens.weight` [H*B, d],
   `model.combiner.*`, the signature buffer `model.hash_map` [V, H], `model.layers.*`, `model.norm.weight`,
   `hash_head.cascade_mixer.*` (and `lm_head.weight` only when untied);
-- plain transformers Qwen3 (`Qwen3ForCausalLM.save_pretrained`), for the qwen3 families.
+- plain transformers Qwen3 (what `Qwen3ForCausalLM.save_pretrained` writes), for the qwen3 families.
+Both are read and written as transformers and the Hub do it: `config.json` through `Qwen3Config` (the
+reference's extra keys ride along as attributes), weights as `model.safetensors` or, past
+`max_shard_size` (the Hub's 5GB by default), shards named by `model.safetensors.index.json`
+(`huggingface_hub.save_torch_state_dict` writes them; import reads either).
 
 The vocabulary (model.vocab_size, the ids) is the tokenizer's; the signature table is the checkpoint's
 `hash_map`, every row, LSH coordinates (`num_lsh`, `lsh_only_embed`) included. Rows past the tokenizer's
@@ -18,17 +22,18 @@ The imported model's document format is its tokenizer's default (`bos` for the r
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from huggingface_hub import save_torch_state_dict
+from huggingface_hub.errors import StrictDataclassError
 from pydantic import ValidationError
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file
+from transformers import Qwen3Config
+from transformers.utils.hub import convert_file_size_to_int
 
 from mhf_dist.config import ModelConfig, format_hash_spec
 from mhf_dist.data.shards import TOKENIZER_FILE
@@ -42,13 +47,14 @@ from mhf_dist.export import (
     load_exported,
     unique_tensors,
 )
-from mhf_dist.files import read_json
+from mhf_dist.files import read_json, staged_directory
 from mhf_dist.models import build_model
-from mhf_dist.signatures import NO_PAD, SignatureTable, build_for_config, smallest_uint_dtype
+from mhf_dist.models.qwen3 import qwen3_config
+from mhf_dist.signatures import NO_PAD, ReferenceScheme, SignatureTable, build_for_config
 
 INDEX_FILE = "model.safetensors.index.json"
 HASH_MAP = "model.hash_map"
-# Our parameter names -> the reference's, by prefix; the decoder's `table` is the tied encoder table.
+# Our parameter names -> the reference's, by prefix (the decoder's `table` is the encoder's, written once).
 REFERENCE_NAMES = (
     ("encoder.table.weight", "model.embed_tokens.weight"),
     ("encoder.gate.", "model.combiner.scorer."),
@@ -57,7 +63,7 @@ REFERENCE_NAMES = (
     ("decoder.lm_head", "lm_head.weight"),
     ("backbone.", "model."),
 )
-TIED_DUPLICATES = ("decoder.table",)
+REFERENCE_SIZES = ("num_hashes", "num_buckets", "bottle_neck_dim")  # the reference's config keys of sizes
 
 
 class LayoutError(MhfError):
@@ -67,7 +73,8 @@ class LayoutError(MhfError):
 # --- import ------------------------------------------------------------------------------------------
 def import_hf(source: str | Path, out: str | Path) -> ExportedModel:
     """A reference MHF or plain Qwen3 checkpoint directory -> an exported mhf-dist model at `out`."""
-    source = Path(source)
+    source, out = Path(source), Path(out)
+    _check_out(out)
     hf_config = _read_hf_config(source)
     tokenizer_file = source / TOKENIZER_FILE
     if not tokenizer_file.is_file():
@@ -76,7 +83,7 @@ def import_hf(source: str | Path, out: str | Path) -> ExportedModel:
         )
     tokenizer = TextTokenizer.load(tokenizer_file)
     weights = _read_weights(source)
-    if "num_hashes" in hf_config:
+    if hasattr(hf_config, "num_hashes"):
         model_cfg, table, state = _from_reference(hf_config, weights, tokenizer)
     else:
         model_cfg, table, state = _from_qwen3(hf_config, weights, tokenizer)
@@ -89,7 +96,7 @@ def import_hf(source: str | Path, out: str | Path) -> ExportedModel:
     return load_exported(out)
 
 
-def _read_hf_config(source: Path) -> dict:
+def _read_hf_config(source: Path) -> Qwen3Config:
     path = source / CONFIG_FILE
     if not source.is_dir() or not path.is_file():
         raise LayoutError(
@@ -103,69 +110,75 @@ def _read_hf_config(source: Path) -> dict:
             f"{path} has model_type {found!r}; mhf-dist imports qwen3 checkpoints "
             "(the reference MHF models and plain Qwen3)"
         )
-    return config
+    try:
+        return Qwen3Config.from_dict(config)
+    except (StrictDataclassError, ValueError, TypeError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise LayoutError(f"{path} is not a valid Qwen3 config ({reason}); fix or re-download it") from None
 
 
 def _read_weights(source: Path) -> dict[str, torch.Tensor]:
     """Every tensor of model.safetensors, or of the shards a model.safetensors.index.json names."""
-    index = source / INDEX_FILE
-    if index.is_file():
-        weight_map = read_json(index, LayoutError, "fix or re-download the checkpoint").get("weight_map", {})
-        files = sorted(set(weight_map.values()))
-    elif (source / WEIGHTS_FILE).is_file():
-        files = [WEIGHTS_FILE]
-    else:
-        raise LayoutError(f"{str(source)!r} has no {WEIGHTS_FILE} (nor {INDEX_FILE}); only safetensors load")
     weights = {}
-    for name in files:
+    for path in _weight_files(source):
         try:
-            with safe_open(str(source / name), framework="pt") as handle:
-                weights.update({key: handle.get_tensor(key) for key in handle.keys()})  # noqa: SIM118
+            weights.update(load_file(path))
         except Exception as err:  # safetensors raises several types for a damaged file
-            raise LayoutError(f"cannot read {source / name}: {err}; re-download the checkpoint") from None
+            raise LayoutError(f"cannot read {path}: {err}; re-download the checkpoint") from None
     return weights
 
 
-def _backbone_section(hf: dict) -> dict:
-    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias", False):
-        raise LayoutError("only Qwen3 with SiLU MLPs and no attention bias imports; this config differs")
-    rope = hf.get("rope_parameters") or {}
+def _weight_files(source: Path) -> list[Path]:
+    index = source / INDEX_FILE
+    if not index.is_file():
+        if not (source / WEIGHTS_FILE).is_file():
+            raise LayoutError(
+                f"{str(source)!r} has no {WEIGHTS_FILE} (nor {INDEX_FILE}); only safetensors load"
+            )
+        return [source / WEIGHTS_FILE]
+    weight_map = read_json(index, LayoutError, "fix or re-download the checkpoint")
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(name, str) and Path(name).name == name for name in weight_map.values()
+    ):
+        raise LayoutError(
+            f"{index} has no weight_map of tensor names to shard files beside it; re-download the checkpoint"
+        )
+    shards = sorted(set(weight_map.values()))
+    missing = [name for name in shards if not (source / name).is_file()]
+    if missing:
+        raise LayoutError(
+            f"{index} names {len(missing)} shard(s) that are not in {str(source)!r} "
+            f"({', '.join(missing[:3])}); download every shard of the checkpoint"
+        )
+    return [source / name for name in shards]
+
+
+def _backbone_section(hf: Qwen3Config) -> dict:
+    rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
+    if hf.hidden_act != "silu" or hf.attention_bias or hf.use_sliding_window or rope_type != "default":
+        raise LayoutError(
+            "only Qwen3 with SiLU MLPs, no attention bias, no sliding window and default RoPE imports; "
+            "this config differs"
+        )
     return {
-        "hidden_size": hf["hidden_size"],
-        "num_layers": hf["num_hidden_layers"],
-        "num_heads": hf["num_attention_heads"],
-        "num_kv_heads": hf["num_key_value_heads"],
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-        "intermediate_size": hf["intermediate_size"],
-        "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0)),
-        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "max_position_embeddings": hf.get("max_position_embeddings", 32768),
-        "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+        "hidden_size": hf.hidden_size,
+        "num_layers": hf.num_hidden_layers,
+        "num_heads": hf.num_attention_heads,
+        "num_kv_heads": hf.num_key_value_heads,
+        "head_dim": hf.head_dim or hf.hidden_size // hf.num_attention_heads,
+        "intermediate_size": hf.intermediate_size,
+        "rope_theta": hf.rope_parameters["rope_theta"],
+        "rms_norm_eps": hf.rms_norm_eps,
+        "max_position_embeddings": hf.max_position_embeddings,
+        "tie_word_embeddings": hf.tie_word_embeddings,
     }
 
 
-def _from_reference(
-    hf: dict, weights: dict[str, torch.Tensor], tokenizer: TextTokenizer
-) -> tuple[ModelConfig, SignatureTable, dict[str, torch.Tensor]]:
-    num_hashes, num_buckets = hf["num_hashes"], hf["num_buckets"]
-    num_lsh, lsh_only_embed = hf.get("num_lsh", 0) or 0, bool(hf.get("lsh_only_embed", False))
+def _model_config(section: dict) -> ModelConfig:
+    """`section` as our model config; a value it refuses is a LayoutError naming it."""
     try:
-        model_cfg = ModelConfig.model_validate(
-            {
-                "family": "mhf",
-                "vocab_size": tokenizer.vocab_size,
-                "backbone": _backbone_section(hf),
-                "hash": {
-                    "spec": format_hash_spec(num_hashes, num_buckets),
-                    "io": "reference",
-                    "scheme": "reference",
-                    "loss": "vocab" if hf.get("use_conditional_prob", False) else "coordinates",
-                    "num_lsh": num_lsh,
-                    "lsh_only_embed": lsh_only_embed,
-                    "bottleneck": hf["bottle_neck_dim"],
-                },
-            }
-        )
+        return ModelConfig.model_validate(section)
     except ValidationError as err:
         problem = err.errors()[0]
         where = ".".join(str(part) for part in problem["loc"]) or "config"
@@ -173,6 +186,36 @@ def _from_reference(
             f"config.json does not describe a model mhf-dist builds ({where}: "
             f"{problem['msg'].removeprefix('Value error, ')}); fix or re-download the checkpoint"
         ) from None
+
+
+def _from_reference(
+    hf: Qwen3Config, weights: dict[str, torch.Tensor], tokenizer: TextTokenizer
+) -> tuple[ModelConfig, SignatureTable, dict[str, torch.Tensor]]:
+    missing = [key for key in REFERENCE_SIZES if getattr(hf, key, None) is None]
+    if missing:
+        raise LayoutError(
+            f"config.json has num_hashes but no {', '.join(missing)}; the reference layout needs "
+            f"{', '.join(REFERENCE_SIZES)} (fix or re-download the checkpoint)"
+        )
+    num_hashes, num_buckets = hf.num_hashes, hf.num_buckets
+    num_lsh = getattr(hf, "num_lsh", 0) or 0
+    lsh_only_embed = bool(getattr(hf, "lsh_only_embed", False))
+    model_cfg = _model_config(
+        {
+            "family": "mhf",
+            "vocab_size": tokenizer.vocab_size,
+            "backbone": _backbone_section(hf),
+            "hash": {
+                "spec": format_hash_spec(num_hashes, num_buckets),
+                "io": "reference",
+                "scheme": "reference",
+                "loss": "vocab" if getattr(hf, "use_conditional_prob", False) else "coordinates",
+                "num_lsh": num_lsh,
+                "lsh_only_embed": lsh_only_embed,
+                "bottleneck": hf.bottle_neck_dim,
+            },
+        }
+    )
     table = _imported_table(weights.pop(HASH_MAP, None), tokenizer, num_hashes, num_buckets, hf, num_lsh)
     expected = (num_hashes * num_buckets, model_cfg.backbone.hidden_size)
     embed = weights.get("model.embed_tokens.weight")
@@ -192,7 +235,7 @@ def _imported_table(
     tokenizer: TextTokenizer,
     num_hashes: int,
     num_buckets: int,
-    hf: dict,
+    hf: Qwen3Config,
     num_lsh: int,
 ) -> SignatureTable:
     """The checkpoint's `hash_map` as it is, every row: the tokenizer's ids, then the rows the authors
@@ -215,25 +258,22 @@ def _imported_table(
         raise LayoutError(
             f"model.hash_map holds buckets outside 0..{num_buckets - 1}; the checkpoint is damaged"
         )
-    pad_id = hf.get("pad_token_id")
+    pad_id = hf.pad_token_id
     pad_id = pad_id if isinstance(pad_id, int) and pad_id < vocab and not rows[pad_id].any() else NO_PAD
+    scheme = ReferenceScheme(num_hashes, num_buckets, seed=0, num_lsh=num_lsh)
     return SignatureTable(
         tokenizer.vocabulary(),
-        rows.astype(smallest_uint_dtype(num_buckets - 1)),
+        rows.astype(scheme.dtype),
         np.zeros(len(rows), np.uint32),  # the redraw count is not stored in the reference layout
-        num_hashes,
-        num_buckets,
-        seed=0,
-        scheme="reference",
-        pad_id=pad_id,
-        num_lsh=num_lsh,
+        scheme,
+        pad_id,
     )
 
 
 def _from_qwen3(
-    hf: dict, weights: dict[str, torch.Tensor], tokenizer: TextTokenizer
+    hf: Qwen3Config, weights: dict[str, torch.Tensor], tokenizer: TextTokenizer
 ) -> tuple[ModelConfig, SignatureTable, dict[str, torch.Tensor]]:
-    model_cfg = ModelConfig.model_validate(
+    model_cfg = _model_config(
         {"family": "qwen3", "vocab_size": tokenizer.vocab_size, "backbone": _backbone_section(hf)}
     )
     vocab = tokenizer.vocab_size
@@ -272,111 +312,128 @@ def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source:
 
 
 # --- export ------------------------------------------------------------------------------------------
-def export_hf(model_dir: str | Path, out: str | Path) -> Path:
-    """An exported mhf-dist model -> the reference layout (mhf) or a plain transformers Qwen3 directory."""
-    exported = load_exported(model_dir)
+def export_hf(model_dir: str | Path, out: str | Path, max_shard_size: int | str = "5GB") -> Path:
+    """An exported mhf-dist model -> the reference layout (mhf) or a plain transformers Qwen3 directory,
+    its weights in safetensors shards of at most `max_shard_size` (bytes, or a size such as "500MB";
+    one tensor larger than that is a shard of its own)."""
+    shard_bytes = _shard_bytes(max_shard_size)
     out = Path(out)
+    _check_out(out)
+    exported = load_exported(model_dir)
+    config, weights = _layout_for(exported.config)(exported)
+    with staged_directory(out) as staging:
+        config.save_pretrained(staging)
+        save_torch_state_dict(weights, staging, max_shard_size=shard_bytes)
+        exported.tokenizer.save(staging / TOKENIZER_FILE)
+    return out
+
+
+def _shard_bytes(size: int | str) -> int:
+    """`size` in bytes: an int, a string of digits, or a number with KB, MB, GB (or KiB, MiB, GiB)."""
+    try:
+        if isinstance(size, str) and size.strip().isdigit():
+            size = int(size)
+        value = None if isinstance(size, bool) else convert_file_size_to_int(size)
+    except (ValueError, AttributeError):  # AttributeError: neither an int nor a string
+        value = None
+    if not isinstance(value, int) or value <= 0:
+        raise LayoutError(
+            f"max shard size {size!r} is not a size; give bytes or a number with KB, MB or GB, e.g. 500MB"
+        )
+    return value
+
+
+def _check_out(out: Path) -> None:
+    """`out` must not exist yet and its parent must be a directory this process can write in."""
     if out.exists():
         raise LayoutError(f"output {str(out)!r} already exists; remove it or pick another --out")
-    family, cfg = exported.config.family, exported.config
-    if family == "mhf":
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise LayoutError(
+            f"cannot create the directory {str(out.parent)!r} ({err.strerror}); pick another --out"
+        ) from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise LayoutError(f"cannot write in {str(out.parent)!r} (permission denied); pick another --out")
+
+
+HfLayout = Callable[[ExportedModel], tuple[Qwen3Config, dict[str, torch.Tensor]]]
+
+
+def _layout_for(cfg: ModelConfig) -> HfLayout:
+    """The function that lays a model of `cfg` out as a Hugging Face checkpoint: (config, weights)."""
+    if cfg.family == "mhf":
         if cfg.hash.io != "reference" or cfg.backbone.kind != "qwen3":
             raise LayoutError(
                 f"the reference layout holds the reference hash I/O over Qwen3; this model has io="
                 f"{cfg.hash.io} over {cfg.backbone.kind} (export-hf writes mhf models with "
                 "model.hash.io=reference and model.backbone.kind=qwen3)"
             )
-        write = _write_reference
-    elif family in ("qwen3", "qwen3_matched"):
-        write = _write_qwen3
-    else:
-        raise LayoutError(
-            f"family {family} has no Hugging Face layout; export-hf writes mhf and qwen3 models"
-        )
-    _write_atomically(out, lambda staging: write(exported, staging))
-    return out
+        return _reference_layout
+    if cfg.family in ("qwen3", "qwen3_matched"):
+        return _qwen3_layout
+    raise LayoutError(
+        f"family {cfg.family} has no Hugging Face layout; export-hf writes mhf and qwen3 models"
+    )
 
 
-def _write_atomically(out: Path, write: Callable[[Path], None]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
-        write(staging)
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+def _qwen3_layout(exported: ExportedModel) -> tuple[Qwen3Config, dict[str, torch.Tensor]]:
+    """transformers' own Qwen3ForCausalLM names; a tied lm_head is written once, as its embedding."""
+    return _hf_config(exported, exported.config.vocab_size), unique_tensors(exported.model.model)
 
 
-def _write_qwen3(exported: ExportedModel, staging: Path) -> None:
-    exported.model.model.save_pretrained(staging)
-    exported.tokenizer.save(staging / TOKENIZER_FILE)
-
-
-def _write_reference(exported: ExportedModel, staging: Path) -> None:
+def _reference_layout(exported: ExportedModel) -> tuple[Qwen3Config, dict[str, torch.Tensor]]:
     cfg, table = exported.config, exported.table
-    bb = cfg.backbone
-    hf_config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": table.num_rows,  # an imported checkpoint's reserved rows go back as they came
-        "hidden_size": bb.hidden_size,
-        "num_hidden_layers": bb.num_layers,
-        "num_attention_heads": bb.num_heads,
-        "num_key_value_heads": bb.num_kv_heads,
-        "head_dim": bb.head_dim,
-        "intermediate_size": bb.intermediate_size,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "rope_theta": bb.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": bb.rope_theta},
-        "rms_norm_eps": bb.rms_norm_eps,
-        "max_position_embeddings": bb.max_position_embeddings,
-        "tie_word_embeddings": bb.tie_word_embeddings,
-        "initializer_range": 0.02,
-        "use_sliding_window": False,
-        "layer_types": ["full_attention"] * bb.num_layers,
-        "eos_token_id": exported.tokenizer.eos_id,
-        "pad_token_id": table.pad_id if table.pad_id != NO_PAD else exported.tokenizer.eos_id,
-        "num_hashes": cfg.hash.num_hashes,
-        "num_buckets": cfg.hash.num_buckets,
-        "bottle_neck_dim": cfg.hash.bottleneck,
-        "num_lsh": cfg.hash.num_lsh,
-        "lsh_only_embed": cfg.hash.lsh_only_embed,
-        "use_conditional_prob": cfg.hash.loss == "vocab",
-        "fused_decoding": False,
-    }
-    weights = _renamed(exported.model.state_dict(), _to_reference)
+    config = _hf_config(
+        exported,
+        table.num_rows,  # an imported checkpoint's reserved rows go back as they came
+        num_hashes=cfg.hash.num_hashes,
+        num_buckets=cfg.hash.num_buckets,
+        bottle_neck_dim=cfg.hash.bottleneck,
+        num_lsh=cfg.hash.num_lsh,
+        lsh_only_embed=cfg.hash.lsh_only_embed,
+        use_conditional_prob=cfg.hash.loss == "vocab",
+        fused_decoding=False,
+    )
+    weights = _renamed(unique_tensors(exported.model), _to_reference)
     weights[HASH_MAP] = table.as_tensor()
-    (staging / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
-    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(staging / WEIGHTS_FILE))
-    exported.tokenizer.save(staging / TOKENIZER_FILE)
+    return config, weights
 
 
-def _to_reference(name: str) -> str | None:
-    if name.endswith(TIED_DUPLICATES):
-        return None
+def _hf_config(exported: ExportedModel, vocab_size: int, **extra: object) -> Qwen3Config:
+    """The transformers Qwen3 config of the model's backbone, with `extra` keys (the reference's)."""
+    config = qwen3_config(exported.config.backbone, vocab_size)
+    eos_id, pad_id = exported.tokenizer.eos_id, exported.table.pad_id
+    config.update(
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "dtype": "float32",  # the weights as written (an exported model loads in fp32)
+            "use_cache": True,  # qwen3_config turns the KV cache off for training; generation wants it
+            "eos_token_id": eos_id,
+            "pad_token_id": pad_id if pad_id != NO_PAD else eos_id,
+            **extra,
+        }
+    )
+    return config
+
+
+def _to_reference(name: str) -> str:
     for ours, theirs in REFERENCE_NAMES:
         if name.startswith(ours):
             return theirs + name[len(ours) :]
     raise LayoutError(f"parameter {name} has no place in the reference layout")
 
 
-def _to_ours(name: str) -> str | None:
+def _to_ours(name: str) -> str:
     for ours, theirs in REFERENCE_NAMES:
         if name.startswith(theirs):
             return ours + name[len(theirs) :]
     return name  # unknown names surface as `unexpected` in _load_strict
 
 
-def _renamed(
-    weights: dict[str, torch.Tensor], rename: Callable[[str], str | None]
-) -> dict[str, torch.Tensor]:
+def _renamed(weights: dict[str, torch.Tensor], rename: Callable[[str], str]) -> dict[str, torch.Tensor]:
     renamed = {}
     for name, tensor in weights.items():
-        new = rename(name)
-        if new is not None:
-            tensor = tensor.detach().to("cpu")
-            renamed[new] = tensor.float() if tensor.is_floating_point() else tensor
+        tensor = tensor.detach().to("cpu")
+        renamed[rename(name)] = tensor.float() if tensor.is_floating_point() else tensor
     return renamed

@@ -162,7 +162,7 @@ def largest_layer_params(model: ModelConfig) -> int:
     from deepspeed.runtime.zero.stage3 import model_to_params
 
     from mhf_dist.models import build_model
-    from mhf_dist.signatures import SignatureTable
+    from mhf_dist.signatures import SignatureTable, scheme_for_config
 
     table = None
     if model.family == "mhf":  # the rows do not matter to a meta model: zeros, not a (LSH: slow) build
@@ -172,11 +172,7 @@ def largest_layer_params(model: ModelConfig) -> int:
             [str(i) for i in range(model.vocab_size)],
             rows,
             np.zeros(model.vocab_size, np.uint32),
-            hashed.num_hashes,
-            hashed.num_buckets,
-            hashed.seed,
-            hashed.signature_scheme,
-            num_lsh=hashed.num_lsh,
+            scheme_for_config(hashed),
         )
     with torch.device("meta"):
         built = build_model(model, table)

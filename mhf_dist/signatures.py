@@ -1,8 +1,10 @@
 """Signature tables: every token id gets H bucket ids (MurmurHash3, optionally LSH) in a [rows, H] table.
 
-The contract (DESIGN.md) has two schemes; in both the key of token id t is its vocabulary string (the
-tokenizer's token, as `convert_ids_to_tokens` gives it), ids are visited in increasing order, and
-expansion appends rows by the same rule and never changes an existing row.
+A `Scheme` says how a token's signature is drawn; a `SignatureTable` holds the drawn rows of one
+vocabulary and looks them up; `save_table` and `load_table` store a table as safetensors. In every
+scheme the key of token id t is its vocabulary string (the tokenizer's token, as
+`convert_ids_to_tokens` gives it), ids are visited in increasing order, and expansion appends rows by
+the same rule and never changes an existing row. The contract (DESIGN.md) has two schemes:
 
 - `reference` (the authors' HUIYINXUE/MHF `initialize_hash_map`; the paper's model): the first `num_lsh`
   coordinates (default 0) are LSH buckets of the string's character trigrams (`mhf_dist.lsh`); coordinate
@@ -21,6 +23,8 @@ expansion appends rows by the same rule and never changes an existing row.
   keeps a salted key from colliding with another token's plain key ("a1" vs "a" + salt 1). Collision-free:
   a vocabulary larger than `capacity` is an error.
 
+A new scheme is one `Scheme` subclass with its own `name`: defining it registers it in `SCHEMES`.
+
 A table may hold more rows than tokens (`reserved_rows`): an imported reference checkpoint's rows past
 the tokenizer's last id (the authors round V up to a multiple of 128 with all-zero rows). No id maps to
 them, but exact scoring's normaliser counts them, as the authors' does.
@@ -31,12 +35,12 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import sys
-import tempfile
-from collections.abc import Iterable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import mmh3
 import numpy as np
@@ -45,19 +49,20 @@ from safetensors.numpy import load_file, save_file
 
 from mhf_dist.config import HashConfig, format_hash_spec
 from mhf_dist.errors import SignatureError
+from mhf_dist.files import staged_file
 
 # torch is imported only where a tensor is asked for: `mhf prepare`'s Ray tasks load tables and look up
 # numpy rows, and importing torch cost each of their worker processes about a second of CPU.
 if TYPE_CHECKING:
     import torch
 
+FILE_FORMAT = "mhf-signature-table"
 FORMAT_VERSION = 2  # 2: the scheme and the padding id are stored and covered by the fingerprint
 # 3: also `num_lsh` and tokens fewer than rows (reserved rows); written only by tables that have either,
 # so a plain table stays readable by an mhf-dist that reads format 2 only
 FORMAT_VERSION_EXTENDED = 3
 READABLE_VERSIONS = (str(FORMAT_VERSION), str(FORMAT_VERSION_EXTENDED))
 MAX_SALT = 1_000_000
-SCHEMES = ("reference", "murmur32")
 NO_PAD = -1
 
 
@@ -79,182 +84,123 @@ def reference_coordinate(token: str, seed: int, num_buckets: int) -> int:
     return 1 + mmh3.hash128(token, seed) % (num_buckets - 1)
 
 
-def _salted_key(key: bytes, salt: int) -> bytes:
-    return key if salt == 0 else key + b"\x00" + str(salt).encode()
+# --- schemes ----------------------------------------------------------------------------------------
+
+SCHEMES: dict[str, type[Scheme]] = {}
 
 
-def _murmur32_candidates(token: str, num_hashes: int, num_buckets: int, seed: int):
-    key = token.encode("utf-8")
-    for salt in range(MAX_SALT):
-        yield salt, token_signature(_salted_key(key, salt), num_hashes, num_buckets, seed)
+@dataclass(frozen=True)
+class Scheme(ABC):
+    """How each token's signature is drawn: H coordinates in 0..B-1 from the token's string, `seed` and
+    the rows of the tokens before it. Equal schemes draw equal tables from equal vocabularies."""
 
+    name: ClassVar[str]
+    draws_lsh: ClassVar[bool] = False  # whether the first `num_lsh` coordinates may be LSH buckets
 
-class SignatureTable:
-    """An immutable table of bucket ids for a vocabulary, with its provenance.
+    num_hashes: int
+    num_buckets: int
+    seed: int = 0
+    num_lsh: int = 0
 
-    `rows` is [num_rows, H]: row t is token id t's signature for t < len(tokens); rows past the last
-    token are reserved (no id, counted by exact scoring's normaliser; see the module docstring).
-    `pad_id` is the token whose signature is all zeros under the reference scheme (NO_PAD: none);
-    `num_lsh` the reference scheme's leading LSH coordinates.
-    """
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name in SCHEMES:
+            raise SignatureError(f"signature scheme {cls.name!r} is already defined; give yours another name")
+        SCHEMES[cls.name] = cls
 
-    def __init__(
-        self,
-        tokens: Sequence[str],
-        rows: np.ndarray,
-        salts: np.ndarray,
-        num_hashes: int,
-        num_buckets: int,
-        seed: int,
-        scheme: str = "reference",
-        pad_id: int = NO_PAD,
-        num_lsh: int = 0,
-    ) -> None:
-        if scheme not in SCHEMES:
-            raise SignatureError(f"unknown signature scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
-        _check_lsh(num_lsh, num_hashes, scheme)
-        if rows.ndim != 2 or rows.shape[0] < len(tokens) or salts.shape != (rows.shape[0],):
+    def __post_init__(self) -> None:
+        if self.num_hashes < 1:
+            raise SignatureError(f"num_hashes={self.num_hashes}; a signature needs at least one hash (H>=1)")
+        if self.num_buckets < 2:
+            raise SignatureError(f"num_buckets={self.num_buckets}; use at least two buckets (B>=2)")
+        if not (self.seed >= 0 and self.seed + self.num_hashes - 1 < 2**32):
             raise SignatureError(
-                f"a table of {len(tokens)} tokens needs at least as many rows and one salt per row; got "
-                f"rows {rows.shape}, salts {salts.shape}"
+                f"seed={self.seed} must lie in [0, 2**32 - H); pick a smaller non-negative seed"
             )
-        self._tokens = tuple(tokens)
-        self._rows = rows
-        self._salts = salts
-        self.num_hashes = num_hashes
-        self.num_buckets = num_buckets
-        self.seed = seed
-        self.scheme = scheme
-        self.pad_id = pad_id
-        self.num_lsh = num_lsh
-        self._rows.setflags(write=False)
-        self._salts.setflags(write=False)
-        self._torch_rows: torch.Tensor | None = None
-        # A row of H small ints viewed as one 1/2/4/8-byte integer: 1-D `take` gathers ~3x faster.
-        row_bytes = num_hashes * rows.dtype.itemsize
-        self._packed = rows.view(f"<u{row_bytes}").reshape(-1) if row_bytes in (1, 2, 4, 8) else None
-        self._fingerprint: str | None = None
-        self._duplicates: int | None = None
+        if not 0 <= self.num_lsh <= self.num_hashes:
+            raise SignatureError(f"num_lsh={self.num_lsh} must lie in 0..H={self.num_hashes}")
+        if self.num_lsh and not self.draws_lsh:
+            with_lsh = ", ".join(name for name, scheme in SCHEMES.items() if scheme.draws_lsh)
+            raise SignatureError(
+                f"num_lsh={self.num_lsh}: LSH coordinates are the {with_lsh} scheme's, not {self.name}'s"
+            )
 
-    # --- construction -------------------------------------------------------------------------
-    @classmethod
-    def build(
-        cls,
-        tokens: Sequence[str],
-        num_hashes: int,
-        num_buckets: int,
-        seed: int = 0,
-        scheme: str = "reference",
-        pad_token: str | None = None,
-        num_lsh: int = 0,
-    ) -> SignatureTable:
-        """Signatures for `tokens` in id order (tokens[i] is the string of id i).
+    def __str__(self) -> str:
+        return self.name
 
-        Under the reference scheme `pad_token` (if given and present) gets the all-zero signature, and
-        the first `num_lsh` coordinates are LSH buckets.
-        """
-        _check_shape(num_hashes, num_buckets, seed)
-        empty = cls(
-            [],
-            np.zeros((0, num_hashes), smallest_uint_dtype(num_buckets - 1)),
-            np.zeros(0, np.uint32),
-            num_hashes,
-            num_buckets,
-            seed,
-            scheme,
-            num_lsh=num_lsh,
-        )
+    @property
+    def spec(self) -> str:
+        return format_hash_spec(self.num_hashes, self.num_buckets)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return smallest_uint_dtype(self.num_buckets - 1)
+
+    @property
+    @abstractmethod
+    def capacity(self) -> int:
+        """How many distinct signatures the scheme can give."""
+
+    def padding_id(self, tokens: Sequence[str], pad_token: str | None) -> int:
+        """The id whose signature this scheme keeps all zeros (NO_PAD: none, as here)."""
+        return NO_PAD
+
+    @abstractmethod
+    def draw(self, earlier: np.ndarray, tokens: Sequence[str], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [len(tokens), H] (`dtype`) and uint32 salts of `tokens`, which take the ids after the
+        tokens whose rows are `earlier`; `pad_id` is the padding token's id (NO_PAD: none)."""
+
+    def table(self, tokens: Iterable[str], pad_token: str | None = None) -> SignatureTable:
+        """The table of a vocabulary in id order (tokens[i] is the string of id i); `pad_token` (if
+        present) gets the all-zero signature where the scheme keeps one for it."""
         tokens = list(tokens)
-        pad_id = NO_PAD
-        if scheme == "reference" and pad_token is not None and pad_token in tokens:
-            pad_id = tokens.index(pad_token)
-        return empty._appended(tokens, pad_id)
+        empty = np.zeros((0, self.num_hashes), self.dtype)
+        start = SignatureTable([], empty, np.zeros(0, np.uint32), self, self.padding_id(tokens, pad_token))
+        return start.expand(tokens)
 
-    def expand(self, new_tokens: Iterable[str]) -> SignatureTable:
-        """A new table with rows for `new_tokens` after the last token; every token's row stays as it is.
+    def _as_arrays(self, rows: list[tuple[int, ...]], salts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        signatures = np.asarray(rows, dtype=self.dtype).reshape(len(rows), self.num_hashes)
+        return signatures, np.asarray(salts, dtype=np.uint32)
 
-        New tokens take the ids after the last token, so they take the places of reserved rows first
-        (rows no id had; those left over stay as they were)."""
-        return self._appended(list(new_tokens), self.pad_id)
 
-    def _appended(self, new_tokens: list[str], pad_id: int) -> SignatureTable:
-        known = set(self._tokens)
-        for token in new_tokens:
-            if not isinstance(token, str):
-                raise SignatureError(f"token {token!r} is not a string; pass vocabulary strings")
-            if token in known:
-                raise SignatureError(
-                    f"token {token!r} is already in the table (id {self._tokens.index(token)}); "
-                    "expand with new tokens only"
-                )
-            known.add(token)
-        total = len(self._tokens) + len(new_tokens)
-        if self.scheme == "murmur32" and total > self.capacity:
-            raise SignatureError(
-                f"vocabulary of {total} tokens exceeds the {self.capacity} signatures of "
-                f"H={self.num_hashes}, B={self.num_buckets} (murmur32 scheme, collision-free); "
-                "use more hashes or buckets"
-            )
-        if self.scheme == "reference":
-            rows, salts = self._reference_rows(new_tokens, pad_id)
-        else:
-            rows, salts = self._murmur32_rows(new_tokens)
-        dtype = smallest_uint_dtype(self.num_buckets - 1)
-        new_rows = np.asarray(rows, dtype=dtype).reshape(len(rows), self.num_hashes)
-        count = len(self._tokens)
-        leftover = slice(count + len(new_tokens), None)  # reserved rows no new token took
-        return SignatureTable(
-            self._tokens + tuple(new_tokens),
-            np.concatenate([self._rows[:count], new_rows, self._rows[leftover]]),
-            np.concatenate([self._salts[:count], np.asarray(salts, dtype=np.uint32), self._salts[leftover]]),
-            self.num_hashes,
-            self.num_buckets,
-            self.seed,
-            self.scheme,
-            pad_id,
-            self.num_lsh,
-        )
+class ReferenceScheme(Scheme):
+    """The authors' rule (module docstring): LSH and MurmurHash3 prefix, the last coordinate redrawn
+    only while it equals the last coordinate of the most recent token with the same prefix."""
 
-    def _murmur32_rows(self, new_tokens: list[str]) -> tuple[list[tuple[int, ...]], list[int]]:
-        """Each token's first salted draw that no earlier token holds (collision-free)."""
-        taken = {tuple(row) for row in self._rows[: len(self._tokens)].tolist()}
-        rows, salts = [], []
-        for token in new_tokens:
-            draws = _murmur32_candidates(token, self.num_hashes, self.num_buckets, self.seed)
-            salt, signature = next(((s, sig) for s, sig in draws if sig not in taken), (MAX_SALT, None))
-            if signature is None:
-                raise SignatureError(
-                    f"no free signature for {token!r} after {MAX_SALT} redraws; use more buckets"
-                )
-            taken.add(signature)
-            rows.append(signature)
-            salts.append(salt)
-        return rows, salts
+    name: ClassVar[str] = "reference"
+    draws_lsh: ClassVar[bool] = True
 
-    def _reference_rows(self, new_tokens: list[str], pad_id: int) -> tuple[list[tuple[int, ...]], list[int]]:
-        """The authors' loop: LSH and MurmurHash3 prefix, the last coordinate redrawn only while it equals
-        the last coordinate of the most recent token with the same prefix (none when num_lsh == H)."""
-        num_hashes, num_lsh, first_id = self.num_hashes, self.num_lsh, len(self._tokens)
-        hashed = [token for offset, token in enumerate(new_tokens) if first_id + offset != pad_id]
+    @property
+    def capacity(self) -> int:
+        """Distinct signatures, the padding token's included. The authors' rule builds a larger vocabulary
+        with duplicates, and duplicates below this size too (`duplicate_signatures`)."""
+        return (self.num_buckets - 1) ** self.num_hashes + 1
+
+    def padding_id(self, tokens: Sequence[str], pad_token: str | None) -> int:
+        return tokens.index(pad_token) if pad_token in tokens else NO_PAD
+
+    def draw(self, earlier: np.ndarray, tokens: Sequence[str], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+        first_id = len(earlier)
+        hashed = [token for offset, token in enumerate(tokens) if first_id + offset != pad_id]
         lsh_rows = iter(self._lsh_rows(hashed).tolist())
-        latest = self._latest_by_prefix()
+        latest = self._latest_by_prefix(earlier, pad_id)
+        redrawn = self.num_lsh < self.num_hashes  # num_lsh == H: no coordinate is redrawn
         rows, salts = [], []
-        for offset, token in enumerate(new_tokens):
+        for offset, token in enumerate(tokens):
             salt = 0
             if first_id + offset == pad_id:
-                signature = (0,) * num_hashes
+                signature = (0,) * self.num_hashes
             else:
                 prefix = (*next(lsh_rows), *self._murmur_prefix(token))
-                if num_lsh == num_hashes:
-                    signature = prefix
-                else:
+                signature = prefix
+                if redrawn:
                     salt, last = self._last_coordinate(token, latest.get(prefix))
                     signature = (*prefix, last)
-            if num_lsh < num_hashes:
+            if redrawn:
                 latest[signature[:-1]] = signature[-1]
             rows.append(signature)
             salts.append(salt)
-        return rows, salts
+        return self._as_arrays(rows, salts)
 
     def _lsh_rows(self, tokens: list[str]) -> np.ndarray:
         if not self.num_lsh:
@@ -286,47 +232,177 @@ class SignatureTable:
             last = reference_coordinate(token, seed + redraw, self.num_buckets)
         return redraw, last
 
-    def _latest_by_prefix(self) -> dict[tuple[int, ...], int]:
-        """The authors' state after the existing tokens: the last coordinate of each prefix's latest token.
+    def _latest_by_prefix(self, earlier: np.ndarray, pad_id: int) -> dict[tuple[int, ...], int]:
+        """The authors' state after the earlier tokens: the last coordinate of each prefix's latest token.
 
         All-zero rows other than the padding token's are tokens their loop never visits (a checkpoint's
         added tokens) and leave the state alone."""
         latest: dict[tuple[int, ...], int] = {}
         if self.num_lsh == self.num_hashes:
             return latest
-        for token_id, row in enumerate(self._rows[: len(self._tokens)].tolist()):
-            if token_id == self.pad_id or any(row):
+        for token_id, row in enumerate(earlier.tolist()):
+            if token_id == pad_id or any(row):
                 latest[tuple(row[:-1])] = row[-1]
         return latest
 
+
+class Murmur32Scheme(Scheme):
+    """MurmurHash3_x86_32 coordinates, a taken signature redrawn from a salted key: collision-free."""
+
+    name: ClassVar[str] = "murmur32"
+
     @property
     def capacity(self) -> int:
-        """How many distinct signatures the scheme can give (the padding token's included). murmur32 is
-        collision-free and refuses a larger vocabulary; the reference scheme (the authors' rule) builds
-        one, with duplicates, and builds duplicates below this size too (`duplicate_signatures`)."""
-        if self.scheme == "reference":
-            return (self.num_buckets - 1) ** self.num_hashes + 1
         return self.num_buckets**self.num_hashes
 
+    def draw(self, earlier: np.ndarray, tokens: Sequence[str], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each token's first salted draw that no earlier token holds."""
+        total = len(earlier) + len(tokens)
+        if total > self.capacity:
+            raise SignatureError(
+                f"vocabulary of {total} tokens exceeds the {self.capacity} signatures of "
+                f"H={self.num_hashes}, B={self.num_buckets} (murmur32 scheme, collision-free); "
+                "use more hashes or buckets"
+            )
+        taken = {tuple(row) for row in earlier.tolist()}
+        rows, salts = [], []
+        for token in tokens:
+            draws = self._candidates(token)
+            salt, signature = next(((s, sig) for s, sig in draws if sig not in taken), (MAX_SALT, None))
+            if signature is None:
+                raise SignatureError(
+                    f"no free signature for {token!r} after {MAX_SALT} redraws; use more buckets"
+                )
+            taken.add(signature)
+            rows.append(signature)
+            salts.append(salt)
+        return self._as_arrays(rows, salts)
+
+    def _candidates(self, token: str) -> Iterator[tuple[int, tuple[int, ...]]]:
+        key = token.encode("utf-8")
+        for salt in range(MAX_SALT):
+            salted = key if salt == 0 else key + b"\x00" + str(salt).encode()
+            yield salt, token_signature(salted, self.num_hashes, self.num_buckets, self.seed)
+
+
+def make_scheme(name: str, num_hashes: int, num_buckets: int, seed: int = 0, num_lsh: int = 0) -> Scheme:
+    """The registered scheme `name` of shape H x B, `seed` and `num_lsh` leading LSH coordinates."""
+    if name not in SCHEMES:
+        raise SignatureError(f"unknown signature scheme {name!r}; use one of {', '.join(SCHEMES)}")
+    return SCHEMES[name](num_hashes, num_buckets, seed, num_lsh)
+
+
+def scheme_for_config(hash_cfg: HashConfig) -> Scheme:
+    """The scheme `model.hash` describes (spec, seed, scheme, num_lsh)."""
+    return make_scheme(
+        hash_cfg.signature_scheme, hash_cfg.num_hashes, hash_cfg.num_buckets, hash_cfg.seed, hash_cfg.num_lsh
+    )
+
+
+# --- tables -----------------------------------------------------------------------------------------
+
+
+class SignatureTable:
+    """An immutable table of bucket ids for a vocabulary, with the scheme that drew it.
+
+    `rows` is [num_rows, H]: row t is token id t's signature for t < len(tokens); rows past the last
+    token are reserved (no id, counted by exact scoring's normaliser; see the module docstring).
+    `pad_id` is the token whose signature the scheme keeps all zeros (NO_PAD: none).
+    """
+
+    def __init__(
+        self, tokens: Sequence[str], rows: np.ndarray, salts: np.ndarray, scheme: Scheme, pad_id: int = NO_PAD
+    ) -> None:
+        if rows.ndim != 2 or rows.shape[0] < len(tokens) or salts.shape != (rows.shape[0],):
+            raise SignatureError(
+                f"a table of {len(tokens)} tokens needs at least as many rows and one salt per row; got "
+                f"rows {rows.shape}, salts {salts.shape}"
+            )
+        self._tokens = tuple(tokens)
+        self._rows = rows
+        self._salts = salts
+        self.scheme = scheme
+        self.pad_id = pad_id
+        self._rows.setflags(write=False)
+        self._salts.setflags(write=False)
+        self._torch_rows: torch.Tensor | None = None
+        # A row of H small ints viewed as one 1/2/4/8-byte integer: 1-D `take` gathers ~3x faster.
+        row_bytes = scheme.num_hashes * rows.dtype.itemsize
+        self._packed = rows.view(f"<u{row_bytes}").reshape(-1) if row_bytes in (1, 2, 4, 8) else None
+        self._fingerprint: str | None = None
+        self._duplicates: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        tokens: Sequence[str],
+        num_hashes: int,
+        num_buckets: int,
+        seed: int = 0,
+        scheme: str = "reference",
+        pad_token: str | None = None,
+        num_lsh: int = 0,
+    ) -> SignatureTable:
+        """Shorthand for `make_scheme(scheme, num_hashes, num_buckets, seed, num_lsh).table(tokens,
+        pad_token)`."""
+        return make_scheme(scheme, num_hashes, num_buckets, seed, num_lsh).table(tokens, pad_token)
+
+    def expand(self, new_tokens: Iterable[str]) -> SignatureTable:
+        """A new table with rows for `new_tokens` after the last token; every token's row stays as it is.
+
+        New tokens take the ids after the last token, so they take the places of reserved rows first
+        (rows no id had; those left over stay as they were)."""
+        new_tokens = list(new_tokens)
+        self._check_new(new_tokens)
+        count = len(self._tokens)
+        rows, salts = self.scheme.draw(self._rows[:count], new_tokens, self.pad_id)
+        leftover = slice(count + len(new_tokens), None)  # reserved rows no new token took
+        return SignatureTable(
+            self._tokens + tuple(new_tokens),
+            np.concatenate([self._rows[:count], rows, self._rows[leftover]]),
+            np.concatenate([self._salts[:count], salts, self._salts[leftover]]),
+            self.scheme,
+            self.pad_id,
+        )
+
+    def _check_new(self, new_tokens: list[str]) -> None:
+        known = set(self._tokens)
+        for token in new_tokens:
+            if not isinstance(token, str):
+                raise SignatureError(f"token {token!r} is not a string; pass vocabulary strings")
+            if token in known:
+                raise SignatureError(
+                    f"token {token!r} is already in the table (id {self._tokens.index(token)}); "
+                    "expand with new tokens only"
+                )
+            known.add(token)
+
+    # --- the scheme's shape, as callers ask for it ---------------------------------------------
     @property
-    def duplicate_signatures(self) -> int:
-        """Tokens whose signature an earlier token already has (0 under murmur32)."""
-        if self._duplicates is None:
-            token_rows = self._rows[: len(self._tokens)]
-            distinct = len(np.unique(token_rows, axis=0)) if len(token_rows) else 0
-            self._duplicates = len(token_rows) - distinct
-        return self._duplicates
+    def num_hashes(self) -> int:
+        return self.scheme.num_hashes
 
     @property
-    def num_rows(self) -> int:
-        """Rows of the table: the tokens' and the reserved ones that exact scoring also normalises over."""
-        return self._rows.shape[0]
+    def num_buckets(self) -> int:
+        return self.scheme.num_buckets
 
     @property
-    def reserved_rows(self) -> int:
-        return self.num_rows - len(self._tokens)
+    def seed(self) -> int:
+        return self.scheme.seed
 
-    # --- queries ------------------------------------------------------------------------------
+    @property
+    def num_lsh(self) -> int:
+        return self.scheme.num_lsh
+
+    @property
+    def spec(self) -> str:
+        return self.scheme.spec
+
+    def follows(self, hash_cfg: HashConfig) -> bool:
+        """Whether this table was drawn by the scheme `model.hash` describes (shape, seed, scheme, LSH)."""
+        return self.scheme == scheme_for_config(hash_cfg)
+
+    # --- rows ----------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._tokens)
 
@@ -345,8 +421,22 @@ class SignatureTable:
         return self._salts
 
     @property
-    def spec(self) -> str:
-        return format_hash_spec(self.num_hashes, self.num_buckets)
+    def num_rows(self) -> int:
+        """Rows of the table: the tokens' and the reserved ones that exact scoring also normalises over."""
+        return self._rows.shape[0]
+
+    @property
+    def reserved_rows(self) -> int:
+        return self.num_rows - len(self._tokens)
+
+    @property
+    def duplicate_signatures(self) -> int:
+        """Tokens whose signature an earlier token already has (0 under murmur32)."""
+        if self._duplicates is None:
+            token_rows = self._rows[: len(self._tokens)]
+            distinct = len(np.unique(token_rows, axis=0)) if len(token_rows) else 0
+            self._duplicates = len(token_rows) - distinct
+        return self._duplicates
 
     @property
     def fingerprint(self) -> str:
@@ -354,7 +444,7 @@ class SignatureTable:
         interchangeable tables. num_lsh and the token count enter only when they are not the plain case
         (num_lsh 0, no reserved rows), so every table of that case keeps its earlier fingerprint."""
         if self._fingerprint is None:
-            header = f"mhf-signatures:{self.scheme}:{self.num_hashes}:{self.num_buckets}:{self.seed}:"
+            header = f"mhf-signatures:{self.scheme.name}:{self.num_hashes}:{self.num_buckets}:{self.seed}:"
             if self.num_lsh:
                 header += f"lsh={self.num_lsh}:"
             if self.reserved_rows:
@@ -364,6 +454,7 @@ class SignatureTable:
             self._fingerprint = digest.hexdigest()
         return self._fingerprint
 
+    # --- lookup --------------------------------------------------------------------------------
     def lookup(self, ids: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """Signatures of `ids` with shape [..., H]; numpy in, numpy out; torch in, int64 torch out."""
         if "torch" in sys.modules and isinstance(ids, sys.modules["torch"].Tensor):  # no torch, no tensor
@@ -392,96 +483,10 @@ class SignatureTable:
                 "use the tokenizer this table was built from, or expand the table"
             )
 
-    # --- persistence --------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
-        """Write a safetensors file (no pickle) atomically: temp file in the same folder, then rename."""
-        path = Path(path)
-        encoded = [token.encode("utf-8") for token in self._tokens]
-        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum([len(blob) for blob in encoded])
-        tensors = {
-            "rows": np.ascontiguousarray(self._rows),
-            "salts": np.ascontiguousarray(self._salts),
-            "token_bytes": np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(),
-            "token_offsets": offsets,
-        }
-        metadata = {
-            "format": "mhf-signature-table",
-            "version": str(FORMAT_VERSION_EXTENDED if self._extended else FORMAT_VERSION),
-            "num_hashes": str(self.num_hashes),
-            "num_buckets": str(self.num_buckets),
-            "seed": str(self.seed),
-            "scheme": self.scheme,
-            "pad_id": str(self.pad_id),
-            "fingerprint": self.fingerprint,
-        }
-        if self._extended:
-            metadata["num_lsh"] = str(self.num_lsh)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-
-    @classmethod
-    def load(cls, path: str | Path) -> SignatureTable:
-        path = Path(path)
-        if not path.is_file():
-            raise SignatureError(f"signature table {str(path)!r} does not exist; check the path")
-        try:
-            with safe_open(str(path), framework="numpy") as handle:
-                metadata = handle.metadata() or {}
-            tensors = load_file(str(path))
-        except Exception as err:  # safetensors raises several types for a damaged file
-            raise SignatureError(f"cannot read signature table {str(path)!r}: {err}; re-save it") from None
-        if metadata.get("format") != "mhf-signature-table":
-            raise SignatureError(
-                f"{str(path)!r} is not an mhf signature table; pass a table saved by mhf-dist"
-            )
-        if metadata.get("version") not in READABLE_VERSIONS:
-            raise SignatureError(
-                f"signature table {str(path)!r} has format {metadata.get('version')}, this mhf-dist reads "
-                f"formats {' and '.join(READABLE_VERSIONS)}; re-run `mhf prepare` (or re-export the model) "
-                "to rebuild it"
-            )
-        blob = tensors["token_bytes"].tobytes()
-        offsets = tensors["token_offsets"].tolist()
-        tokens = [blob[start:end].decode("utf-8") for start, end in itertools.pairwise(offsets)]
-        table = cls(
-            tokens,
-            tensors["rows"],
-            tensors["salts"],
-            int(metadata["num_hashes"]),
-            int(metadata["num_buckets"]),
-            int(metadata["seed"]),
-            metadata["scheme"],
-            int(metadata["pad_id"]),
-            int(metadata.get("num_lsh", "0")),
-        )
-        if table.fingerprint != metadata.get("fingerprint"):
-            raise SignatureError(
-                f"signature table {str(path)!r} is corrupted (fingerprint mismatch); rebuild it"
-            )
-        return table
-
-    @property
-    def _extended(self) -> bool:
-        return bool(self.num_lsh or self.reserved_rows)
-
-    def follows(self, hash_cfg: HashConfig) -> bool:
-        """Whether this table is of the shape, seed, scheme and LSH count `model.hash` describes."""
-        mine = (self.num_hashes, self.num_buckets, self.seed, self.scheme, self.num_lsh)
-        wanted = (hash_cfg.num_hashes, hash_cfg.num_buckets, hash_cfg.seed, hash_cfg.signature_scheme)
-        return mine == (*wanted, hash_cfg.num_lsh)
-
     def describe(self) -> dict[str, str | int]:
         return {
             "spec": self.spec,
-            "scheme": self.scheme,
+            "scheme": self.scheme.name,
             "seed": self.seed,
             "num_lsh": self.num_lsh,
             "vocab_size": len(self),
@@ -498,28 +503,70 @@ def build_for_config(
     hash_cfg: HashConfig, tokens: Sequence[str], pad_token: str | None = None
 ) -> SignatureTable:
     """The table `model.hash` describes (spec, seed, scheme, num_lsh) for a vocabulary in id order."""
-    return SignatureTable.build(
-        tokens,
-        hash_cfg.num_hashes,
-        hash_cfg.num_buckets,
-        hash_cfg.seed,
-        hash_cfg.signature_scheme,
-        pad_token,
-        hash_cfg.num_lsh,
+    return scheme_for_config(hash_cfg).table(tokens, pad_token)
+
+
+# --- persistence ------------------------------------------------------------------------------------
+
+
+def save_table(table: SignatureTable, path: str | Path) -> None:
+    """Write `table` as a safetensors file (no pickle), published whole (`staged_file`)."""
+    extended = bool(table.num_lsh or table.reserved_rows)
+    encoded = [token.encode("utf-8") for token in table.tokens]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(blob) for blob in encoded])
+    tensors = {
+        "rows": np.ascontiguousarray(table.rows),
+        "salts": np.ascontiguousarray(table.salts),
+        "token_bytes": np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(),
+        "token_offsets": offsets,
+    }
+    metadata = {
+        "format": FILE_FORMAT,
+        "version": str(FORMAT_VERSION_EXTENDED if extended else FORMAT_VERSION),
+        "num_hashes": str(table.num_hashes),
+        "num_buckets": str(table.num_buckets),
+        "seed": str(table.seed),
+        "scheme": table.scheme.name,
+        "pad_id": str(table.pad_id),
+        "fingerprint": table.fingerprint,
+    }
+    if extended:
+        metadata["num_lsh"] = str(table.num_lsh)
+    with staged_file(path) as staging:
+        save_file(tensors, str(staging), metadata=metadata)
+
+
+def load_table(path: str | Path) -> SignatureTable:
+    """The table `save_table` wrote; a missing, foreign, old or corrupted file is a one-line error."""
+    path = Path(path)
+    if not path.is_file():
+        raise SignatureError(f"signature table {str(path)!r} does not exist; check the path")
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            metadata = handle.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception as err:  # safetensors raises several types for a damaged file
+        raise SignatureError(f"cannot read signature table {str(path)!r}: {err}; re-save it") from None
+    if metadata.get("format") != FILE_FORMAT:
+        raise SignatureError(f"{str(path)!r} is not an mhf signature table; pass a table saved by mhf-dist")
+    if metadata.get("version") not in READABLE_VERSIONS:
+        raise SignatureError(
+            f"signature table {str(path)!r} has format {metadata.get('version')}, this mhf-dist reads "
+            f"formats {' and '.join(READABLE_VERSIONS)}; re-run `mhf prepare` (or re-export the model) "
+            "to rebuild it"
+        )
+    blob = tensors["token_bytes"].tobytes()
+    offsets = tensors["token_offsets"].tolist()
+    tokens = [blob[start:end].decode("utf-8") for start, end in itertools.pairwise(offsets)]
+    scheme = make_scheme(
+        metadata["scheme"],
+        int(metadata["num_hashes"]),
+        int(metadata["num_buckets"]),
+        int(metadata["seed"]),
+        int(metadata.get("num_lsh", "0")),
     )
-
-
-def _check_shape(num_hashes: int, num_buckets: int, seed: int) -> None:
-    if num_hashes < 1:
-        raise SignatureError(f"num_hashes={num_hashes}; a signature needs at least one hash (H>=1)")
-    if num_buckets < 2:
-        raise SignatureError(f"num_buckets={num_buckets}; use at least two buckets (B>=2)")
-    if not (seed >= 0 and seed + num_hashes - 1 < 2**32):
-        raise SignatureError(f"seed={seed} must lie in [0, 2**32 - H); pick a smaller non-negative seed")
-
-
-def _check_lsh(num_lsh: int, num_hashes: int, scheme: str) -> None:
-    if not 0 <= num_lsh <= num_hashes:
-        raise SignatureError(f"num_lsh={num_lsh} must lie in 0..H={num_hashes}")
-    if num_lsh and scheme != "reference":
-        raise SignatureError(f"num_lsh={num_lsh}: LSH coordinates are the reference scheme's, not {scheme}'s")
+    table = SignatureTable(tokens, tensors["rows"], tensors["salts"], scheme, int(metadata["pad_id"]))
+    if table.fingerprint != metadata.get("fingerprint"):
+        raise SignatureError(f"signature table {str(path)!r} is corrupted (fingerprint mismatch); rebuild it")
+    return table

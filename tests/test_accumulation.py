@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mhf_dist.config import load_config
+from mhf_dist.config import check_topology, load_config
 from mhf_dist.errors import ConfigError
 from mhf_dist.models import build_model
 from mhf_dist.signatures import SignatureTable
@@ -40,7 +40,12 @@ def test_accumulated_micro_batches_give_the_unaccumulated_steps(one_process_grou
 
 
 def test_a_micro_batch_that_does_not_divide_a_workers_rows_is_a_one_line_error():
-    cfg = load_config("tiny", ["train.batch_size=16", "train.micro_batch_size=3"]).train
-    with pytest.raises(ConfigError, match=r"micro_batch_size=3 does not divide the 8 rows each of 2 workers"):
-        accumulation_steps(cfg, 2)
-    assert accumulation_steps(cfg.model_copy(update={"micro_batch_size": 2}), 2) == 4
+    cfg = load_config("tiny", ["train.batch_size=16", "train.micro_batch_size=3"])
+    with pytest.raises(
+        ConfigError,
+        match=r"^train.micro_batch_size=3 does not divide the 8 rows each of 2 workers .*--workers\)$",
+    ):
+        check_topology(cfg)
+    assert accumulation_steps(cfg.train.model_copy(update={"micro_batch_size": 2}), 2) == 4
+    with pytest.raises(ConfigError, match=r"micro_batch_size=3 does not divide the 4 rows each of 4 workers"):
+        accumulation_steps(cfg.train, 4)

@@ -12,6 +12,7 @@ import ray
 import yaml
 from packaging.specifiers import SpecifierSet
 
+from mhf_dist.cli import build_parser
 from mhf_dist.config import load_config
 from mhf_dist.errors import ConfigError
 from mhf_dist.submit import expand_env_vars, load_job_spec, resolved_runtime_env
@@ -61,8 +62,6 @@ def test_the_crd_schema_rejects_a_broken_manifest():
 
 def test_kuberay_jobs_name_files_and_flags_that_exist():
     """The RayJobs' entrypoints parse as mhf commands and name sweep files shipped in the repo."""
-    from mhf_dist.cli import build_parser
-
     for path in _yaml_files("cluster/kuberay"):
         manifest = yaml.safe_load(path.read_text())
         if manifest["kind"] != "RayJob":
@@ -76,14 +75,17 @@ def test_kuberay_jobs_name_files_and_flags_that_exist():
 
 @pytest.mark.parametrize("path", _yaml_files("jobs"), ids=str)
 def test_every_yaml_under_jobs_validates(path, monkeypatch):
-    """Job specs as Ray job submissions, sweep files as sweeps (every trial resolves), the rest as configs."""
+    """Job specs as Ray job submissions whose entrypoints parse as mhf commands, sweep files as sweeps
+    (every trial resolves), the rest as configs."""
     monkeypatch.chdir(REPO)
     if path.name.endswith(".job.yaml"):
         spec = load_job_spec(path)
         runtime_env = resolved_runtime_env(spec, {"MHF_STORAGE": "/shared/mhf"}, REPO)
         assert Path(runtime_env["working_dir"]) == REPO
         assert runtime_env["env_vars"]["MHF_STORAGE"] == "/shared/mhf"
-        assert spec.entrypoint.split()[0] == "mhf"
+        words = spec.entrypoint.split()
+        assert words[0] == "mhf"
+        build_parser().parse_args(words[1:])  # every flag it passes exists
     elif path.name.endswith(".sweep.yaml"):
         load_sweep(path)
     else:

@@ -1,11 +1,20 @@
-"""Configs: every preset loads, overrides apply, and each mistake is a one-line error naming the fix."""
+"""Configs: every preset loads, overrides parse and apply, and each mistake is a one-line error naming
+the fix."""
 
 import json
 
 import pytest
 
 from mhf_dist.cli import main
-from mhf_dist.config import available_presets, format_hash_spec, load_config, parse_hash_spec
+from mhf_dist.config import (
+    available_presets,
+    format_hash_spec,
+    load_config,
+    parse_hash_spec,
+    parse_override,
+    parse_overrides,
+    split_assignment,
+)
 from mhf_dist.errors import ConfigError
 
 
@@ -14,8 +23,6 @@ def test_every_preset_loads_with_qwen3_backbone_settings(preset):
     cfg = load_config(preset)
     assert cfg.preset == preset
     assert cfg.model.backbone.rope_theta == 1_000_000.0
-    assert cfg.model.backbone.num_heads % cfg.model.backbone.num_kv_heads == 0
-    assert cfg.model.hash.num_buckets**cfg.model.hash.num_hashes >= cfg.model.vocab_size
 
 
 def test_presets_exist():
@@ -80,6 +87,52 @@ def test_overrides_are_typed_and_nested():
 def test_setting_the_hash_spec_directly_keeps_the_preset_widths():
     cfg = load_config("tiny", ["model.hash=H2B64"])
     assert cfg.model.hash.spec == "H2B64" and cfg.model.hash.d_hash == 32
+    assert load_config("tiny", {"model.hash": "H2B64"}) == cfg  # a sweep's `set:` means the same
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "value"),
+    [
+        ("train.steps=50", "train.steps", 50),
+        ("train.lr=1.0e-3", "train.lr", 0.001),
+        ("train.compile=true", "train.compile", True),
+        ("train.trainable=[backbone.*, decoder]", "train.trainable", ["backbone.*", "decoder"]),
+        ("model.hash.d_hash=null", "model.hash.d_hash", None),
+        ("data.corpus=hf:wikitext", "data.corpus", "hf:wikitext"),
+        ("data.corpus=[unclosed", "data.corpus", "[unclosed"),  # not YAML: the text as it is
+        (" train.steps =7", "train.steps", 7),
+        ("data.path=a=b", "data.path", "a=b"),  # the first `=` splits
+    ],
+)
+def test_an_override_is_typed_as_yaml_reads_its_value(text, key, value):
+    assert parse_override(text) == (key, value)
+
+
+def test_overrides_as_texts_or_a_mapping_give_one_mapping_where_the_later_value_wins():
+    settings = parse_overrides(["train.steps=1", "train.lr=0.1", "train.steps=2"])
+    assert list(settings.items()) == [("train.lr", 0.1), ("train.steps", 2)]
+    assert parse_overrides({"train.steps": 2}) == {"train.steps": 2}
+    assert load_config("tiny", ["train.steps=1", "train.steps=2"]).train.steps == 2
+
+
+def test_a_section_given_a_mapping_merges_into_it():
+    tiny = load_config("tiny")
+    cfg = load_config("tiny", {"model.backbone": {"num_layers": 3}, "model.hash": {"spec": "H2B64"}})
+    assert cfg.model.backbone == tiny.model.backbone.model_copy(update={"num_layers": 3})
+    assert cfg.model.hash == tiny.model.hash.model_copy(update={"spec": "H2B64"})
+
+
+def test_keys_under_a_hash_shorthand_of_a_yaml_file_are_set_within_it(tmp_path):
+    path = tmp_path / "short.yaml"
+    path.write_text("preset: tiny\nmodel:\n  hash: H2B64\n")
+    cfg = load_config(path, ["model.hash.num_lsh=1"])
+    assert (cfg.model.hash.spec, cfg.model.hash.num_lsh) == ("H2B64", 1)
+
+
+def test_key_value_splitting_names_the_flag_and_an_example():
+    assert split_assignment("MHF_STORAGE=/s=x", "--env", "A=1") == ("MHF_STORAGE", "/s=x")
+    with pytest.raises(ConfigError, match=r"^--env 'MHF_STORAGE' is not KEY=VALUE; write e.g. --env A=1$"):
+        split_assignment("MHF_STORAGE", "--env", "A=1")
 
 
 def test_yaml_file_can_start_from_a_preset(tmp_path):
@@ -96,6 +149,7 @@ def test_flat_keys_match_override_paths():
     flat = tiny.flat()
     assert flat["model.backbone.hidden_size"] == 64
     assert load_config("tiny", [f"{key}={json.dumps(value)}" for key, value in flat.items()]) == tiny
+    assert load_config("tiny", flat) == tiny  # the mapping itself, as a sweep's trials pass it
     doubled = load_config("tiny", ["model.backbone.hidden_size=128"])
     assert doubled.flat() == {**flat, "model.backbone.hidden_size": 128}
 
@@ -104,15 +158,28 @@ def test_flat_keys_match_override_paths():
     ("source", "overrides", "message"),
     [
         ("nope", [], "unknown preset 'nope'; choose one of"),
-        ("tiny", ["model.backbone.hiden_size=3"], "unknown key 'model.backbone.hiden_size'"),
-        ("tiny", ["train.steps"], "write --set section.key=value"),
+        (
+            "tiny",
+            ["model.backbone.hiden_size=3"],
+            "unknown key 'model.backbone.hiden_size'; keys under model.backbone: kind, hidden_size",
+        ),
+        ("tiny", ["model.hiden.x=3"], "unknown key 'model.hiden.x'; keys under model: family, vocab_size"),
+        ("tiny", {"modle.family": "mhf"}, "unknown key 'modle.family'; keys under the top level: preset"),
+        ("tiny", ["train.steps"], r"--set 'train.steps' is not KEY=VALUE; write e.g. --set train.steps=50"),
+        ("tiny", ["=3"], "is not KEY=VALUE"),
         ("tiny", ["model.hash.spec=H0B64"], r"use at least one hash \(H>=1\)"),
         ("tiny", ["model.hash.spec=H2B1"], r"use at least two buckets \(B>=2\)"),
         ("tiny", ["model.hash.spec=X9"], "write H<hashes>B<buckets>"),
-        ("tiny", ["model.family=gpt"], "Input should be 'mhf', 'qwen3', 'qwen3_matched', 'triple_latent'"),
+        ("tiny", ["model.hash=X9"], r"^model.hash: bad hash spec 'X9'; write H<hashes>B<buckets>"),
+        ("tiny", ["model.family=gpt"], "model.family: unknown model family 'gpt'; registered: mhf, qwen3"),
         ("tiny", ["train.steps=-1"], "train.steps: Input should be greater than 0"),
         ("tiny", ["train.seq_len=1"], "train.seq_len: Input should be greater than or equal to 2"),
-        ("tiny", ["model.backbone=3"], "is a section; set one of its keys"),
+        ("tiny", ["model.backbone=3"], "model.backbone is a section; set one of its keys"),
+        (
+            "tiny",
+            ["model.hash=7"],
+            r"model.hash is a section; set one of its keys, e.g. --set model.hash.spec=",
+        ),
         ("tiny", ["train.steps.x=1"], "train.steps is a value, not a section"),
         ("tiny", ["model.backbone.num_kv_heads=3"], "not a multiple of num_kv_heads"),
         (

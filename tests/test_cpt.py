@@ -14,8 +14,8 @@ from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError, TrainingError
 from mhf_dist.export import export_model, load_exported
 from mhf_dist.models import build_model
-from mhf_dist.models.counting import TRIPLE_STACKS
 from mhf_dist.models.generation import generate
+from mhf_dist.models.registry import TRIPLE_STACKS
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.train.loop import train_local
 
@@ -167,46 +167,88 @@ def test_learned_tokens_are_appended_and_shorten_the_new_text(english_tokenizer)
     assert extended.decode(ids) == text
 
 
-def test_cpt_continues_training_through_mhf_train_with_the_lineage_recorded(
-    ray_session, english_tokenizer, tmp_path
-):
-    """One fit for several things: lineage and tags, the authors' frozen split under ZeRO-2 on two
-    workers (frozen layers leave training bit-identical), and a replayed share of another corpus."""
-    from mlflow.tracking import MlflowClient
-
-    from mhf_dist.data.shards import read_manifest
-    from mhf_dist.train.ray_trainer import TrainOptions
-
-    parent, _ = exported_parent(tmp_path, english_tokenizer, "mhf", "model.backbone.num_layers=5")
+def cpt_corpora(tmp_path):
+    """(a corpus with the new tokens in it, an English corpus to replay)."""
     corpus, replay = tmp_path / "mixed.txt", tmp_path / "english.txt"
     corpus.write_text("\n\n".join(f"{doc[:2000]} 你好 世界 مرحبا" for doc in builtin_documents()[:30]))
     replay.write_text("\n\n".join(doc[:3000] for doc in builtin_documents()[30:80]))
-    cfg = load_config(
-        "tiny",
-        [
-            f"data.corpus={corpus}",
-            "train.steps=4",
-            "train.seq_len=32",
-            "train.eval_rows=8",
-            f"data.replay.corpus={replay}",
-            "data.replay.fraction=0.3",
-        ],
+    return corpus, replay
+
+
+def cpt_adding_new_tokens(cfg, parent):
+    from mhf_dist.train.ray_trainer import TrainOptions  # the Ray driver: only the tests that train
+
+    return run_cpt(
+        cfg, str(parent.path), lambda old: old.with_added_tokens(NEW_TOKENS), TrainOptions(name="zh")
     )
-    result = run_cpt(
-        cfg,
-        str(parent.path),
-        lambda old: old.with_added_tokens(NEW_TOKENS),
-        TrainOptions(storage=str(tmp_path / "cpt"), name="zh", zero_stage=2),
-        log=lambda _: None,
-    )
-    assert result.expansion.params_added == 0
+
+
+def test_cpt_prepares_the_new_corpus_and_hands_mhf_train_the_expanded_model_lineage_and_tags(
+    ray_session, english_tokenizer, tmp_path, monkeypatch
+):
+    """Everything `mhf cpt` decides before training, read from what it hands `mhf train` (a stand-in
+    here; the fit below trains for real): the expanded model with its lineage, shards of the new corpus
+    with the replayed share, the authors' frozen split and the run's cpt tags."""
+    import mhf_dist.train.ray_trainer as ray_trainer
+    from mhf_dist.data.shards import read_manifest
+    from mhf_dist.train.trainable import apply_trainable
+
+    handed = []
+    monkeypatch.setattr(ray_trainer, "train", lambda *args, **kwargs: handed.append((args, kwargs)) or "run")
+    parent, _ = exported_parent(tmp_path, english_tokenizer, "mhf", "model.backbone.num_layers=5")
+    corpus, replay = cpt_corpora(tmp_path)
+    overrides = [f"data.replay.corpus={replay}", "data.replay.fraction=0.3", "train.seq_len=32"]
+    cfg = load_config("tiny", [f"data.corpus={corpus}", *overrides, f"topology.storage={tmp_path / 'cpt'}"])
+    result = cpt_adding_new_tokens(cfg, parent)
+    ((run_cfg, options), kwargs) = handed[0]
+    assert len(handed) == 1 and result.train_result == "run"
+
+    # Training starts from init/: the parent's model, its vocabulary grown, its lineage one step longer.
+    assert options.init_from == str(result.init_dir) and options.name == "zh"
+    init = load_exported(result.init_dir)
+    assert init.config.vocab_size == parent.config.vocab_size + len(NEW_TOKENS) == run_cfg.model.vocab_size
+    assert real_params(init.model) == real_params(parent.model)
+    assert init.lineage == [{"fingerprint": parent.table.fingerprint, "vocab_size": parent.config.vocab_size}]
+    # on shards of the new corpus, tokenized and signed as init/ is, with the asked share replayed
+    manifest = read_manifest(run_cfg.data.path)
+    assert manifest.signatures.fingerprint == init.table.fingerprint != parent.table.fingerprint
+    mixture = manifest.splits["train"].mixture
+    assert mixture.sources[1].documents > 0 and 0.15 < mixture.realised_fraction < 0.45
+    # under the authors' split: of 5 layers only layer 2 is frozen
+    layer_2 = {name for name, _ in init.model.named_parameters() if name.startswith("backbone.layers.2.")}
+    assert layer_2 and set(apply_trainable(init.model, run_cfg.train.trainable).frozen) == layer_2
+    assert kwargs["tags"] == {
+        "cpt_parent_model": str(parent.path.resolve()),
+        "cpt_parent_fingerprint": parent.table.fingerprint,
+        "cpt_old_vocab_size": parent.config.vocab_size,
+        "cpt_new_vocab_size": init.config.vocab_size,
+        "cpt_params_added": 0,
+        "cpt_init_new_rows": "none",  # mhf has no vocabulary-sized table to grow
+        "cpt_init_fallback_rows": 0,
+        "cpt_trainable": "authors-ve",
+        "cpt_replay_fraction": mixture.realised_fraction,
+    }
+
+
+def test_cpt_trains_from_the_expanded_weights_and_the_trained_model_keeps_the_lineage(
+    ray_session, english_tokenizer, tmp_path
+):
+    """The one fit: what only training shows. Two ZeRO-2 workers start from init/ (the authors' frozen
+    layer comes out bit-identical to the parent's, everything else moves), the trained export keeps the
+    lineage, and MLflow holds the cpt tags beside train's parameter counts."""
+    from mlflow.tracking import MlflowClient
+
+    parent, _ = exported_parent(tmp_path, english_tokenizer, "mhf", "model.backbone.num_layers=5")
+    corpus, _ = cpt_corpora(tmp_path)
+    storage = f"topology.storage={tmp_path / 'cpt'}"
+    train = ["train.steps=4", "train.seq_len=32", "train.eval_rows=8"]
+    cfg = load_config("tiny", [f"data.corpus={corpus}", *train, "topology.zero_stage=2", storage])
+    result = cpt_adding_new_tokens(cfg, parent)
     exported = load_exported(result.train_result.checkpoint / "model")
     assert exported.config.vocab_size == parent.config.vocab_size + len(NEW_TOKENS)
-    assert real_params(exported.model) == real_params(parent.model)
     assert exported.lineage == [
         {"fingerprint": parent.table.fingerprint, "vocab_size": parent.config.vocab_size}
     ]
-    # The authors' split: of 5 layers only layer 2 is frozen; everything else trained.
     before, after = parent.model.state_dict(), exported.model.state_dict()
     frozen = [name for name in before if name.startswith("backbone.layers.2.")]
     assert frozen and all(torch.equal(before[name], after[name]) for name in frozen)
@@ -214,23 +256,14 @@ def test_cpt_continues_training_through_mhf_train_with_the_lineage_recorded(
         assert not torch.equal(before[name], after[name])
     assert not torch.equal(before["encoder.table.weight"], after["encoder.table.weight"])
 
-    run = MlflowClient(tracking_uri=result.train_result.tracking_uri).get_run(result.train_result.run_id)
-    tags = run.data.tags
+    tags = MlflowClient(result.train_result.tracking_uri).get_run(result.train_result.run_id).data.tags
     assert tags["cpt_parent_fingerprint"] == parent.table.fingerprint
-    assert tags["signature_fingerprint"] == exported.table.fingerprint != parent.table.fingerprint
-    assert (tags["cpt_old_vocab_size"], tags["cpt_new_vocab_size"], tags["cpt_params_added"]) == (
-        str(parent.config.vocab_size),
-        str(exported.config.vocab_size),
-        "0",
-    )
+    assert tags["signature_fingerprint"] == exported.table.fingerprint
     frozen_params = sum(before[name].numel() for name in frozen)
-    assert (tags["cpt_trainable"], tags["total_params"], tags["trainable_params"]) == (
-        "authors-ve",
+    assert (tags["total_params"], tags["trainable_params"]) == (
         str(real_params(parent.model)),
         str(real_params(parent.model) - frozen_params),
     )
-    mixture = read_manifest(tmp_path / "cpt" / "zh" / "data")["splits"]["train"]["mixture"]
-    assert mixture["sources"][1]["documents"] > 0 and 0.15 < mixture["realised_fraction"] < 0.45
 
 
 def test_mhf_cpt_refuses_an_unknown_trainable_pattern_before_preparing(english_tokenizer, tmp_path, capsys):

@@ -65,10 +65,36 @@ def test_packing_rejects_a_seq_len_below_two():
         pack_rows(np.arange(10), 1)
 
 
-def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_path):
+@pytest.fixture
+def drawn(monkeypatch):
+    """The axes of every figure saved, by title: what each plot shows, read before it becomes pixels."""
+    from matplotlib.figure import Figure
+
+    figures = {}
+    save = Figure.savefig
+
+    def recorded(figure, *args, **kwargs):
+        (axes,) = figure.axes
+        figures[axes.get_title()] = axes
+        return save(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recorded)
+    return figures
+
+
+def pixels_of(png, color) -> int:
+    """How many pixels of the PNG file have exactly `color` (a matplotlib colour)."""
+    from matplotlib.colors import to_rgb
+    from PIL import Image
+
+    with Image.open(png) as image:
+        counts = {rgb: count for count, rgb in image.convert("RGB").getcolors(1 << 24)}
+    return counts.get(tuple(round(255 * channel) for channel in to_rgb(color)), 0)
+
+
+def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_path, drawn):
     """The README's first command, small: 3 families x 2 seeds on Ray Tune, compared from MLflow."""
     from mlflow.tracking import MlflowClient
-    from PIL import Image
 
     lines = []
     overrides = [
@@ -77,9 +103,10 @@ def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_
         "train.eval_rows=16",
         "data.tokenizer=bytes",
         "model.vocab_size=259",
+        # One worker per trial keeps six trials' start-up affordable on 2 cores; `mhf train` tests cover 2.
+        "topology.workers=1",
     ]
-    # One worker per trial keeps six trials' start-up affordable on 2 cores; `mhf train` tests cover 2.
-    comparison = run_demo("tiny", overrides, tmp_path, seeds=(0, 1), workers=1, log=lines.append)
+    comparison = run_demo("tiny", overrides, tmp_path, seeds=(0, 1), log=lines.append)
     rows = {row["group"]: row for row in comparison.rows}
     assert set(rows) == {"mhf", "qwen3", "qwen3_matched"} and all(r["n_seeds"] == 2 for r in rows.values())
 
@@ -92,38 +119,58 @@ def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_
         [experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     assert len(children) == 6 and parent.info.status == "FINISHED"
+
+    def history(run, metric):
+        return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, metric))
+
+    def runs_of(family):
+        return [run for run in children if run.data.tags["family"] == family]
+
     for run in children:  # validation every train.steps / 10 steps (here 1): curves, not single points
-        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_nll"))
-        assert steps == list(range(1, 9))
+        assert [step for step, _ in history(run, "val_nll")] == list(range(1, 9))
+    finals = {family: [history(run, "val_nll")[-1][1] for run in runs_of(family)] for family in rows}
     for family, row in rows.items():
-        finals = [
-            max(client.get_metric_history(run.info.run_id, "val_nll"), key=lambda m: m.step).value
-            for run in children
-            if run.data.tags["family"] == family
-        ]
-        assert row["mean"] == pytest.approx(statistics.fmean(finals), rel=1e-12)
-        assert row["std"] == pytest.approx(statistics.stdev(finals), rel=1e-12)
-        assert row["min"] == min(finals) and row["max"] == max(finals)
+        assert row["mean"] == pytest.approx(statistics.fmean(finals[family]), rel=1e-12)
+        assert row["std"] == pytest.approx(statistics.stdev(finals[family]), rel=1e-12)
+        assert row["min"] == min(finals[family]) and row["max"] == max(finals[family])
     for run in children:
         tags = run.data.tags
         assert tags["sweep"] == parent.data.tags["sweep"] and tags["matched_to"] == "mhf"
         assert int(tags["param_residual"]) == int(tags["param_count"]) - rows["mhf"]["params"]
         assert {"seed", "param_count", "family"} <= set(tags)
     assert "unstable.mhf" in client.get_run(parent.info.run_id).data.tags
-    seed_curves = [
-        [m.value for m in sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)]
-        for run in children
-        if run.data.tags["family"] == "mhf"
-    ]
+    seed_curves = [[value for _, value in history(run, "loss")] for run in runs_of("mhf")]
     assert all(abs(a - b) > 1e-4 for a, b in zip(*seed_curves, strict=True))  # another seed, another curve
 
     artifacts = {entry.path for entry in client.list_artifacts(parent.info.run_id)}
     assert {"compare.md", "compare.csv", "curves.png", "finals.png", "loss.png"} <= artifacts
     assert [path.name for path in comparison.files[2:]] == ["curves.png", "finals.png", "loss.png"]
-    for png in comparison.files[2:]:
-        with Image.open(png) as image:
-            image.verify()
-            assert image.format == "PNG"
+    curves_png, finals_png, loss_png = comparison.files[2:]
+    # Each curve plot: a line per family, the mean of its seeds' MLflow values at every step, in its
+    # own colour on the PNG.
+    for png, title, metric in [
+        (curves_png, "val_nll: mean over seeds, band = min..max", "val_nll"),
+        (loss_png, "training loss (each family's objective): mean over seeds, band = min..max", "loss"),
+    ]:
+        plotted = drawn[title].get_lines()
+        assert sorted(line.get_label() for line in plotted) == [f"{family} (n=2)" for family in sorted(rows)]
+        for line in plotted:
+            seeds = [dict(history(run, metric)) for run in runs_of(line.get_label().split(" ")[0])]
+            steps = sorted(seeds[0])
+            assert list(line.get_xdata()) == steps
+            assert list(line.get_ydata()) == pytest.approx(
+                [statistics.fmean(s[step] for s in seeds) for step in steps]
+            )
+        assert len({line.get_color() for line in plotted}) == len(plotted)
+        assert all(pixels_of(png, line.get_color()) > 50 for line in plotted), png
+    # The finals plot: a column per family, a point per seed at that seed's last val_nll.
+    axes = drawn["final val_nll per seed"]
+    columns = [label.get_text() for label in axes.get_xticklabels()]
+    assert columns == sorted(rows) and len(axes.collections) == len(columns)
+    for column, (family, points) in enumerate(zip(columns, axes.collections, strict=True)):
+        assert set(points.get_offsets()[:, 0]) == {column}
+        assert sorted(points.get_offsets()[:, 1]) == pytest.approx(sorted(finals[family]))
+        assert pixels_of(finals_png, points.get_facecolor()[0]) > 20
     for family in rows:  # one seeded, sampled continuation per family
         assert sum(line.startswith(f"{family} (seed 0, temperature 0.8) sample:") for line in lines) == 1
     assert any(line.startswith("MLflow UI: mlflow ui --backend-store-uri sqlite:///") for line in lines)

@@ -12,9 +12,9 @@ from tokenizers import processors
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.data.packing import pack_rows
-from mhf_dist.data.prepare import is_validation, prepare
+from mhf_dist.data.prepare import prepare
 from mhf_dist.data.reader import RowReader
-from mhf_dist.data.shards import check_compatible, read_manifest
+from mhf_dist.data.shards import check_compatible, is_validation, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
 from mhf_dist.eval.perplexity import evaluate_rows
@@ -22,7 +22,7 @@ from mhf_dist.eval.tasks import continuation_logprob, run_task
 from mhf_dist.export import export_model, load_exported
 from mhf_dist.hf_layout import export_hf, import_hf
 from mhf_dist.models import build_model
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.signatures import load_table
 
 DOCS = [f"Document {i} is about {topic}, and {topic} only." for i, topic in enumerate(["rain", "sun"] * 20)]
 BOS, EOS = 256, 257  # the byte vocabulary's <bos> and <eos>
@@ -50,7 +50,7 @@ def shards(ray_session, tmp_path_factory):
 
 def exported_model(directory, shards_dir, document_format):
     cfg = byte_cfg()
-    table = SignatureTable.load(shards_dir / "signatures.safetensors")
+    table = load_table(shards_dir / "signatures.safetensors")
     torch.manual_seed(0)
     model = build_model(cfg.model, table)
     tokenizer = shards_dir / "tokenizer.json"
@@ -71,10 +71,10 @@ def test_bos_shards_lead_every_document_with_bos_and_eos_shards_end_it_with_eos(
     bos, eos = stream(shards["bos"], split), stream(shards["eos"], split)
     assert bos == [t for doc in ids for t in (BOS, *doc)][: len(bos)] and EOS not in bos
     assert eos == [t for doc in ids for t in (*doc, EOS)][: len(eos)] and BOS not in eos
-    assert read_manifest(shards["bos"])["document_format"] == "bos"
-    assert read_manifest(shards["bos"])["tokenizer"]["bos_id"] == BOS
+    assert read_manifest(shards["bos"]).document_format == "bos"
+    assert read_manifest(shards["bos"]).tokenizer.bos_id == BOS
     # auto: the byte vocabulary has no BOS template, so it stays EOS-terminated
-    assert read_manifest(shards["eos"])["document_format"] == "eos"
+    assert read_manifest(shards["eos"]).document_format == "eos"
 
 
 def test_a_run_whose_config_names_another_format_than_the_shards_is_refused(shards):
@@ -179,7 +179,7 @@ def test_block_packing_prepares_disjoint_blocks_and_train_refuses_shards_of_the_
     assert np.array_equal(rows[: len(expected)], expected) and len(rows) - len(expected) in (0, 1)
     assert len(rows) < len(overlapping) and rows.shape[1] == 33
     manifest = read_manifest(out)
-    assert manifest["packing"] == "blocks" and read_manifest(shards["eos"])["packing"] == "overlap"
+    assert manifest.packing == "blocks" and read_manifest(shards["eos"]).packing == "overlap"
     check_compatible(manifest, byte_cfg("data.packing=blocks"))
     with pytest.raises(DataError, match=r"shards have packing blocks but the model has overlap"):
         check_compatible(manifest, byte_cfg())

@@ -1,7 +1,9 @@
 """`mhf eval` tasks and `mhf generate` on small exported models, checked against independent computations."""
 
+import itertools
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,13 +13,14 @@ from scipy.stats import spearmanr
 from mhf_dist.cli import main
 from mhf_dist.config import RecallDataConfig, load_config
 from mhf_dist.data.corpus import builtin_documents
-from mhf_dist.data.recall import make_recall
+from mhf_dist.data.recall import EVAL_SEED, make_recall
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.eval.tasks import RECALL_SEQ_LEN, EvalDataError, continuation_logprob, run_task, word_vector
 from mhf_dist.export import export_model, load_exported
 from mhf_dist.models import build_model
 from mhf_dist.models.generation import generate
 from mhf_dist.signatures import SignatureTable
+from mhf_dist.train.loop import train_local
 
 MODELS = {
     "mhf": ["model.family=mhf"],
@@ -68,18 +71,50 @@ def test_ppl_and_bpb_equal_the_models_own_nll_computed_per_window(exported, tmp_
     assert results["bits_per_byte"] == pytest.approx(float(nll.sum()) / math.log(2) / scored_bytes, rel=1e-5)
 
 
-def test_lambada_accuracy_is_greedy_reproduction_and_ppl_the_word_likelihood(exported, tmp_path):
+def test_lambada_ppl_is_the_likelihood_of_the_last_word(exported, tmp_path):
     texts = ["He opened the door and saw the garden", "The function returns a new list"]
     results = run_task(exported, "lambada", write_jsonl(tmp_path / "l.jsonl", [{"text": t} for t in texts]))
     encode = exported.tokenizer.encode_batch
-    logprobs, hits = [], []
+    logprobs = []
     for text in texts:
         context, _, word = text.rpartition(" ")
         ctx, target = encode([context])[0], encode([" " + word])[0]
         logprobs.append(float(sequence_logprob(exported.model, ctx + target)[-len(target) :].sum()))
-        hits.append(list(generate(exported.model, ctx, len(target))) == target)
-    assert results["acc"] == sum(hits) / len(texts)
     assert results["ppl"] == pytest.approx(math.exp(-sum(logprobs) / len(texts)), rel=1e-4)
+
+
+MEMORISED = "He opened the door and saw the garden"
+
+
+@pytest.fixture(scope="module", params=["mhf", "qwen3"])
+def memorised(request, tmp_path_factory):
+    """A tiny model trained until greedy decoding reproduces MEMORISED (60 steps, under a second)."""
+    directory = tmp_path_factory.mktemp(f"memorised-{request.param}")
+    tokenizer = TextTokenizer.train_bpe(builtin_documents()[:20], 300)
+    tokenizer.save(directory / "tokenizer.json")
+    overrides = ["model.vocab_size=300", "model.hash.spec=H2B64", f"model.family={request.param}"]
+    cfg = load_config("tiny", [*overrides, "train.steps=60", "train.warmup_steps=5", "train.seq_len=32"])
+    table = SignatureTable.build(tokenizer.vocabulary(), 2, 64)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, table)
+    document = [*tokenizer.encode_batch([MEMORISED])[0], tokenizer.eos_id]
+    rows = torch.tensor(list(itertools.islice(itertools.cycle(document), 8 * 33))).reshape(8, 33)
+    train_local(model, itertools.repeat({"tokens": rows}), cfg.train, log=None)
+    export_model(model, cfg.model, table, directory / "tokenizer.json", directory / "model")
+    return load_exported(directory / "model")
+
+
+def test_lambada_accuracy_counts_the_words_greedy_decoding_reproduces_whole(memorised, tmp_path):
+    """Of three words only the memorised one is reproduced: the second text's context is the memorised
+    one, so greedy decoding gets its word's first token right and the rest wrong."""
+    texts = [MEMORISED, MEMORISED.rpartition(" ")[0] + " list", "The function returns a new list"]
+    encode = memorised.tokenizer.encode_batch
+    context, _, _ = MEMORISED.rpartition(" ")
+    garden, swapped = encode([" garden"])[0], encode([" list"])[0]
+    assert garden[0] == swapped[0] and len(swapped) > 1  # one shared first piece, then other pieces
+    assert list(generate(memorised.model.eval(), encode([context])[0], len(garden))) == garden
+    results = run_task(memorised, "lambada", write_jsonl(tmp_path / "l.jsonl", [{"text": t} for t in texts]))
+    assert results["acc"] == pytest.approx(1 / 3) and results["examples"] == 3
 
 
 def test_hellaswag_picks_the_ending_with_the_highest_summed_loglikelihood(exported, tmp_path):
@@ -222,18 +257,42 @@ def test_recall_labels_are_correct_by_construction():
         assert (row[others] == 0).all()
 
 
-def test_recall_accuracy_is_the_greedy_prediction_at_query_positions(exported):
-    results = run_task(exported, "recall", None, limit=4)
-    defaults = RecallDataConfig()
-    data = make_recall(
-        4, defaults.num_pairs, defaults.num_queries, RECALL_SEQ_LEN, exported.config.vocab_size, 0
-    )
-    hits = [
-        list(generate(exported.model, row[: position + 1].tolist(), 1)) == [int(row[position + 1])]
-        for row, mask in zip(data.rows, data.query_mask, strict=True)
-        for position in np.flatnonzero(mask)
-    ]
-    assert results["queries"] == len(hits) == 16 and results["acc"] == sum(hits) / len(hits)
+class RecallOracle:
+    """A hand-built scorer for associative recall: after a key, the value paired with that key at the
+    start of the row (for the keys `knows` accepts; else the key itself, never a value) gets almost all
+    of the probability."""
+
+    def __init__(self, vocab_size, knows):
+        self.vocab_size, self.knows = vocab_size, knows
+
+    def eval(self):
+        return self
+
+    def next_token_logprobs(self, tokens, cache):
+        row = tokens[0].tolist()
+        key = row[-1]
+        answer = row[row.index(key) + 1] if self.knows(key) else key
+        logits = torch.zeros(1, self.vocab_size)
+        logits[0, answer] = 20.0
+        return logits.log_softmax(-1), cache
+
+
+def test_recall_accuracy_is_the_share_of_queries_whose_value_scores_highest():
+    vocab_size, defaults = 300, RecallDataConfig()
+    data = make_recall(4, defaults.num_pairs, defaults.num_queries, RECALL_SEQ_LEN, vocab_size, EVAL_SEED)
+    queried = np.concatenate([row[:-1][mask] for row, mask in zip(data.rows, data.query_mask, strict=True)])
+    even = float(np.mean(queried % 2 == 0))  # the share of queries an oracle of even keys answers
+    assert 0 < even < 1
+
+    def scored_by(knows):
+        exported = SimpleNamespace(
+            model=RecallOracle(vocab_size, knows), config=SimpleNamespace(vocab_size=vocab_size)
+        )
+        return run_task(exported, "recall", None, limit=4)
+
+    assert scored_by(lambda key: True) == {"acc": 1.0, "queries": 16, "examples": 4}
+    assert scored_by(lambda key: key % 2 == 0)["acc"] == pytest.approx(even)
+    assert scored_by(lambda key: False)["acc"] == 0.0
 
 
 def test_text_files_split_into_documents_like_mhf_prepare(tmp_path):

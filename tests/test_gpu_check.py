@@ -5,8 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -21,7 +19,6 @@ def test_the_gpu_check_runs_every_measurement_at_the_tiny_size_on_cpu(tmp_path):
         (family, setting) for family in ("mhf", "qwen3") for setting in ("fp32", "+ activation checkpointing")
     ]
     for row in results["training"]:
-        assert row["tokens_per_s"] == pytest.approx(row["micro_batch"] * results["seq_len"] / row["step_s"])
         assert row["plan_gb"] > 0 and row["mfu"] is None  # no peak FLOP/s for a CPU
     assert [row["family"] for row in results["serving"]] == ["mhf", "qwen3"]
     assert all(row["exact_scoring_tok_s"] > 0 and row["generation_tok_s"] > 0 for row in results["serving"])

@@ -166,8 +166,8 @@ def test_prepare_warns_about_duplicate_signatures_and_records_them_in_the_manife
     manifest = prepare(cfg, tmp_path / "data", log=lines.append)
     tokenizer = TextTokenizer.recall(40)
     table = build_for_config(cfg.model.hash, tokenizer.vocabulary(), tokenizer.pad_token)
-    assert table.duplicate_signatures > 0 and manifest["signatures"]["fingerprint"] == table.fingerprint
-    assert manifest["signatures"]["duplicate_signatures"] == table.duplicate_signatures
+    assert table.duplicate_signatures > 0 and manifest.signatures.fingerprint == table.fingerprint
+    assert manifest.signatures.duplicate_signatures == table.duplicate_signatures
     assert sum(f"warning: {table.duplicate_signatures} token(s) share" in line for line in lines) == 1
 
 

@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 from authors_loop import authors_hash_map
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3Model
 
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.cpt import expand_model
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.export import export_model
-from mhf_dist.hf_layout import export_hf, import_hf
+from mhf_dist.hf_layout import LayoutError, export_hf, import_hf
 from mhf_dist.models import build_model, param_count
 from mhf_dist.models.generation import generate
 from mhf_dist.signatures import SignatureTable
@@ -144,10 +144,35 @@ def check_import_scores_as_the_authors(imported, weights, hash_map, num_hashes, 
     return expected_nll, token_logits, targets
 
 
+def written_tensors(directory):
+    """Every tensor of a Hugging Face directory: model.safetensors, or the shards its index names (each
+    tensor in exactly the shard the index says)."""
+    index = directory / "model.safetensors.index.json"
+    if not index.exists():
+        return load_file(directory / "model.safetensors")
+    weight_map = json.loads(index.read_text())["weight_map"]
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+        held = load_file(directory / shard)
+        assert {name for name, file in weight_map.items() if file == shard} == set(held)
+        tensors.update(held)
+    return tensors
+
+
+def sample_rows(vocab, seed):
+    return torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
 def check_export_and_reimport(first, weights, hash_map, tmp_path, name):
     out = tmp_path / f"{name}-hf"
     assert main(["export-hf", str(first.path), "--out", str(out)]) == 0
-    written = load_file(str(out / "model.safetensors"))
+    assert not (out / "model.safetensors.index.json").exists()  # 5GB shards: a tiny model is one file
+    check_reference_export(first, out, weights, hash_map, tmp_path / f"{name}-second")
+
+
+def check_reference_export(first, out, weights, hash_map, second_dir):
+    """`out` holds the checkpoint's tensors and config keys as they were; imported again, it is `first`."""
+    written = written_tensors(out)
     assert set(written) == {*weights, "model.hash_map"}  # no lm_head.weight when tied
     assert all(torch.equal(written[key], tensor) for key, tensor in weights.items())
     assert torch.equal(written["model.hash_map"], hash_map)  # every row, the reserved ones too
@@ -160,11 +185,11 @@ def check_export_and_reimport(first, weights, hash_map, tmp_path, name):
     )
     assert (config["num_lsh"], config["lsh_only_embed"]) == (hash_cfg.num_lsh, hash_cfg.lsh_only_embed)
     assert config["vocab_size"] == ROUNDED_VOCAB
-    second = import_hf(out, tmp_path / f"{name}-second")
+    second = import_hf(out, second_dir)
     assert second.config == first.config and second.table.fingerprint == first.table.fingerprint
     for (key, a), b in zip(first.model.state_dict().items(), second.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), key
-    rows = torch.randint(0, first.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    rows = sample_rows(first.config.vocab_size, 2)
     with torch.no_grad():
         assert torch.equal(
             first.model.token_nll(rows[:, :-1], rows[:, 1:]),
@@ -253,11 +278,14 @@ def test_lsh_and_single_hash_checkpoints_import_score_as_the_authors_and_export_
 def test_vocabulary_expansion_of_an_imported_model_adds_no_parameters_and_follows_the_scheme(
     reference_checkpoint, tmp_path
 ):
-    directory, _, hash_map, tokenizer = reference_checkpoint
+    directory, weights, hash_map, tokenizer = reference_checkpoint
     imported = import_hf(directory, tmp_path / "imported")
     new_tokens = ["Ġhello", "Ġworld", "日本語"]
     expansion = expand_model(imported, new_tokens)
-    assert expansion.params_added == 0 and param_count(expansion.config) == param_count(imported.config)
+    # the expanded model's tensors against the checkpoint's (its hash_map is a buffer, not a parameter)
+    checkpoint_params = sum(tensor.numel() for tensor in weights.values())
+    assert sum(param.numel() for param in expansion.model.parameters()) == checkpoint_params
+    assert param_count(expansion.config) == checkpoint_params and expansion.params_added == 0
     rows = expansion.table.as_tensor()
     vocab = tokenizer.vocab_size
     assert torch.equal(rows[:vocab], hash_map[:vocab])
@@ -269,21 +297,80 @@ def test_vocabulary_expansion_of_an_imported_model_adds_no_parameters_and_follow
     assert expansion.table.num_rows == ROUNDED_VOCAB and torch.equal(rows[vocab + 3 :], hash_map[vocab + 3 :])
 
 
-def test_qwen3_exports_as_a_plain_transformers_directory_and_imports_back(tmp_path):
+@pytest.fixture(scope="module")
+def qwen3_export(tmp_path_factory):
+    """(exported directory, model, config) of a random tiny qwen3 over the bytes tokenizer."""
+    directory = tmp_path_factory.mktemp("qwen3")
     cfg = load_config("tiny", ["model.family=qwen3", "model.vocab_size=259"]).model
     tokenizer = TextTokenizer.bytes()
-    tokenizer.save(tmp_path / "tokenizer.json")
+    tokenizer.save(directory / "tokenizer.json")
     table = SignatureTable.build(tokenizer.vocabulary(), 2, 64)
     torch.manual_seed(0)
     model = build_model(cfg, table).eval()
-    export_model(model, cfg, table, tmp_path / "tokenizer.json", tmp_path / "ours")
-    export_hf(tmp_path / "ours", tmp_path / "hf")
-    plain = Qwen3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    rows = torch.randint(0, 259, (2, 9), generator=torch.Generator().manual_seed(0))
+    return export_model(model, cfg, table, directory / "tokenizer.json", directory / "ours"), model, cfg
+
+
+@pytest.mark.parametrize("max_shard_size", ["5GB", "40KB"], ids=["one-file", "sharded"])
+def test_qwen3_exports_as_a_transformers_directory_that_auto_loads_and_imports_back(
+    qwen3_export, tmp_path, max_shard_size
+):
+    """transformers' AutoModelForCausalLM loads the export, one file or shards and their index, and
+    computes our model's logits; import-hf reads it back to the same weights and logits."""
+    ours, model, cfg = qwen3_export
+    export_hf(ours, tmp_path / "hf", max_shard_size)
+    shards = sorted(path.name for path in (tmp_path / "hf").glob("*.safetensors"))
+    if max_shard_size == "5GB":
+        assert shards == ["model.safetensors"]
+    else:  # 40KB: the 49KB MLP matrices one to a shard, the smaller tensors packed up to 40KB
+        assert len(shards) > 4 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    written = written_tensors(tmp_path / "hf")
+    assert "lm_head.weight" not in written  # tied: stored once, as the embedding
+    assert sum(tensor.numel() for tensor in written.values()) == param_count(cfg)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(plain).__name__ == "Qwen3ForCausalLM"
+    rows = sample_rows(259, 0)
     with torch.no_grad():
         assert torch.allclose(plain(input_ids=rows).logits, model.logits(rows), atol=1e-5)
         back = import_hf(tmp_path / "hf", tmp_path / "back")
+        for (key, a), b in zip(model.state_dict().items(), back.model.state_dict().values(), strict=True):
+            assert torch.equal(a, b), key
         assert torch.equal(back.model.logits(rows), model.logits(rows))
+
+
+def test_a_sharded_reference_export_imports_back_to_the_same_model(reference_checkpoint, tmp_path, capsys):
+    """max_shard_size in bytes splits the reference layout too; import-hf reads the shards back, and a
+    shard the index names but the directory lacks is a one-line error."""
+    directory, weights, hash_map, _ = reference_checkpoint
+    imported = import_hf(directory, tmp_path / "imported")
+    out = tmp_path / "hf"
+    export_hf(imported.path, out, max_shard_size=30_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2
+    for shard in shards:  # each shard within the limit, unless it is one tensor larger than it
+        held = load_file(out / shard)
+        assert len(held) == 1 or sum(t.numel() * t.element_size() for t in held.values()) <= 30_000
+    check_reference_export(imported, out, weights, hash_map, tmp_path / "second")
+    (out / shards[1]).unlink()
+    assert main(["import-hf", str(out), "--out", str(tmp_path / "third")]) == 2
+    err = capsys.readouterr().err
+    assert f"names 1 shard(s) that are not in {str(out)!r} ({shards[1]})" in err and err.count("\n") == 1
+    assert not (tmp_path / "third").exists()
+
+
+def test_an_out_that_cannot_be_created_and_a_bad_shard_size_are_one_line_errors(
+    reference_checkpoint, qwen3_export, tmp_path, capsys
+):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for command in (["import-hf", str(reference_checkpoint[0])], ["export-hf", str(qwen3_export[0])]):
+        assert main([*command, "--out", str(blocker / "out")]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot create the directory {str(blocker)!r} (File exists)" in err and err.count("\n") == 1
+    for size in ("5XB", "-5MB", 0, "lots"):
+        with pytest.raises(LayoutError, match=r"is not a size; give bytes or a number with KB, MB or GB"):
+            export_hf(qwen3_export[0], tmp_path / "hf", size)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_bad_checkpoints_are_one_line_errors_and_leave_nothing(reference_checkpoint, tmp_path, capsys):
@@ -304,6 +391,7 @@ def test_bad_checkpoints_are_one_line_errors_and_leave_nothing(reference_checkpo
         (variant("lsh-embed", lsh_only_embed=True), "lsh_only_embed=true embeds the LSH coordinates only"),
         (variant("shape", num_buckets=64), "model.embed_tokens.weight has shape (96, 32) but"),
         (variant("llama", model_type="llama"), "has model_type 'llama'"),
+        (variant("typed", hidden_size="wide"), "is not a valid Qwen3 config (Validation error for field"),
     ]
     damaged = variant("damaged")
     (damaged / "config.json").write_text('{"model_type": "qwen3",')

@@ -12,7 +12,7 @@ from mhf_dist.data import mistral
 from mhf_dist.data.prepare import prepare
 from mhf_dist.data.reader import RowReader
 from mhf_dist.data.tokenizer import TextTokenizer
-from mhf_dist.signatures import SignatureTable, build_for_config
+from mhf_dist.signatures import SignatureTable, build_for_config, load_table
 
 pytest.importorskip("mistral_common", reason="mistral-v0.3 needs the mistral-common package")
 
@@ -129,15 +129,15 @@ def test_prepared_mistral_rows_lead_documents_with_bos_and_hold_no_eos(
     rows = RowReader(out, "train").read_range()["tokens"]
     stream = np.concatenate([rows[0], *(row[1:] for row in rows[1:])])  # rows overlap by one token
     if document_format == "auto":
-        assert manifest["document_format"] == "bos" and manifest["tokenizer"]["bos_id"] == 1
+        assert manifest.document_format == "bos" and manifest.tokenizer.bos_id == 1
         expected = [token for ids in tokenizer.encode_batch(DOCS) for token in (1, *ids)]
         assert 2 not in stream
     else:
-        assert manifest["document_format"] == "eos"
+        assert manifest.document_format == "eos"
         expected = [token for ids in tokenizer.encode_batch(DOCS) for token in (*ids, 2)]
         assert 1 not in stream
     assert stream.tolist() == expected[: len(stream)]
-    table = SignatureTable.load(out / "signatures.safetensors")
+    table = load_table(out / "signatures.safetensors")
     authors = authors_hash_map(tokenizer.vocabulary(), H, B, pad_id=2)
     np.testing.assert_array_equal(table.rows.astype(np.int64), authors)
     signatures = RowReader(out, "train").read_range(0, 2)["signatures"]

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mhf_dist.config import load_config
 from mhf_dist.errors import SignatureError, TrainingError
 from mhf_dist.models import FAMILIES, build_model, forward_flops_per_token, hash_io, param_count
-from mhf_dist.models.counting import matched_layers, mhf_params, qwen3_params, with_layers
+from mhf_dist.models.counting import matched_layers, with_layers
 from mhf_dist.models.generation import Sampling, generate
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.train.loop import train_local
@@ -180,15 +180,26 @@ def test_analytic_forward_flops_equal_torch_flop_counter(small_cfg, small_table,
     assert counter.get_total_flops() == forward_flops_per_token(model_cfg, 16) * rows[:, 1:].numel()
 
 
+def built_params(model_cfg, table=None):
+    """Parameters of the model the registry builds (on the meta device), not the analytic count."""
+    with torch.device("meta"):
+        model = build_model(model_cfg, table)
+    return sum(p.numel() for p in model.parameters())
+
+
 @pytest.mark.parametrize(("preset", "extra_layers"), [("tiny", None), ("100m", 4), ("1b", 2)])
 def test_matched_baseline_has_the_fewest_layers_with_at_least_mhfs_parameters(preset, extra_layers):
-    cfg = load_config(preset).model
-    layers, residual = matched_layers(cfg)
-    target = mhf_params(cfg)
-    assert residual == qwen3_params(with_layers(cfg, layers)) - target >= 0
-    assert layers == 1 or qwen3_params(with_layers(cfg, layers - 1)) < target
+    cfg = load_config(preset)
+    layers, residual = matched_layers(cfg.model)
+    mhf = built_params(cfg.model, table_for(cfg))
+
+    def qwen3(num_layers):
+        return built_params(with_layers(cfg.model, num_layers).model_copy(update={"family": "qwen3"}))
+
+    assert residual == qwen3(layers) - mhf >= 0
+    assert layers == 1 or qwen3(layers - 1) < mhf
     if extra_layers is not None:  # the paper's Standard+4L (100M) and Standard+2L (1B)
-        assert layers == cfg.backbone.num_layers + extra_layers
+        assert layers == cfg.model.backbone.num_layers + extra_layers
 
 
 def test_tiny_mhf_memorises_a_short_repeated_text():

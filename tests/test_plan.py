@@ -52,7 +52,9 @@ def test_model_states_agree_with_deepspeeds_estimators_called_directly(family):
     zero3 = estimate_zero3_model_states_mem_needs(params, largest, 4, 2, False, False)[1]
     assert result.state_gb[2] == pytest.approx(zero2 / GIB, rel=1e-12)
     assert result.state_gb[3] == pytest.approx(zero3 / GIB, rel=1e-12)
-    assert result.state_gb[0] == pytest.approx(20 * params / GIB)
+    # ZeRO-0 partitions nothing: on any number of GPUs it holds what DeepSpeed's estimate gives one GPU.
+    unpartitioned = estimate_zero2_model_states_mem_needs(params, 1, 1, cpu_offload=False)[1]
+    assert result.state_gb[0] == pytest.approx(unpartitioned / GIB, rel=1e-12)
     assert result.state_gb[0] > result.state_gb[1] > result.state_gb[2]
 
 
@@ -175,14 +177,12 @@ def test_checkpointed_activations_are_what_autograd_keeps_outside_the_recomputed
     checkpoint_layers(model)
     measured = _kept_by_autograd(model, tokens) / (batch * seq_len)
     kept = model_cfg.backbone.num_layers * model_cfg.backbone.hidden_size * 4
-    output_side = io_activation_bytes(model_cfg, dtype_bytes=4)[0]
     # The plan: what autograd keeps, one layer live again while it is recomputed, the output's backward.
     planned = activation_bytes(model_cfg, seq_len, batch, dtype_bytes=4, checkpointing=True) / (
         batch * seq_len
     )
     recompute = layer_activation_elements(model_cfg.backbone) * 4
     kept_by_plan = planned - recompute - io_activation_bytes(model_cfg, dtype_bytes=4)[1]
-    assert kept_by_plan == pytest.approx(kept + output_side, rel=1e-9)
     if family == "qwen3":
         assert kept_by_plan == pytest.approx(measured, rel=0.02)
     else:
@@ -202,19 +202,20 @@ def test_recommendation_prefers_big_micro_batches_below_zero3():
 
 
 def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
-    assert main(["plan", "--preset", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--tokens", "1e9"]) == 0
+    assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--tokens", "1e9"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| mhf") or line.startswith("| qwen3")]
-    assert len(rows) == 4 and "151,936" in out and "32,000" in out
+    vocabularies = {row.split("|")[2].strip() for row in rows}  # the config's and Qwen3's own
+    assert len(rows) == 4 and vocabularies == {f"{load_config('tiny').model.vocab_size:,}", "151,936"}
     assert "| bf16 " in out and "bf16 mixed precision: fp32 master weights" in out
     pure = ["--set", "train.precision=bf16-pure"]
     assert (
-        main(["plan", "--preset", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--tokens", "1e9", *pure]) == 0
+        main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--tokens", "1e9", *pure]) == 0
     )
     out = capsys.readouterr().out
     assert "| bf16-pure " in out and "bf16-pure: bf16 weights, grads and Adam moments, no fp32 copy" in out
-    assert main(["plan", "--preset", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--mfu", "2"]) == 2
+    assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--mfu", "2"]) == 2
     assert "error: --mfu is a fraction of peak" in capsys.readouterr().err
     triple = ["--set", "model.backbone.kind=triple_hybrid"]
-    assert main(["plan", "--preset", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", *triple]) == 2
+    assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", *triple]) == 2
     assert "model.backbone.kind=triple_hybrid has no activation model" in capsys.readouterr().err

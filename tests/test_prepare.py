@@ -10,12 +10,12 @@ import pytest
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.data.corpus import read_corpus
-from mhf_dist.data.prepare import is_validation, prepare
+from mhf_dist.data.prepare import prepare
 from mhf_dist.data.reader import RowReader
-from mhf_dist.data.shards import check_compatible, read_manifest
+from mhf_dist.data.shards import check_compatible, is_validation, read_manifest, verify_shards
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.signatures import load_table
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent on this machine")
@@ -77,25 +77,25 @@ def test_rows_reproduce_the_token_stream_in_order_with_every_eos(prepared, split
     rebuilt = [token for row in rows.tolist() for token in row[:-1]] + [int(rows[-1, -1])]
     stream = corpus_stream(split)
     assert rebuilt == stream[: len(rebuilt)]
-    assert len(stream) - len(rebuilt) == manifest["splits"][split]["dropped_tokens"] < 32
-    assert manifest["splits"][split]["rows"] == len(rows)
+    assert len(stream) - len(rebuilt) == manifest.splits[split].dropped_tokens < 32
+    assert manifest.splits[split].rows == len(rows)
 
 
 def test_signature_column_equals_the_table_lookup_for_every_row(prepared):
     _, out, manifest = prepared
-    table = SignatureTable.load(out / "signatures.safetensors")
+    table = load_table(out / "signatures.safetensors")
     for split in ("train", "validation"):
         ids, signatures = read_rows(out, split)
         assert np.array_equal(signatures, table.lookup(ids))
-    assert signatures.dtype == np.uint8 and manifest["signatures"]["dtype"] == "uint8"
-    assert manifest["signatures"]["fingerprint"] == table.fingerprint
+    assert signatures.dtype == np.uint8 and manifest.signatures.dtype == "uint8"
+    assert manifest.signatures.fingerprint == table.fingerprint
 
 
 def test_split_is_disjoint_by_document_and_matches_the_stable_hash(prepared):
     _, _, manifest = prepared
     validation_docs = sum(is_validation(p, 20) for p in PARAGRAPHS)
-    assert manifest["splits"]["validation"]["documents"] == validation_docs
-    assert manifest["splits"]["train"]["documents"] == len(PARAGRAPHS) - validation_docs
+    assert manifest.splits["validation"].documents == validation_docs
+    assert manifest.splits["train"].documents == len(PARAGRAPHS) - validation_docs
     assert 0 < validation_docs < len(PARAGRAPHS)
 
 
@@ -117,8 +117,8 @@ def test_same_inputs_give_byte_identical_shards_whatever_the_parallelism(prepare
         again = prepare(byte_cfg(corpus, tmp_path / "again"), tmp_path / "again", log=lambda _: None)
     finally:
         options.resource_limits = previous
-    assert again["content_sha256"] == manifest["content_sha256"]
-    assert again["splits"] == manifest["splits"]
+    assert again.content_sha256 == manifest.content_sha256
+    assert again.splits == manifest.splits
 
 
 def test_the_shards_are_checked_against_the_model_config(prepared):
@@ -144,9 +144,9 @@ def test_the_shards_are_checked_against_the_model_config(prepared):
 
 def test_shard_files_hold_fixed_size_rows_one_per_row_group(prepared):
     _, out, manifest = prepared
-    first = pq.read_table(out / manifest["splits"]["train"]["shards"][0]["file"])
+    first = pq.read_table(out / manifest.splits["train"].shards[0].file)
     assert first.num_rows == 16
-    assert pq.ParquetFile(out / manifest["splits"]["train"]["shards"][0]["file"]).num_row_groups == 16
+    assert pq.ParquetFile(out / manifest.splits["train"].shards[0].file).num_row_groups == 16
     assert first.schema.field("input_ids").type.list_size == 33
     assert first.schema.field("signatures").type.list_size == 33 * 2
 
@@ -178,7 +178,7 @@ def test_invalid_utf8_is_replaced_counted_and_warned(ray_session, tmp_path, caps
         ("\n\n".join(PARAGRAPHS[:30]) + "\n\nbroken \xff\xfe bytes here").encode("latin-1")
     )
     manifest = prepare(byte_cfg(tmp_path / "bad.txt", tmp_path / "o"), tmp_path / "o", log=lambda _: None)
-    replaced = sum(manifest["splits"][split]["replaced"] for split in ("train", "validation"))
+    replaced = sum(manifest.splits[split].replaced for split in ("train", "validation"))
     assert replaced == 2
     assert "warning: 2 invalid UTF-8 sequences" in capsys.readouterr().err
 
@@ -213,7 +213,7 @@ def test_jsonl_and_parquet_corpora_give_the_same_rows(ray_session, tmp_path):
     hashes = []
     for name in ("docs.jsonl", "docs.parquet"):
         cfg = byte_cfg(tmp_path / name, tmp_path / name, "data.text_field=body")
-        hashes.append(prepare(cfg, tmp_path / f"out-{name}", log=lambda _: None)["content_sha256"])
+        hashes.append(prepare(cfg, tmp_path / f"out-{name}", log=lambda _: None).content_sha256)
     assert hashes[0] == hashes[1]
 
 
@@ -244,7 +244,7 @@ def test_minimind_tokenizer_loads_and_prepares_wikitext(ray_session, tmp_path):
         ],
     )
     manifest = prepare(cfg, tmp_path / "wiki", log=lambda _: None)
-    assert manifest["splits"]["train"]["rows"] > 1000 and manifest["tokenizer"]["vocab_size"] == 6400
+    assert manifest.splits["train"].rows > 1000 and manifest.tokenizer.vocab_size == 6400
 
 
 def test_the_recall_corpus_prepares_one_generated_example_per_row_without_ray(tmp_path):
@@ -253,7 +253,7 @@ def test_the_recall_corpus_prepares_one_generated_example_per_row_without_ray(tm
     overrides = ["data.corpus=recall", "model.vocab_size=40", "train.seq_len=32", "data.recall.examples=50"]
     cfg = load_config("tiny", [*overrides, "data.recall.num_pairs=5", "data.recall.num_queries=3"])
     manifest = prepare(cfg, tmp_path / "data", log=lambda _: None)
-    assert manifest["splits"]["train"]["rows"] == 50 and manifest["splits"]["validation"]["rows"] == 2
+    assert manifest.splits["train"].rows == 50 and manifest.splits["validation"].rows == 2
     for split, seed, count in (("train", TRAIN_SEED, 50), ("validation", VALIDATION_SEED, 2)):
         rows, _ = read_rows(tmp_path / "data", split)
         assert np.array_equal(rows, make_recall(count, 5, 3, 32, 40, seed).rows)
@@ -289,6 +289,135 @@ def test_a_missing_truncated_or_swapped_shard_is_named_before_any_row_is_read(tm
     assert "train-00002.parquet differs from the one prepared (sha256 mismatch)" in capsys.readouterr().err
 
 
+def recall_data(tmp_path: Path) -> Path:
+    overrides = ["data.corpus=recall", "model.vocab_size=40", "train.seq_len=32", "data.recall.examples=50"]
+    prepare(
+        load_config("tiny", [*overrides, "data.rows_per_shard=20"]), tmp_path / "data", log=lambda _: None
+    )
+    return tmp_path / "data"
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    blob = bytearray(path.read_bytes())
+    blob[offset] ^= 0xFF
+    path.write_bytes(bytes(blob))
+
+
+def test_a_shard_byte_changed_in_its_data_passes_the_footer_check_and_fails_verify_data(tmp_path):
+    """The reader's check reads footers only (one small read per shard); a change in the data pages is
+    what `verify_shards` reads every byte for."""
+    data = recall_data(tmp_path)
+    flip_byte(data / "train-00001.parquet", 4)  # the first byte after the leading magic: a page header
+    RowReader(data, "train").check_all()
+    with pytest.raises(
+        DataError, match=r"train-00001\.parquet differs from the one prepared \(sha256 mismatch\)"
+    ):
+        verify_shards(data)
+
+
+def test_a_shard_byte_changed_in_its_footer_fails_the_reader_and_verify_data(tmp_path):
+    data = recall_data(tmp_path)
+    shard = data / "validation-00000.parquet"
+    flip_byte(shard, shard.stat().st_size - 1)  # the trailing magic
+    for check in (RowReader(data, "validation").check_all, lambda: verify_shards(data)):
+        with pytest.raises(DataError, match=r"validation-00000\.parquet is truncated or not parquet; re-run"):
+            check()
+
+
+def edit_manifest(data: Path, edit) -> None:
+    manifest = json.loads((data / "manifest.json").read_text())
+    edit(manifest)
+    (data / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _set_sha256(manifest):
+    manifest["splits"]["train"]["shards"][0]["sha256"] = "0" * 64
+
+
+def _set_rows(manifest):
+    manifest["splits"]["train"]["shards"][0]["rows"] = 21
+
+
+def _set_seq_len(manifest):
+    manifest["seq_len"] = "32"
+
+
+def _add_key(manifest):
+    manifest["tokenizer"]["pad_id"] = 0
+
+
+def _drop_fingerprint(manifest):
+    del manifest["signatures"]["fingerprint"]
+
+
+def _drop_split(manifest):
+    del manifest["splits"]["validation"]
+
+
+def _old_version(manifest):
+    manifest["version"] = 1
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (_set_sha256, "content_sha256 is not the hash of the shards' names and digests"),
+        (_set_rows, r"splits\.train: rows 50 is not the sum of its shards' rows"),
+        (_set_seq_len, "seq_len: Input should be a valid integer"),
+        (_add_key, "tokenizer.pad_id: Extra inputs are not permitted"),
+        (_drop_fingerprint, "signatures.fingerprint: Field required"),
+        (_drop_split, "no validation split"),
+        (_old_version, r"manifest version 1, this mhf-dist reads version 2 \(one row per row group"),
+    ],
+)
+def test_a_manifest_edited_by_hand_fails_to_load_with_one_line(tmp_path, edit, problem):
+    data = recall_data(tmp_path)
+    edit_manifest(data, edit)
+    with pytest.raises(DataError, match=problem) as info:
+        RowReader(data, "train")
+    assert "\n" not in str(info.value) and str(info.value).endswith(
+        f"re-run `mhf prepare --overwrite --out {data}`"
+    )
+
+
+def test_damaged_manifest_json_is_a_one_line_error(tmp_path):
+    data = recall_data(tmp_path)
+    (data / "manifest.json").write_text((data / "manifest.json").read_text()[:-10])
+    with pytest.raises(DataError, match=r"manifest\.json' is damaged \(invalid JSON at line \d+\); re-run"):
+        read_manifest(data)
+
+
+def test_the_manifest_keeps_its_on_disk_shape_and_one_written_before_the_later_fields_still_reads(tmp_path):
+    data = recall_data(tmp_path)
+    on_disk = json.loads((data / "manifest.json").read_text())
+    assert sorted(on_disk) == [
+        "config", "content_sha256", "document_format", "format", "packing", "rows_per_group", "seq_len",
+        "signatures", "splits", "tokenizer", "version",
+    ]  # fmt: skip
+    assert sorted(on_disk["splits"]["train"]) == [
+        "documents",
+        "dropped_tokens",
+        "replaced",
+        "rows",
+        "shards",
+        "target_tokens",
+    ]  # fmt: skip  (no `mixture` without replay)
+    assert on_disk["tokenizer"]["bos_id"] is None and read_manifest(data).model_dump(mode="json") == on_disk
+    rows = RowReader(data, "train").read_range()
+
+    def as_first_written(manifest):  # version 2 before packing, document formats and LSH were recorded
+        for section, key in ((None, "packing"), (None, "document_format"), ("tokenizer", "bos_id"),
+                             ("signatures", "num_lsh"), ("signatures", "duplicate_signatures")):  # fmt: skip
+            del (manifest[section] if section else manifest)[key]
+
+    edit_manifest(data, as_first_written)
+    old = read_manifest(data)
+    assert (old.packing, old.document_format, old.tokenizer.bos_id) == ("overlap", "eos", None)
+    assert (old.signatures.num_lsh, old.signatures.duplicate_signatures) == (0, 0)
+    again = RowReader(data, "train").read_range()
+    assert all(np.array_equal(again[key], rows[key]) for key in ("tokens", "signatures"))
+
+
 def test_an_unwritable_output_or_zero_cpus_fails_before_any_work(tmp_path, capsys):
     recall = ["--set", "data.corpus=recall", "--set", "model.vocab_size=40", "--set", "train.seq_len=32"]
     (tmp_path / "a-file").write_text("not a directory")
@@ -313,7 +442,7 @@ def test_sigterm_stops_prepare_with_one_line_and_leaves_no_staging(tmp_path):
                "--tokenizer", "bytes", "--set", "model.vocab_size=259", "--out", str(out)]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".out.partial-*")) and time.monotonic() < deadline:
+    while not list(tmp_path.glob(".out.*")) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert process.poll() is None, "prepare ended before it could be stopped: give it more text"
     process.send_signal(signal.SIGTERM)

@@ -1,6 +1,5 @@
 """`mhf train`: Ray Train V2 workers driving DeepSpeed ZeRO engines on CPU, checkpoints, exact resume."""
 
-import dataclasses
 import json
 import math
 import os
@@ -8,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from faults import KillLastWorker
 
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
@@ -15,20 +15,19 @@ from mhf_dist.data.reader import RowReader
 from mhf_dist.errors import ConfigError, MhfError, TrainingError
 from mhf_dist.eval.perplexity import evaluate_rows
 from mhf_dist.export import load_exported
-from mhf_dist.models import param_count, train_flops_per_token
 from mhf_dist.tracking import TrackingError
 from mhf_dist.train.checkpoints import (
     MODEL_DIR,
     check_resumable,
     is_complete,
     newest_checkpoint,
+    prune_checkpoints,
     read_history,
     resolve_resume,
     write_rank_files,
 )
 from mhf_dist.train.engine import deepspeed_config
 from mhf_dist.train.ray_trainer import TrainOptions, train
-from mhf_dist.train.worker import FAULT_PLAN
 
 TINY_BYTES = [
     "data.tokenizer=bytes",
@@ -61,30 +60,25 @@ def test_deepspeed_config_follows_ours():
     assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64
     with pytest.raises(ConfigError, match="does not split over 3 workers"):
         deepspeed_config(cfg, zero_stage=0, world_size=3, bf16=False, hidden_size=64)
-    with pytest.raises(ConfigError, match="not a ZeRO stage"):
-        deepspeed_config(cfg, zero_stage=4, world_size=2, bf16=False, hidden_size=64)
 
 
 def check_trained_and_exported(result, cfg, shards, zero_stage):
-    """20 steps: the loss fell, validation ran at 10 and 20, the throughput and memory metrics are what
-    the step times and the model's size make them, the exported model matches."""
+    """20 steps: the loss fell, validation ran at 10 and 20, memory was measured where the callbacks
+    say (how: test_callbacks, test_plan), ZeRO-3 partitioned the parameters, the exported model matches.
+    """
     history = read_history(result.checkpoint)
     assert [metrics["step"] for metrics in history] == list(range(1, 21))
     first, last = sum(h["loss"] for h in history[:3]) / 3, sum(h["loss"] for h in history[-3:]) / 3
     assert last < first - 0.5
     assert [h["step"] for h in history if "val_nll" in h] == [10, 20]
-    # Every rank holds at least its own fp32 weights (a half of them under ZeRO-3 on two workers).
-    own_weights = 4 * param_count(cfg.model) / (2 if zero_stage == 3 else 1)
-    assert history[0]["model_state_gb"] * 2**30 >= own_weights
+    assert [h["step"] for h in history if "model_state_gb" in h] == [1]
+    assert [h["step"] for h in history if "peak_mem_gb" in h] == [5, 10, 15, 20]
     # ZeRO-3 partitions the parameters: each of the two ranks holds half of them (plus padding).
     assert (0.5 <= history[0]["param_share"] < 0.52) if zero_stage == 3 else history[0]["param_share"] == 1
-    assert history[-1]["peak_mem_gb"] >= history[0]["model_state_gb"]
     assert all(math.isfinite(h["grad_norm"]) and h["grad_norm"] > 0 for h in history)
-    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len  # the global batch, over both workers
-    flops_per_token = train_flops_per_token(cfg.model, cfg.train.seq_len)
-    for h in history:
-        assert h["tokens_per_s"] == pytest.approx(tokens_per_step / (h["step_time"] + h["data_wait_s"]))
-        assert h["mfu"] == pytest.approx(h["tokens_per_s"] * flops_per_token / (2 * PEAK_TFLOPS * 1e12))
+    # CPUs have no known peak: MFU exists only because --peak-tflops reached the workers (its arithmetic,
+    # and the rates': test_callbacks).
+    assert all(h["mfu"] > 0 for h in history)
     # The exported model (ZeRO-3 shards gathered) scores the validation rows exactly as training did:
     # eval_rows=41 cut to 40, 20 per worker.
     exported = load_exported(result.checkpoint / MODEL_DIR)
@@ -111,8 +105,10 @@ TRAIN_AND_EVAL = ("train.steps=20", "train.eval_every=10", "train.eval_rows=41",
 def test_each_zero_stage_on_two_cpu_workers_lowers_the_loss_and_exports_the_model(
     shards, tmp_path, zero_stage, model
 ):
-    cfg = run_cfg(shards, *TRAIN_AND_EVAL, *model)
-    options = TrainOptions(zero_stage=zero_stage, storage=str(tmp_path), name="zero", peak_tflops=PEAK_TFLOPS)
+    cfg = run_cfg(
+        shards, *TRAIN_AND_EVAL, *model, f"topology.zero_stage={zero_stage}", f"topology.storage={tmp_path}"
+    )
+    options = TrainOptions(name="zero", peak_tflops=PEAK_TFLOPS)
     check_trained_and_exported(train(cfg, options), cfg, shards, zero_stage)
     # DeepSpeed JIT-built nothing: its CPU shared-memory all-reduce is skipped (skip_cpu_shm_comm_op).
     assert list(Path(os.environ["TORCH_EXTENSIONS_DIR"]).iterdir()) == []
@@ -143,10 +139,9 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
     on 1 worker (accumulating 2 micro-batches where each worker took one) and loses it at step 7."""
     from mlflow.tracking import MlflowClient
 
-    cfg = load_config(
-        "tiny", [*FEW_ROWS, f"data.path={few_rows}", "train.steps=10", "train.checkpoint_every=5"]
-    )
-    last = train(cfg, TrainOptions(storage=str(tmp_path), name="whole")).checkpoint
+    stored = [f"data.path={few_rows}", f"topology.storage={tmp_path}"]
+    cfg = load_config("tiny", [*FEW_ROWS, *stored, "train.steps=10", "train.checkpoint_every=5"])
+    last = train(cfg, TrainOptions(name="whole")).checkpoint
     whole = read_history(last)
     assert whole[-1]["loss"] < whole[0]["loss"]
     # A checkpoint missing one rank's file is incomplete: the fall-back passes over it to the step-5 one.
@@ -157,17 +152,17 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
     assert newest_checkpoint(tmp_path / "whole").name == "checkpoint-0000005"
     with pytest.raises(TrainingError, match="is incomplete"):
         resolve_resume(str(last), tmp_path)
-    half = train(cfg, TrainOptions(storage=str(tmp_path), name="half", stop_at_step=5)).checkpoint
+    half = train(cfg, TrainOptions(name="half", stop_at_step=5)).checkpoint
     # The same seed gives the same curve, bit for bit.
     assert [(h["step"], h["loss"]) for h in read_history(half)] == [(h["step"], h["loss"]) for h in whole[:5]]
 
     # Resumed by run name (its newest checkpoint); the worker dies at step 7, after the step-6 checkpoint.
-    faulty = cfg.model_copy(update={"train": cfg.train.model_copy(update={"checkpoint_every": 2})})
-    (tmp_path / "rest").mkdir()
-    (tmp_path / "rest" / FAULT_PLAN).write_text("7")
-    options = TrainOptions(workers=1, storage=str(tmp_path), name="rest", resume="half", max_failures=1)
-    rest = train(faulty, options)
-    assert (tmp_path / "rest" / "fault-injected").is_file()
+    faulty = load_config(
+        "tiny", [*FEW_ROWS, *stored, "train.steps=10", "train.checkpoint_every=2", "topology.workers=1"]
+    )
+    fault = KillLastWorker(step=7, marker=tmp_path / "rest" / "fault-injected")
+    rest = train(faulty, TrainOptions(name="rest", resume="half", max_failures=1), worker_callbacks=[fault])
+    assert fault.marker.is_file()
     resumed = read_history(rest.checkpoint)
     assert [h["step"] for h in resumed] == list(range(1, 11))  # every step once, none repeated
     for expected, got in zip(whole, resumed, strict=True):
@@ -176,26 +171,33 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
     logged = MlflowClient(tracking_uri=rest.tracking_uri).get_metric_history(rest.run_id, "loss")
     assert sorted(metric.step for metric in logged) == list(range(6, 11))  # each once, crash or not
 
-    other = load_config("tiny", [*FEW_ROWS, f"data.path={few_rows}", "model.backbone.num_layers=3"])
+    other = load_config("tiny", [*FEW_ROWS, *stored, "model.backbone.num_layers=3"])
     with pytest.raises(TrainingError, match=r"different model config \(backbone\)"):
-        train(other, TrainOptions(storage=str(tmp_path), name="bad", resume=str(half)))
+        train(other, TrainOptions(name="bad", resume=str(half)))
+    stage1 = load_config("tiny", [*FEW_ROWS, *stored, "topology.zero_stage=1"])
     with pytest.raises(TrainingError, match="saved under ZeRO-0; resume it with --zero-stage 0"):
-        train(cfg, TrainOptions(zero_stage=1, storage=str(tmp_path), name="bad", resume=str(half)))
+        train(stage1, TrainOptions(name="bad", resume=str(half)))
     with pytest.raises(TrainingError, match="already holds checkpoints; continue it with --resume"):
-        train(cfg, TrainOptions(storage=str(tmp_path), name="whole"))
+        train(cfg, TrainOptions(name="whole"))
     with pytest.raises(TrainingError, match="is neither a checkpoint directory nor a run"):
-        train(cfg, TrainOptions(storage=str(tmp_path), name="bad", resume="nowhere"))
+        train(cfg, TrainOptions(name="bad", resume="nowhere"))
 
 
-def test_a_partitioned_checkpoint_resumes_only_on_its_own_worker_count(few_rows, tmp_path):
-    cfg = load_config("tiny", [*FEW_ROWS, f"data.path={few_rows}"])
+def test_a_partitioned_checkpoint_resumes_only_on_its_own_worker_count_and_stage(tmp_path):
+    cfg = load_config("tiny", ["topology.workers=2", "topology.zero_stage=2"])
     run = {"fingerprint": "f" * 64, "model": cfg.model.model_dump(mode="json"), "workers": 2, "zero_stage": 2}
     (tmp_path / "run.json").write_text(json.dumps(run))
-    check_resumable(tmp_path, cfg, "f" * 64, workers=2, zero_stage=2)
+    check_resumable(tmp_path, cfg, "f" * 64)
+    four = load_config("tiny", ["topology.workers=4", "topology.zero_stage=2"])
     with pytest.raises(
         TrainingError, match="ZeRO-2 optimizer shards of 2 workers; resume it with --workers 2"
     ):
-        check_resumable(tmp_path, cfg, "f" * 64, workers=4, zero_stage=2)
+        check_resumable(tmp_path, four, "f" * 64)
+    with pytest.raises(TrainingError, match="saved under ZeRO-2; resume it with --zero-stage 2"):
+        check_resumable(tmp_path, load_config("tiny", ["topology.zero_stage=1"]), "f" * 64)
+    run |= {"zero_stage": 0}  # ZeRO-0 state is whole on every rank: any worker count resumes it
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    check_resumable(tmp_path, load_config("tiny", ["topology.workers=4"]), "f" * 64)
 
 
 @pytest.fixture
@@ -247,16 +249,14 @@ def test_training_logs_every_step_once_to_a_real_mlflow_server(shards, tmp_path,
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
-    cfg = run_cfg(shards, *TRAIN_AND_EVAL)
-    options = TrainOptions(
-        zero_stage=1, storage=str(tmp_path), name="tracked", experiment="served", peak_tflops=PEAK_TFLOPS
-    )
-    result = train(cfg, options)
+    cfg = run_cfg(shards, *TRAIN_AND_EVAL, "topology.zero_stage=1", f"topology.storage={tmp_path}")
+    result = train(cfg, TrainOptions(name="tracked", experiment="served", peak_tflops=PEAK_TFLOPS))
     history = check_trained_and_exported(result, cfg, shards, zero_stage=1)
     client = MlflowClient(tracking_uri=mlflow_server)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["family"] == "mhf"
     assert run.data.params["model.hash.spec"] == "H2B64"
+    assert (run.data.params["topology.zero_stage"], run.data.params["topology.workers"]) == ("1", "2")
     losses = client.get_metric_history(result.run_id, "loss")
     assert sorted(metric.step for metric in losses) == list(range(1, 21))
     # Live: logged every train.log_every (5) steps as they ran, not at the two checkpoints.
@@ -277,31 +277,34 @@ def test_training_logs_every_step_once_to_a_real_mlflow_server(shards, tmp_path,
 def test_an_unreachable_tracking_server_fails_before_training(shards, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
     with pytest.raises(TrackingError, match=r"cannot use MLflow tracking at 'http://127\.0\.0\.1:9'"):
-        train(run_cfg(shards, "train.steps=2"), TrainOptions(storage=str(tmp_path), name="nowhere"))
+        train(run_cfg(shards, "train.steps=2", f"topology.storage={tmp_path}"), TrainOptions(name="nowhere"))
 
 
 def test_a_run_the_cluster_cannot_place_fails_in_seconds_before_any_worker_starts(shards, tmp_path):
     import time
 
-    cfg = run_cfg(shards, "train.steps=2")
     cases = [
         (
-            TrainOptions(workers=8),
+            "topology.workers=8",
             r"--workers 8 x 1 CPU asks for 8 CPUs but the Ray cluster has 4; use --workers 4",
         ),
-        (
-            TrainOptions(gpus_per_worker=1),
-            r"asks for 2 GPUs but the Ray cluster has 0; .*--gpus-per-worker 0",
-        ),
-        (TrainOptions(workers=0), r"--workers 0: a run needs at least one worker"),
-        (TrainOptions(workers=3), r"train.batch_size=8 does not split over 3 workers"),
+        ("topology.gpus_per_worker=1", r"asks for 2 GPUs but the Ray cluster has 0; .*--gpus-per-worker 0"),
     ]
-    for options, message in cases:
+    for override, message in cases:
+        cfg = run_cfg(shards, "train.steps=2", f"topology.storage={tmp_path}", override)
         start = time.monotonic()
         with pytest.raises(MhfError, match=message):
-            train(cfg, dataclasses.replace(options, storage=str(tmp_path), name="placed"))
+            train(cfg, TrainOptions(name="placed"))
         assert time.monotonic() - start < 10
     assert not (tmp_path / "placed").exists() and not (tmp_path / "mlflow.db").exists()
+    # What the topology rules out of the rest of the config is refused before Ray is asked for anything.
+    with pytest.raises(ConfigError, match=r"topology.workers: Input should be greater than 0"):
+        run_cfg(shards, "topology.workers=0")
+    with pytest.raises(ConfigError, match=r"train.batch_size=8 does not split over 3 workers.*--workers"):
+        train(
+            run_cfg(shards, f"topology.storage={tmp_path}", "topology.workers=3"), TrainOptions(name="placed")
+        )
+    assert not (tmp_path / "placed").exists()
 
 
 def test_sigint_stops_a_two_worker_fit_in_seconds_and_resume_continues_it(ray_session, tmp_path):
@@ -347,7 +350,8 @@ def test_sigint_stops_a_two_worker_fit_in_seconds_and_resume_continues_it(ray_se
     assert client.get_run(run_id).info.status == "KILLED"
     stopped_at = int(last_line.split("after step ")[1].split(";")[0])
     more = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": stopped_at + 4})})
-    resumed = train(more, TrainOptions(storage=str(tmp_path), name="rest", resume="cut"))
+    more = more.model_copy(update={"topology": more.topology.model_copy(update={"storage": str(tmp_path)})})
+    resumed = train(more, TrainOptions(name="rest", resume="cut"))
     assert [h["step"] for h in read_history(resumed.checkpoint)] == list(range(1, stopped_at + 5))
     logged = client.get_metric_history(resumed.run_id, "loss")  # only the new steps: it did resume
     assert sorted(metric.step for metric in logged) == list(range(stopped_at + 1, stopped_at + 5))
@@ -373,14 +377,30 @@ def test_a_checkpoint_is_complete_only_with_every_ranks_files_at_their_sizes(tmp
 def test_on_an_autoscaling_cluster_the_resource_check_waits_a_bounded_time(monkeypatch):
     from mhf_dist.train.ray_trainer import check_resources
 
-    options = TrainOptions(workers=8)
+    topology = load_config("tiny", ["topology.workers=8"]).topology
     sizes = iter([{"CPU": 4}, {"CPU": 8}])
     with pytest.raises(TrainingError, match="asks for 8 CPUs but the Ray cluster has 4; use --workers 4"):
-        check_resources(options, lambda: {"CPU": 4})  # no autoscaler: at once
+        check_resources(topology, lambda: {"CPU": 4})  # no autoscaler: at once
     monkeypatch.setenv("MHF_AUTOSCALING_CLUSTER", "1")
     monkeypatch.setenv("MHF_AUTOSCALING_WAIT_S", "0.5")
     said = []
-    check_resources(options, lambda: next(sizes), log=said.append)  # the autoscaler added a node
+    check_resources(topology, lambda: next(sizes), log=said.append)  # the autoscaler added a node
     assert said == ["waiting up to 0.5 s for the autoscaler to add CPUs"]
     with pytest.raises(TrainingError, match=r"the Ray cluster has 4 after 0\.5 s of autoscaling"):
-        check_resources(options, lambda: {"CPU": 4}, log=said.append)
+        check_resources(topology, lambda: {"CPU": 4}, log=said.append)
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints_and_removes_incomplete_ones(tmp_path):
+    def checkpoint(step, complete=True):
+        path = tmp_path / f"checkpoint-{step:07d}"
+        (path / "state").mkdir(parents=True)
+        (path / "run.json").write_text(json.dumps({"workers": 1}))
+        (path / "state" / "mp_rank_00.pt").write_text("x" * 10)
+        if complete:
+            write_rank_files(path, 0)
+        return path
+
+    paths = [checkpoint(2), checkpoint(4), checkpoint(6), checkpoint(8, complete=False), checkpoint(10)]
+    prune_checkpoints(tmp_path, keep=2)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [paths[2].name, paths[4].name]
+    assert newest_checkpoint(tmp_path) == paths[4]

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from mhf_dist.config import load_config
-from mhf_dist.data.prepare import is_validation, prepare
+from mhf_dist.data.prepare import prepare
 from mhf_dist.data.reader import RowReader
+from mhf_dist.data.shards import is_validation
 from mhf_dist.errors import ConfigError
 
 VAL_PERCENT = 10
@@ -72,29 +73,29 @@ def test_the_training_split_holds_the_asked_share_of_replayed_tokens_determinist
     cfg, manifest = prepared(ray_session, corpora, "a", replay, "data.replay.fraction=0.25")
     upper, lower = byte_counts(cfg.data.path, "train")
     assert upper / (upper + lower) == pytest.approx(0.25, abs=0.015)  # measured in the shards
-    mixture = manifest["splits"]["train"]["mixture"]
-    assert mixture["realised_fraction"] == pytest.approx(0.25, abs=0.015)
-    main_record, replay_record = mixture["sources"]
+    mixture = manifest.splits["train"].mixture
+    assert mixture.realised_fraction == pytest.approx(0.25, abs=0.015)
+    main_record, replay_record = mixture.sources
     half_document = max(len(doc) + 1 for doc in corpora[2]) / 2
-    assert abs(mixture["realised_fraction"] - 0.25) <= half_document / (
-        main_record["tokens"] + replay_record["tokens"]
+    assert abs(mixture.realised_fraction - 0.25) <= half_document / (
+        main_record.tokens + replay_record.tokens
     )
     assert (
-        replay_record["tokens"] + main_record["tokens"]
-        == sum(manifest["splits"]["train"][key] for key in ("target_tokens", "dropped_tokens")) + 1
+        replay_record.tokens + main_record.tokens
+        == sum(getattr(manifest.splits["train"], key) for key in ("target_tokens", "dropped_tokens")) + 1
     )  # the stream's first token is no target
     # Validation is data.corpus alone; the replay never uses what the split rule holds out.
     assert byte_counts(cfg.data.path, "validation")[0] == 0
     candidates = [doc for doc in corpora[2] if not is_validation(doc, VAL_PERCENT)]
-    assert replay_record["candidate_documents"] == len(candidates) < len(corpora[2])
+    assert replay_record.candidate_documents == len(candidates) < len(corpora[2])
 
     _, manifest_again = prepared(ray_session, corpora, "b", replay, "data.replay.fraction=0.25")
-    assert manifest_again["content_sha256"] == manifest["content_sha256"]
+    assert manifest_again.content_sha256 == manifest.content_sha256
     _, manifest_other = prepared(
         ray_session, corpora, "c", replay, "data.replay.fraction=0.25", "data.replay.seed=1"
     )
-    assert manifest_other["content_sha256"] != manifest["content_sha256"]  # other documents chosen
-    assert manifest_other["splits"]["train"]["mixture"]["realised_fraction"] == pytest.approx(0.25, abs=0.015)
+    assert manifest_other.content_sha256 != manifest.content_sha256  # other documents chosen
+    assert manifest_other.splits["train"].mixture.realised_fraction == pytest.approx(0.25, abs=0.015)
 
 
 def test_a_replay_corpus_needs_a_fraction_and_a_fraction_needs_a_corpus():

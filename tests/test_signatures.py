@@ -15,9 +15,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from mhf_dist import lsh
+from mhf_dist import lsh, signatures
 from mhf_dist.errors import SignatureError
-from mhf_dist.signatures import SignatureTable, token_signature
+from mhf_dist.signatures import (
+    NO_PAD,
+    SCHEMES,
+    Murmur32Scheme,
+    ReferenceScheme,
+    Scheme,
+    SignatureTable,
+    load_table,
+    make_scheme,
+    reference_coordinate,
+    save_table,
+    token_signature,
+)
 
 vocabularies = st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=200, unique=True)
 
@@ -27,6 +39,86 @@ def test_murmurhash3_x86_32_reference_vectors_through_the_table_code_path():
     assert token_signature(b"hello", 1, 2**32, 0) == (613153351,)
     assert token_signature(b"", 1, 2**32, 0) == (0,)
     assert token_signature(b"hello", 2, 2**32, 0) == (613153351, mmh3.hash(b"hello", 1, signed=False))
+
+
+KNOWN_TOKENS = ["the", "Ġcat", "<pad>", "日本"]
+H4B16K = [
+    (
+        ReferenceScheme(4, 16384),
+        [[10484, 13483, 15281, 7079], [2135, 14715, 13145, 12937], [0, 0, 0, 0], [2857, 14822, 6730, 10078]],
+        2,
+    ),
+    (
+        ReferenceScheme(4, 16384, num_lsh=2),
+        [[5428, 980, 15281, 7079], [5510, 15150, 13145, 12937], [0, 0, 0, 0], [15255, 1962, 6730, 10078]],
+        2,
+    ),
+    (
+        Murmur32Scheme(4, 16384),
+        [
+            [8034, 1797, 1433, 6660],
+            [4977, 7427, 1848, 7287],
+            [5322, 12345, 12907, 5910],
+            [14658, 11655, 273, 10591],
+        ],
+        NO_PAD,  # murmur32 keeps no all-zero signature: the padding token is hashed like any other
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("scheme", "rows", "pad_id"), H4B16K, ids=["reference", "reference-lsh2", "murmur32"]
+)
+def test_each_scheme_alone_draws_the_signatures_it_always_drew(scheme, rows, pad_id):
+    """Pinned rows (from the tables every prepared dataset and exported model holds): a change to a
+    scheme's rule, its seeds or its padding id shows here, with no table code in between."""
+    assert scheme.padding_id(KNOWN_TOKENS, "<pad>") == pad_id
+    drawn, salts = scheme.draw(np.zeros((0, 4), scheme.dtype), KNOWN_TOKENS, pad_id)
+    assert drawn.tolist() == rows and drawn.dtype == np.uint16 and salts.tolist() == [0, 0, 0, 0]
+    assert make_scheme(scheme.name, 4, 16384, 0, scheme.num_lsh) == scheme
+
+
+@pytest.mark.parametrize(
+    ("scheme", "rows", "salts"),
+    [
+        (ReferenceScheme(1, 16), [15, 4, 12, 3, 1, 7], [0, 0, 0, 1, 1, 0]),
+        (Murmur32Scheme(1, 8), [2, 3, 7, 5, 6, 4], [0, 0, 0, 1, 2, 4]),
+    ],
+    ids=["reference", "murmur32"],
+)
+def test_each_scheme_alone_redraws_by_its_own_rule(scheme, rows, salts):
+    """Single-hash schemes over six tokens: reference redraws only a repeat of the previous token's
+    bucket (tokens 3 and 4), murmur32 every bucket taken before (its salts climb as buckets fill)."""
+    drawn, drawn_salts = scheme.draw(np.zeros((0, 1), scheme.dtype), list("abcdef"), NO_PAD)
+    assert drawn[:, 0].tolist() == rows and drawn_salts.tolist() == salts
+
+
+def test_a_new_scheme_is_one_class_usable_by_name_everywhere(monkeypatch, tmp_path):
+    monkeypatch.setattr(signatures, "SCHEMES", dict(SCHEMES))
+
+    class FirstByte(Scheme):
+        name = "first-byte"
+
+        @property
+        def capacity(self) -> int:
+            return self.num_buckets
+
+        def draw(self, earlier, tokens, pad_id):
+            return self._as_arrays(
+                [(token.encode()[0] % self.num_buckets,) for token in tokens], [0] * len(tokens)
+            )
+
+    table = SignatureTable.build(["a", "b"], 1, 256, scheme="first-byte")
+    assert table.rows.tolist() == [[97], [98]] and table.scheme == FirstByte(1, 256)
+    with pytest.raises(SignatureError, match="scheme 'reference' is already defined"):
+
+        class Mine(Scheme):
+            name = "reference"
+
+    save_table(table, tmp_path / "sig.safetensors")
+    assert load_table(tmp_path / "sig.safetensors").fingerprint == table.fingerprint
+    with pytest.raises(SignatureError, match="LSH coordinates are the reference scheme's, not first-byte's"):
+        make_scheme("first-byte", 2, 8, num_lsh=1)
 
 
 def test_unsalted_coordinate_is_mmh3_of_the_token_string_mod_b():
@@ -112,7 +204,7 @@ def test_single_hash_tables_keep_only_consecutive_tokens_apart_and_count_their_d
     assert all(a != b for a, b in itertools.pairwise(column))
     assert table.duplicate_signatures == 300 - len(set(column)) > 200
     assert table.describe()["duplicate_signatures"] == table.duplicate_signatures
-    assert table.capacity == 64 < len(table)  # more tokens than distinct signatures is fine here
+    assert table.scheme.capacity == 64 < len(table)  # more tokens than distinct signatures is fine here
     assert np.array_equal(table.rows.astype(np.int64), authors_hash_map(tokens, 1, 64, pad_id=7).numpy())
 
 
@@ -120,8 +212,6 @@ def test_the_padding_token_is_the_latest_of_its_prefix_too():
     """Their loop records the padding token's 0 as the latest last coordinate of its prefix; at H=1 the
     prefix is everyone's, so the token after the padding token is never redrawn, even onto the bucket of
     the token before it."""
-    from mhf_dist.signatures import reference_coordinate
-
     first = reference_coordinate("a", 0, 16)
     after = next(f"c{i}" for i in range(100) if reference_coordinate(f"c{i}", 0, 16) == first)
     table = SignatureTable.build(["a", "<pad>", after], 1, 16, pad_token="<pad>")
@@ -217,11 +307,9 @@ def test_expansion_keeps_old_rows_and_follows_the_scheme(old, new, scheme, num_h
 def test_expanding_a_table_whose_added_tokens_were_never_hashed_continues_the_authors_loop():
     """An imported H1 table: the authors hash the base vocabulary only, so the added tokens' all-zero
     rows are not part of their loop's state; a new token is compared with the last base token."""
-    from mhf_dist.signatures import reference_coordinate
-
     base, added = [f"b{i}" for i in range(50)], ["<x>", "<y>"]
     rows = authors_hash_map(base, 1, 16, rows=52).numpy().astype(np.uint8)
-    imported = SignatureTable([*base, *added], rows, np.zeros(52, np.uint32), 1, 16, 0)
+    imported = SignatureTable([*base, *added], rows, np.zeros(52, np.uint32), ReferenceScheme(1, 16))
     new = next(f"n{i}" for i in range(100) if reference_coordinate(f"n{i}", 0, 16) == rows[49, 0])
     grown = imported.expand([new])
     assert grown.rows[52, 0] == authors_hash_map([*base, new], 1, 16)[50, 0] != rows[49, 0]
@@ -237,12 +325,12 @@ def test_expansion_equals_building_the_whole_vocabulary_at_once(scheme):
 
 def test_save_load_round_trip_is_exact(tmp_path):
     table = SignatureTable.build(["a", "b", "ü", "<|endoftext|>", "Ġ"], 3, 100, seed=5, pad_token="ü")
-    table.save(tmp_path / "sig.safetensors")
-    loaded = SignatureTable.load(tmp_path / "sig.safetensors")
+    save_table(table, tmp_path / "sig.safetensors")
+    loaded = load_table(tmp_path / "sig.safetensors")
     assert loaded.tokens == table.tokens
     assert np.array_equal(loaded.rows, table.rows) and loaded.rows.dtype == table.rows.dtype
     assert (loaded.num_hashes, loaded.num_buckets, loaded.seed) == (3, 100, 5)
-    assert (loaded.scheme, loaded.pad_id) == ("reference", 2)
+    assert (loaded.scheme, loaded.pad_id) == (ReferenceScheme(3, 100, 5), 2)
     assert loaded.fingerprint == table.fingerprint
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -251,11 +339,11 @@ def test_lsh_and_reserved_rows_survive_save_and_load_and_a_plain_table_keeps_for
     table = SignatureTable.build(LSH_TOKENS, 3, 64, pad_token="<pad>", num_lsh=1)
     rows = np.concatenate([table.rows, np.zeros((4, 3), table.rows.dtype)])  # 4 reserved rows
     salts = np.concatenate([table.salts, np.zeros(4, np.uint32)])
-    padded = SignatureTable(table.tokens, rows, salts, 3, 64, 0, pad_id=table.pad_id, num_lsh=1)
+    padded = SignatureTable(table.tokens, rows, salts, table.scheme, table.pad_id)
     assert (len(padded), padded.num_rows, padded.reserved_rows) == (len(LSH_TOKENS), len(LSH_TOKENS) + 4, 4)
     for name, original in (("lsh", table), ("padded", padded)):
-        original.save(tmp_path / f"{name}.safetensors")
-        loaded = SignatureTable.load(tmp_path / f"{name}.safetensors")
+        save_table(original, tmp_path / f"{name}.safetensors")
+        loaded = load_table(tmp_path / f"{name}.safetensors")
         assert (loaded.num_lsh, loaded.tokens, loaded.reserved_rows) == (
             1,
             original.tokens,
@@ -265,7 +353,7 @@ def test_lsh_and_reserved_rows_survive_save_and_load_and_a_plain_table_keeps_for
     assert padded.as_tensor().shape == (len(LSH_TOKENS) + 4, 3)  # what a model's normaliser holds
     with pytest.raises(SignatureError, match=r"token id 12 is outside the signature table \(ids 0..11\)"):
         padded.lookup(np.array([len(LSH_TOKENS)]))  # a reserved row is no id
-    SignatureTable.build(["a", "b"], 2, 8).save(tmp_path / "plain.safetensors")
+    save_table(SignatureTable.build(["a", "b"], 2, 8), tmp_path / "plain.safetensors")
     with safe_open(str(tmp_path / "plain.safetensors"), framework="numpy") as handle:
         assert handle.metadata()["version"] == "2" and "num_lsh" not in handle.metadata()
     with safe_open(str(tmp_path / "lsh.safetensors"), framework="numpy") as handle:
@@ -275,7 +363,7 @@ def test_lsh_and_reserved_rows_survive_save_and_load_and_a_plain_table_keeps_for
 def test_saved_file_is_safetensors_not_pickle(tmp_path):
     """The safetensors layout: an 8-byte little-endian header length, a JSON header naming every tensor
     with its dtype, shape and byte range, then raw bytes; nothing a pickle loader can run."""
-    SignatureTable.build(["a", "b"], 2, 8).save(tmp_path / "sig.safetensors")
+    save_table(SignatureTable.build(["a", "b"], 2, 8), tmp_path / "sig.safetensors")
     blob = (tmp_path / "sig.safetensors").read_bytes()
     header_size = int.from_bytes(blob[:8], "little")
     header = json.loads(blob[8 : 8 + header_size])
@@ -297,11 +385,11 @@ def test_fingerprint_changes_when_any_ingredient_changes(change):
     if change == "row":
         other = SignatureTable.build([*tokens[:-1], "different"], 2, 64, 0)
     elif change == "scheme":  # the same rows under another scheme's name are another table
-        other = SignatureTable(tokens, base.rows.copy(), base.salts.copy(), 2, 64, 0, "murmur32")
+        other = SignatureTable(tokens, base.rows.copy(), base.salts.copy(), Murmur32Scheme(2, 64))
     elif change == "num_lsh":  # the same rows said to hold an LSH coordinate
-        other = SignatureTable(tokens, base.rows.copy(), base.salts.copy(), 2, 64, 0, num_lsh=1)
+        other = SignatureTable(tokens, base.rows.copy(), base.salts.copy(), ReferenceScheme(2, 64, num_lsh=1))
     elif change == "token_count":  # the same rows, the last one reserved (no id)
-        other = SignatureTable(tokens[:-1], base.rows.copy(), base.salts.copy(), 2, 64, 0)
+        other = SignatureTable(tokens[:-1], base.rows.copy(), base.salts.copy(), base.scheme)
     else:
         kwargs = {"num_hashes": 2, "num_buckets": 64, "seed": 0}
         kwargs[change] += 1
@@ -330,11 +418,15 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     with pytest.raises(SignatureError, match=r"exceeds the 4 signatures of H=2, B=2 \(murmur32 scheme"):
         SignatureTable.build(["a", "b", "c", "d", "e"], 2, 2, scheme="murmur32")
     beyond = SignatureTable.build([f"t{i}" for i in range(11)], 2, 4)  # reference: duplicates, no error
-    assert beyond.capacity == 10 and beyond.duplicate_signatures >= 1
+    assert beyond.scheme.capacity == 10 and beyond.duplicate_signatures >= 1
     with pytest.raises(SignatureError, match=r"num_lsh=3 must lie in 0..H=2"):
         SignatureTable.build(["a"], 2, 8, num_lsh=3)
     with pytest.raises(SignatureError, match="LSH coordinates are the reference scheme's, not murmur32's"):
         SignatureTable.build(["a"], 2, 8, scheme="murmur32", num_lsh=1)
+    with pytest.raises(
+        SignatureError, match="unknown signature scheme 'sha1'; use one of reference, murmur32"
+    ):
+        SignatureTable.build(["a"], 2, 8, scheme="sha1")
     with pytest.raises(SignatureError, match=r"H>=1"):
         SignatureTable.build(["a"], 0, 8)
     with pytest.raises(SignatureError, match=r"B>=2"):
@@ -347,7 +439,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     with pytest.raises(SignatureError, match="already in the table"):
         table.expand(["c", "a"])
     with pytest.raises(SignatureError, match="does not exist"):
-        SignatureTable.load(tmp_path / "missing.safetensors")
+        load_table(tmp_path / "missing.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"not a table")
     with pytest.raises(SignatureError, match="cannot read signature table"):
-        SignatureTable.load(tmp_path / "junk.safetensors")
+        load_table(tmp_path / "junk.safetensors")

@@ -1,6 +1,7 @@
 """`mhf sweep`: sweep files, trial expansion, and resuming an interrupted sweep on Ray Tune."""
 
 import pytest
+from faults import KillLastWorker
 
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
@@ -8,9 +9,8 @@ from mhf_dist.errors import ConfigError
 from mhf_dist.eval.tasks import run_task
 from mhf_dist.export import load_exported
 from mhf_dist.sweep.runner import TRIALS_DIR, SweepError, run_sweep
-from mhf_dist.sweep.spec import expand_trials, load_sweep, parse_sweep
+from mhf_dist.sweep.spec import expand_trials, load_sweep, parse_sweep, trial_configs
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
-from mhf_dist.train.worker import FAULT_PLAN
 
 BYTES = {"data.tokenizer": "bytes", "model.vocab_size": 259, "model.hash.spec": "H2B64", "train.seq_len": 32}
 
@@ -28,21 +28,24 @@ def test_a_matched_sweep_expands_to_families_times_seeds():
     assert {t.group for t in expand_trials(seeds)} == {"mhf"}
 
 
-@pytest.mark.parametrize(
-    ("changes", "message"),
-    [
-        ({"workers": 3}, r"trial mhf-seed0: train.batch_size=8 does not split over 3 workers"),
-        (
-            {"evaluate": [{"task": "ppl", "data": "nowhere.txt"}]},
-            r"ppl reads 'nowhere.txt', which does not exist",
-        ),
-    ],
-)
-def test_a_sweep_that_would_fail_in_its_trials_fails_before_ray_starts(changes, message, tmp_path):
-    spec = parse_sweep(
-        {"name": "early", "kind": "matched", "set": BYTES, "storage": str(tmp_path), **changes}
-    )
-    with pytest.raises(SweepError, match=message):
+def test_a_grid_over_topology_keys_gives_each_trial_its_own_topology():
+    grid = {"topology.zero_stage": [0, 2], "topology.workers": [1, 4]}
+    spec = parse_sweep({"name": "t", "kind": "grid", "set": {"topology.gpus_per_worker": 1}, "grid": grid})
+    topologies = {name: cfg.topology for name, cfg in trial_configs(spec).items()}
+    assert {name: (t.zero_stage, t.workers) for name, t in topologies.items()} == {
+        "topology.zero_stage=0,topology.workers=1-seed0": (0, 1),
+        "topology.zero_stage=0,topology.workers=4-seed0": (0, 4),
+        "topology.zero_stage=2,topology.workers=1-seed0": (2, 1),
+        "topology.zero_stage=2,topology.workers=4-seed0": (2, 4),
+    }
+    assert {t.gpus_per_worker for t in topologies.values()} == {1}
+
+
+def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path):
+    evaluate = [{"task": "ppl", "data": "nowhere.txt"}]
+    raw = {"name": "early", "kind": "matched", "set": BYTES, "storage": str(tmp_path), "evaluate": evaluate}
+    spec = parse_sweep(raw)
+    with pytest.raises(SweepError, match=r"ppl reads 'nowhere.txt', which does not exist"):
         run_sweep(spec)
     assert not list(tmp_path.iterdir())  # no sweep record, no MLflow parent run
 
@@ -54,6 +57,15 @@ def test_a_sweep_that_would_fail_in_its_trials_fails_before_ray_starts(changes, 
         ({"name": "x", "kind": "matched", "seeds": []}, "seeds: List should have at least 1 item"),
         ({"name": "x", "kind": "matched", "sedes": [1]}, "sedes: unknown key; allowed: name, kind"),
         ({"name": "x", "kind": "seeds", "set": {"train.stpes": 5}}, "unknown key 'train.stpes'"),
+        (
+            {"name": "x", "kind": "matched", "set": {**BYTES, "topology.workers": 3}},
+            r"^sweep: trial mhf-seed0: .*train.batch_size=8 does not split over 3 workers",
+        ),
+        (
+            {"name": "x", "kind": "seeds", "workers": 2},
+            r"workers: unknown key; .*set: \{topology.workers: ...\}",
+        ),
+        ({"name": "x", "kind": "seeds", "set": {"topology.storage": "s"}}, "topology.storage is the sweep's"),
         ({"name": "x", "kind": "grid"}, "a grid sweep needs `grid"),
         ({"name": "x y", "kind": "seeds"}, "name: use letters, digits"),
         (["not", "a", "mapping"], "must be a YAML mapping"),
@@ -76,26 +88,31 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_sess
     from mlflow.tracking import MlflowClient
 
     monkeypatch.chdir(tmp_path)  # relative paths in the sweep: trials must resolve them from here too
-    prepare(load_config("tiny", [f"{k}={v}" for k, v in BYTES.items()]), "data", log=lambda _: None)
+    prepare(load_config("tiny", BYTES), "data", log=lambda _: None)
     (tmp_path / "held_out.txt").write_text("A held-out line of text.\n\nAnother one, for bits per byte.\n")
-    # Two trials; the second loses a worker at step 3 (the fail-at-step test hook; no restarts), after its
-    # step-2 checkpoint.
+    # Two trials; the second loses a worker after step 3 (a test callback; no restarts), after its step-2
+    # checkpoint.
     spec = parse_sweep(
         {
             "name": "crashy",
             "kind": "grid",
-            "set": {**BYTES, "data.path": "data", "train.steps": 4, "train.checkpoint_every": 2},
+            "set": {
+                **BYTES,
+                "data.path": "data",
+                "train.steps": 4,
+                "train.checkpoint_every": 2,
+                "topology.workers": 1,
+            },
             "grid": {"train.lr": [0.003, 0.002]},
             "storage": "sweeps",
-            "workers": 1,
             "evaluate": [{"task": "bpb", "data": "held_out.txt", "seq_len": 8}],
         }
     )
     trials = tmp_path / "sweeps" / "crashy" / TRIALS_DIR
-    (trials / "train.lr=0.002-seed0").mkdir(parents=True)
-    (trials / "train.lr=0.002-seed0" / FAULT_PLAN).write_text("3")
+    fault = KillLastWorker(step=3, marker=tmp_path / "fault-injected", run="train.lr=0.002-seed0")
     with pytest.raises(SweepError, match=r"1 of 2 trials failed \(train.lr=0.002-seed0\)"):
-        run_sweep(spec, log=lambda _: None)
+        run_sweep(spec, log=lambda _: None, worker_callbacks=[fault])
+    assert fault.marker.is_file()
     finished_files = sorted(path.stat().st_mtime_ns for path in (trials / "train.lr=0.003-seed0").rglob("*"))
 
     result = run_sweep(spec, resume=True, log=lambda _: None)

@@ -10,8 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from mhf_dist.config import TripleConfig, load_config
 from mhf_dist.errors import ConfigError
 from mhf_dist.models import build_model, forward_flops_per_token, param_count
-from mhf_dist.models.counting import TRIPLE_STACKS, qwen3_params
-from mhf_dist.models.registry import resolved_config
+from mhf_dist.models.counting import qwen3_params
+from mhf_dist.models.registry import TRIPLE_STACKS, resolved_config
 from mhf_dist.models.scans import LOG_DECAY_FLOOR, MAX_CHUNK, diagonal_scan, pair_scan
 from mhf_dist.models.triple_layers import TripleLatentMixer
 from mhf_dist.train.loop import train_local

@@ -1,7 +1,7 @@
 """Training text from two sources: `data.corpus` whole, plus a replayed share of `data.replay.corpus`.
 
 Every document carries `source` (0: data.corpus, 1: the replayed corpus) and `key`, a stable content
-hash. data.corpus is split into train and validation as always (`prepare.is_validation`). The replayed
+hash. data.corpus is split into train and validation as always (`shards.is_validation`). The replayed
 corpus adds training documents only: those the same split rule puts in validation are never used (they
 may be the parent's own held-out text), so the validation split stays data.corpus alone. Of the rest,
 documents are taken in the order of `key` = MurmurHash3(text, data.replay.seed) until about
@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mhf_dist.config import DataConfig
+from mhf_dist.data.shards import is_validation
 
 MAIN, REPLAY = 0, 1
 NONE_SELECTED = 0  # a threshold that takes no replayed document
@@ -38,8 +39,6 @@ def label_main(batch: pa.Table) -> pa.Table:
 
 def label_replay(batch: pa.Table, val_percent: float, seed: int) -> pa.Table:
     """The replayed corpus's candidates: training documents only, keyed by their content hash."""
-    from mhf_dist.data.prepare import is_validation
-
     texts = batch["text"].to_pylist()
     keep = pa.array([not is_validation(text, val_percent) for text in texts])
     kept = batch.filter(keep)

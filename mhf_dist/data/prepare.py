@@ -11,8 +11,8 @@ A shard's rows depend only on the token stream, never on how Ray cut it into blo
 ran the tasks, so the same inputs give byte-identical shards on any cluster. On a multi-node cluster the
 output must be on storage every node can write (the tasks write the shards where they run).
 
-Everything is written to a hidden staging directory beside the output; `manifest.json` is written last
-and the directory is renamed into place only when complete, so an interrupted run never leaves a
+Everything is written to a staging directory beside the output (`staged_directory`); `manifest.json` is
+written last and the directory is published only when complete, so an interrupted run never leaves a
 directory that looks prepared.
 """
 
@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import sys
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import mmh3
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -44,20 +41,25 @@ from mhf_dist.data.shards import (
     SIGNATURES_FILE,
     SPLITS,
     TOKENIZER_FILE,
+    VERSION,
+    Manifest,
+    Mixture,
+    PreparedWith,
+    ShardEntry,
+    SignaturesInfo,
+    SplitInfo,
+    TokenizerInfo,
     content_hash,
+    is_validation,
     shard_name,
+    write_manifest,
     write_shard,
 )
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
-from mhf_dist.files import write_json_atomic
+from mhf_dist.files import staged_directory
 from mhf_dist.ray_utils import ensure_ray
-from mhf_dist.signatures import SignatureTable, build_for_config
-
-
-def is_validation(text: str, val_percent: float) -> bool:
-    """Stable split by document content: the same document lands in the same split on any cluster."""
-    return mmh3.hash(text.encode(), 0, signed=False) % 10_000 < round(val_percent * 100)
+from mhf_dist.signatures import SignatureTable, build_for_config, load_table, save_table
 
 
 def assign_split(batch: pa.Table, val_percent: float) -> pa.Table:
@@ -99,7 +101,7 @@ def prepare(
     overwrite: bool = False,
     num_cpus: int | None = None,
     log: Callable[[str], None] = print,
-) -> dict[str, Any]:
+) -> Manifest:
     """Prepare `cfg.data.corpus` into shards at `out`; returns the manifest."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -131,13 +133,12 @@ def prepare(
         document_format = "eos"
     else:
         document_format = tokenizer.resolve_format(data.document_format)
-    num_hashes, num_buckets, seed = cfg.model.hash.num_hashes, cfg.model.hash.num_buckets, cfg.model.hash.seed
     table = signature_table(cfg, tokenizer)
     _check_model_documents(cfg, document_format)
     log(
         f"tokenizer: {tokenizer.vocab_size} tokens (sha256 {tokenizer.sha256[:12]}), {document_format} "
         f"documents ({_describe_format(tokenizer, document_format)}); signatures "
-        f"{table.spec} seed {seed} ({table.scheme} scheme), fingerprint {table.fingerprint[:12]}"
+        f"{table.spec} seed {table.seed} ({table.scheme} scheme), fingerprint {table.fingerprint[:12]}"
     )
     if table.duplicate_signatures:  # the authors' rule allows them (H=1, shared prefixes, all-LSH)
         log(
@@ -146,63 +147,68 @@ def prepare(
             "model.hash.scheme=murmur32 is collision-free)"
         )
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
+    with staged_directory(out, replace=True) as staging:  # what may be replaced: checked above
         if data.corpus == recall.CORPUS:
             splits = _write_recall_shards(cfg, table, staging)
         else:
             splits = _write_shards(cfg, tokenizer, table, documents, staging, document_format)
         tokenizer.save(staging / TOKENIZER_FILE)
-        table.save(staging / SIGNATURES_FILE)
-        manifest = {
-            "format": FORMAT,
-            "version": 2,
-            "seq_len": cfg.train.seq_len,
-            "packing": cfg.data.packing,
-            "rows_per_group": ROWS_PER_GROUP,
-            "splits": splits,
-            "content_sha256": content_hash(splits),
-            "document_format": document_format,
-            "tokenizer": {
-                "file": TOKENIZER_FILE,
-                "sha256": tokenizer.sha256,
-                "vocab_size": tokenizer.vocab_size,
-                "eos_id": tokenizer.eos_id,
-                "bos_id": tokenizer.bos_id if document_format == "bos" else None,
-            },
-            "signatures": {
-                "file": SIGNATURES_FILE,
-                "spec": table.spec,
-                "num_hashes": num_hashes,
-                "num_buckets": num_buckets,
-                "seed": seed,
-                "scheme": table.scheme,
-                "fingerprint": table.fingerprint,
-                "dtype": str(table.rows.dtype),
-                "num_lsh": table.num_lsh,
-                "duplicate_signatures": table.duplicate_signatures,
-            },
-            "config": {
-                "data": data.model_dump(exclude={"path"}),
-                "seq_len": cfg.train.seq_len,
-                "model_hash": cfg.model.hash.model_dump(),
-            },
-        }
-        write_json_atomic(staging / MANIFEST, manifest)
-        _move_into_place(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        save_table(table, staging / SIGNATURES_FILE)
+        manifest = _manifest(cfg, tokenizer, table, splits, document_format)
+        write_manifest(staging, manifest)
     for split in SPLITS:
         info = splits[split]
         log(
-            f"{split}: {info['documents']:,} documents -> {info['rows']:,} rows of {cfg.train.seq_len + 1} "
-            f"({info['target_tokens']:,} target tokens, {info['dropped_tokens']:,} dropped), "
-            f"{len(info['shards'])} shards"
+            f"{split}: {info.documents:,} documents -> {info.rows:,} rows of {cfg.train.seq_len + 1} "
+            f"({info.target_tokens:,} target tokens, {info.dropped_tokens:,} dropped), "
+            f"{len(info.shards)} shards"
         )
-    log(f"wrote {out} (content sha256 {manifest['content_sha256'][:12]})")
+    log(f"wrote {out} (content sha256 {manifest.content_sha256[:12]})")
     return manifest
+
+
+def _manifest(
+    cfg: Config,
+    tokenizer: TextTokenizer,
+    table: SignatureTable,
+    splits: dict[str, SplitInfo],
+    document_format: str,
+) -> Manifest:
+    """The manifest of the shards in `splits`, prepared with `tokenizer` and `table`."""
+    return Manifest(
+        format=FORMAT,
+        version=VERSION,
+        seq_len=cfg.train.seq_len,
+        packing=cfg.data.packing,
+        rows_per_group=ROWS_PER_GROUP,
+        splits=splits,
+        content_sha256=content_hash(splits),
+        document_format=document_format,
+        tokenizer=TokenizerInfo(
+            file=TOKENIZER_FILE,
+            sha256=tokenizer.sha256,
+            vocab_size=tokenizer.vocab_size,
+            eos_id=tokenizer.eos_id,
+            bos_id=tokenizer.bos_id if document_format == "bos" else None,
+        ),
+        signatures=SignaturesInfo(
+            file=SIGNATURES_FILE,
+            spec=table.spec,
+            num_hashes=table.num_hashes,
+            num_buckets=table.num_buckets,
+            seed=table.seed,
+            scheme=table.scheme.name,
+            fingerprint=table.fingerprint,
+            dtype=str(table.rows.dtype),
+            num_lsh=table.num_lsh,
+            duplicate_signatures=table.duplicate_signatures,
+        ),
+        config=PreparedWith(
+            data=cfg.data.model_dump(exclude={"path"}),
+            seq_len=cfg.train.seq_len,
+            model_hash=cfg.model.hash.model_dump(),
+        ),
+    )
 
 
 def _check_model_documents(cfg: Config, document_format: str) -> None:
@@ -241,7 +247,7 @@ def _write_shards(
     documents: Any,
     staging: Path,
     document_format: str,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, SplitInfo]:
     import ray
 
     before, after = tokenizer.boundaries(document_format)
@@ -289,17 +295,17 @@ def _write_shards(
     splits = {}
     for split in SPLITS:
         shards = ray.get(pending[split])
-        rows = sum(shard["rows"] for shard in shards)
-        splits[split] = {
-            "rows": rows,
-            "target_tokens": rows * seq_len,
-            "shards": shards,
-            "documents": totals[split]["documents"],
-            "replaced": totals[split]["replaced"],
-            "dropped_tokens": dropped_tokens(totals[split]["tokens"], seq_len, packing),
-        }
+        rows = sum(shard.rows for shard in shards)
+        splits[split] = SplitInfo(
+            rows=rows,
+            target_tokens=rows * seq_len,
+            shards=shards,
+            documents=totals[split]["documents"],
+            replaced=totals[split]["replaced"],
+            dropped_tokens=dropped_tokens(totals[split]["tokens"], seq_len, packing),
+            mixture=None if split != "train" or mix is None else Mixture.model_validate(mix),
+        )
     if mix is not None:
-        splits["train"]["mixture"] = mix
         _log_mixture(mix)
     replaced = sum(totals[split]["replaced"] for split in SPLITS)
     if replaced:
@@ -354,7 +360,7 @@ def write_shard_from_blocks(
     directory: str,
     name: str,
     threshold: int = mixture.NONE_SELECTED,
-) -> dict[str, Any]:
+) -> ShardEntry:
     """Ray task: one shard's rows packed from its pieces of the tokenized blocks, written to `directory`
     (replayed documents with keys below `threshold` are in the train split)."""
     import ray
@@ -398,7 +404,7 @@ def signature_table(cfg: Config, tokenizer: TextTokenizer) -> SignatureTable:
     if cfg.data.signatures is None:
         return build_for_config(cfg.model.hash, tokenizer.vocabulary(), tokenizer.pad_token)
     path = Path(cfg.data.signatures)
-    table = SignatureTable.load(path / SIGNATURES_FILE if path.is_dir() else path)
+    table = load_table(path / SIGNATURES_FILE if path.is_dir() else path)
     if table.tokens != tuple(tokenizer.vocabulary()):
         raise DataError(
             f"data.signatures {str(path)!r} is the table of another vocabulary ({len(table)} tokens, the "
@@ -416,7 +422,7 @@ def signature_table(cfg: Config, tokenizer: TextTokenizer) -> SignatureTable:
     return table
 
 
-def _write_recall_shards(cfg: Config, table: SignatureTable, staging: Path) -> dict[str, dict[str, Any]]:
+def _write_recall_shards(cfg: Config, table: SignatureTable, staging: Path) -> dict[str, SplitInfo]:
     """Generated associative-recall rows, one example per row, from a different seed for each split."""
     settings = cfg.data.recall
     examples = {
@@ -438,22 +444,12 @@ def _write_recall_shards(cfg: Config, table: SignatureTable, staging: Path) -> d
             write_shard(rows[first:end], table, staging, shard_name(split, index))
             for index, (first, end) in enumerate(shard_bounds(len(rows), cfg.data.rows_per_shard))
         ]
-        splits[split] = {
-            "rows": len(rows),
-            "target_tokens": len(rows) * cfg.train.seq_len,
-            "shards": shards,
-            "documents": len(rows),
-            "replaced": 0,
-            "dropped_tokens": 0,
-        }
+        splits[split] = SplitInfo(
+            rows=len(rows),
+            target_tokens=len(rows) * cfg.train.seq_len,
+            shards=shards,
+            documents=len(rows),
+            replaced=0,
+            dropped_tokens=0,
+        )
     return splits
-
-
-def _move_into_place(staging: Path, out: Path) -> None:
-    if not out.exists():
-        staging.rename(out)
-        return
-    retired = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-    out.rename(retired)
-    staging.rename(out)
-    shutil.rmtree(retired, ignore_errors=True)

@@ -5,7 +5,8 @@ a row is parquet's unit of random access: reading row i decodes row i and nothin
 shards stay ordinary parquet files with their signature column (Ray Data, pyarrow and DuckDB read them
 as they are). The footer grows by about 200 bytes per row, 1% of a 1b-preset row (seq 2048: 8 KB of
 ids plus the signatures); a memory-mapped array beside the parquet would read faster but store every
-token twice. The manifest names the layout (`rows_per_group: 1`); shards of an older layout are refused.
+token twice. The manifest names the layout (`rows_per_group: 1`); shards of an older layout are refused
+(`read_manifest`).
 
 **Order.** The global batch of step s is a pure function of (seed, epoch, s), never of the worker
 count: `BatchPlan` draws each epoch's order of the row indices and cuts it into batches of
@@ -30,7 +31,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from mhf_dist.config import Config
-from mhf_dist.data.shards import ROWS_PER_GROUP, check_shard, read_manifest, split_shards
+from mhf_dist.data.shards import check_shard, read_manifest, split_shards
 from mhf_dist.errors import DataError
 
 
@@ -44,18 +45,13 @@ class RowReader:
 
     def __init__(self, path: str | Path, split: str, signatures: bool = True, open_files: int = 64) -> None:
         manifest = read_manifest(path)
-        if manifest.get("rows_per_group") != ROWS_PER_GROUP:
-            raise DataError(
-                f"prepared data {str(path)!r} was written by an older mhf-dist (whole-shard row groups: no "
-                f"row can be read alone); re-run `mhf prepare --overwrite --out {path}`"
-            )
         self.directory = Path(path)
         self.shards = split_shards(path, manifest, split)
-        rows = [shard["rows"] for shard in self.shards]
+        rows = [shard.rows for shard in self.shards]
         self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
-        self.width = manifest["seq_len"] + 1
-        self.num_hashes = manifest["signatures"]["num_hashes"]
-        self.signature_dtype = np.dtype(manifest["signatures"]["dtype"])
+        self.width = manifest.seq_len + 1
+        self.num_hashes = manifest.signatures.num_hashes
+        self.signature_dtype = np.dtype(manifest.signatures.dtype)
         self.columns = ["input_ids", "signatures"] if signatures else ["input_ids"]
         self.open_files = open_files
         self._handles: OrderedDict[int, pq.ParquetFile] = OrderedDict()
@@ -63,7 +59,7 @@ class RowReader:
 
     @property
     def files(self) -> list[Path]:
-        return [self.directory / shard["file"] for shard in self.shards]
+        return [self.directory / shard.file for shard in self.shards]
 
     def check_all(self) -> None:
         for shard in self.shards:
@@ -110,7 +106,7 @@ class RowReader:
             return self._handles[shard]
         entry = self.shards[shard]
         metadata = check_shard(self.directory, entry)
-        handle = pq.ParquetFile(self.directory / entry["file"], metadata=metadata)
+        handle = pq.ParquetFile(self.directory / entry.file, metadata=metadata)
         self._handles[shard] = handle
         if len(self._handles) > self.open_files:
             self._handles.popitem(last=False)[1].close()

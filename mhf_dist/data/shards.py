@@ -5,22 +5,30 @@ complete), `tokenizer.json`, `signatures.safetensors` and `{split}-{index:05d}.p
 columns: `input_ids` (fixed-size list of seq_len+1 int32) and `signatures` (fixed-size list of
 (seq_len+1)*H unsigned ints, row-major [T+1, H], in the smallest type that holds B), one row per row
 group (`rows_per_group` in the manifest; `mhf_dist.data.reader` reads rows by index through it).
+
+`Manifest` is the manifest's typed form: `read_manifest` validates the file against it (strict: a
+missing, extra or mistyped field, or shard digests that no longer hash to `content_sha256`, is a
+one-line error), `write_manifest` writes it. Fields added after version 2 was first written have the
+defaults that manifests written before them mean.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import mmh3
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mhf_dist.config import Config
+from mhf_dist.data.packing import Packing
 from mhf_dist.data.tokenizer import FORMAT_TEXT, LEGACY_FORMAT
 from mhf_dist.errors import DataError
+from mhf_dist.files import read_json, write_json_atomic
 from mhf_dist.signatures import SignatureTable
 
 MANIFEST = "manifest.json"
@@ -28,18 +36,121 @@ TOKENIZER_FILE = "tokenizer.json"
 SIGNATURES_FILE = "signatures.safetensors"
 SPLITS = ("train", "validation")
 FORMAT = "mhf-shards"
+VERSION = 2  # 1: whole-shard row groups, which no row can be read from alone
 ROWS_PER_GROUP = 1  # every parquet row group is one row: the unit the training reader reads
+
+Split = Literal["train", "validation"]
+
+
+def is_validation(text: str, val_percent: float) -> bool:
+    """Stable split by document content: the same document lands in the same split on any cluster."""
+    return mmh3.hash(text.encode(), 0, signed=False) % 10_000 < round(val_percent * 100)
 
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-def write_shard(rows: np.ndarray, table: SignatureTable, directory: Path, name: str) -> dict[str, Any]:
+class _Record(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class ShardEntry(_Record):
+    file: str
+    rows: int
+    sha256: str
+
+
+class MixtureSource(_Record):
+    """One corpus of a replay mixture: the main corpus, then the replayed one (`mhf_dist.data.mixture`)."""
+
+    corpus: str
+    documents: int
+    tokens: int
+    seed: int | None = Field(None, exclude_if=lambda value: value is None)  # the replayed corpus only
+    candidate_documents: int | None = Field(None, exclude_if=lambda value: value is None)
+    candidate_tokens: int | None = Field(None, exclude_if=lambda value: value is None)
+
+
+class Mixture(_Record):
+    requested_fraction: float
+    realised_fraction: float
+    threshold: int
+    sources: list[MixtureSource]
+    tokens: str  # what the token counts count
+
+
+class SplitInfo(_Record):
+    rows: int
+    target_tokens: int
+    shards: list[ShardEntry]
+    documents: int
+    replaced: int  # documents with invalid UTF-8 replaced by U+FFFD
+    dropped_tokens: int
+    mixture: Mixture | None = Field(None, exclude_if=lambda value: value is None)  # train, with replay
+
+    @model_validator(mode="after")
+    def _rows_are_the_shards(self) -> SplitInfo:
+        if self.rows != sum(shard.rows for shard in self.shards):
+            raise ValueError(f"rows {self.rows} is not the sum of its shards' rows")
+        return self
+
+
+class TokenizerInfo(_Record):
+    file: str
+    sha256: str
+    vocab_size: int
+    eos_id: int
+    bos_id: int | None = None  # only for bos-format documents
+
+
+class SignaturesInfo(_Record):
+    file: str
+    spec: str
+    num_hashes: int
+    num_buckets: int
+    seed: int
+    scheme: str
+    fingerprint: str
+    dtype: str
+    num_lsh: int = 0
+    duplicate_signatures: int = 0
+
+
+class PreparedWith(_Record):
+    """The settings the shards were prepared with, as they were then (a record, not a config to run:
+    sections stay free-form so that later config changes leave old manifests readable)."""
+
+    data: dict[str, Any]
+    seq_len: int
+    model_hash: dict[str, Any]
+
+
+class Manifest(_Record):
+    format: Literal["mhf-shards"]
+    version: Literal[2]
+    seq_len: int
+    packing: Packing = "overlap"
+    rows_per_group: Literal[1]  # ROWS_PER_GROUP
+    splits: dict[Split, SplitInfo]
+    content_sha256: str
+    document_format: Literal["bos", "eos"] = LEGACY_FORMAT
+    tokenizer: TokenizerInfo
+    signatures: SignaturesInfo
+    config: PreparedWith
+
+    @model_validator(mode="after")
+    def _shards_are_the_ones_prepared(self) -> Manifest:
+        missing = [split for split in SPLITS if split not in self.splits]
+        if missing:
+            raise ValueError(f"no {' or '.join(missing)} split")
+        if self.content_sha256 != content_hash(self.splits):
+            raise ValueError("content_sha256 is not the hash of the shards' names and digests")
+        return self
+
+
+def write_shard(rows: np.ndarray, table: SignatureTable, directory: Path, name: str) -> ShardEntry:
     """Write packed rows [n, T+1] with their signatures as `directory/name`; returns its manifest entry.
 
     One row per row group: the training reader decodes single rows (`mhf_dist.data.reader` says why).
@@ -61,82 +172,100 @@ def write_shard(rows: np.ndarray, table: SignatureTable, directory: Path, name: 
         use_dictionary=False,  # a dictionary page per one-row group would cost more than it saves
         write_statistics=False,
     )
-    return {"file": name, "rows": len(rows), "sha256": file_sha256(path)}
+    return ShardEntry(file=name, rows=len(rows), sha256=file_sha256(path))
 
 
 def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.parquet"
 
 
-def content_hash(splits: dict[str, dict[str, Any]]) -> str:
+def content_hash(splits: dict[str, SplitInfo]) -> str:
     """sha256 over every shard's name and digest, in split and shard order."""
     digest = hashlib.sha256()
     for split in SPLITS:
-        for shard in splits[split]["shards"]:
-            digest.update(f"{shard['file']}:{shard['sha256']}\n".encode())
+        for shard in splits[split].shards:
+            digest.update(f"{shard.file}:{shard.sha256}\n".encode())
     return digest.hexdigest()
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    manifest_path = Path(path) / MANIFEST
-    if not Path(path).is_dir():
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    write_json_atomic(directory / MANIFEST, manifest.model_dump(mode="json"))
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    """The manifest of a prepared directory; a missing, foreign, old, damaged or hand-edited one is a
+    one-line error."""
+    directory = Path(path)
+    if not directory.is_dir():
         raise DataError(f"prepared data {str(path)!r} does not exist; run `mhf prepare` first")
+    manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         raise DataError(
             f"{str(path)!r} is not a complete prepared dataset (no {MANIFEST}); rerun `mhf prepare`"
         )
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != FORMAT:
+    fix = f"re-run `mhf prepare --overwrite --out {path}`"
+    raw = read_json(manifest_path, DataError, fix)
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise DataError(
             f"{manifest_path} is not an mhf-dist shard manifest; point data.path at `mhf prepare` output"
         )
-    return manifest
+    if raw.get("version") != VERSION:
+        raise DataError(
+            f"prepared data {str(path)!r} is manifest version {raw.get('version')}, this mhf-dist reads "
+            f"version {VERSION} (one row per row group, so that a row can be read alone); {fix}"
+        )
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError as err:
+        raise DataError(f"{manifest_path} is damaged or was edited ({_first_problem(err)}); {fix}") from None
 
 
-def document_format(manifest: dict[str, Any]) -> str:
-    """The shards' document format (bos / eos); manifests written before it was recorded are eos."""
-    return manifest.get("document_format", LEGACY_FORMAT)
+def _first_problem(err: ValidationError) -> str:
+    problem = err.errors()[0]
+    where = ".".join(str(part) for part in problem["loc"])
+    message = problem["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
-def check_compatible(manifest: dict[str, Any], cfg: Config, fingerprint: str | None = None) -> None:
+def check_compatible(manifest: Manifest, cfg: Config, fingerprint: str | None = None) -> None:
     """Refuse shards that do not fit the model: each mismatch names both values."""
-    have, want = document_format(manifest), cfg.data.document_format
+    have, want = manifest.document_format, cfg.data.document_format
     if want != "auto" and want != have:
         raise DataError(
             f"shards hold {have}-format documents ({FORMAT_TEXT[have]}) but data.document_format is "
             f"{want}; set --set data.document_format={have} or re-prepare with {want}"
         )
-    hashes = manifest["signatures"]
+    hashes = manifest.signatures
     pairs = [
-        ("seq_len", manifest["seq_len"], cfg.train.seq_len, "train.seq_len"),
-        ("packing", manifest.get("packing", "overlap"), cfg.data.packing, "data.packing"),
-        ("vocab_size", manifest["tokenizer"]["vocab_size"], cfg.model.vocab_size, "model.vocab_size"),
+        ("seq_len", manifest.seq_len, cfg.train.seq_len, "train.seq_len"),
+        ("packing", manifest.packing, cfg.data.packing, "data.packing"),
+        ("vocab_size", manifest.tokenizer.vocab_size, cfg.model.vocab_size, "model.vocab_size"),
     ]
     if cfg.model.family == "mhf":
         pairs += [
-            ("hash spec", hashes["spec"], cfg.model.hash.spec, "model.hash.spec"),
-            ("hash seed", hashes["seed"], cfg.model.hash.seed, "model.hash.seed"),
-            ("signature scheme", hashes.get("scheme"), cfg.model.hash.signature_scheme, "model.hash.scheme"),
-            ("LSH coordinate count", hashes.get("num_lsh", 0), cfg.model.hash.num_lsh, "model.hash.num_lsh"),
+            ("hash spec", hashes.spec, cfg.model.hash.spec, "model.hash.spec"),
+            ("hash seed", hashes.seed, cfg.model.hash.seed, "model.hash.seed"),
+            ("signature scheme", hashes.scheme, cfg.model.hash.signature_scheme, "model.hash.scheme"),
+            ("LSH coordinate count", hashes.num_lsh, cfg.model.hash.num_lsh, "model.hash.num_lsh"),
         ]
     for name, have, want, key in pairs:
         if have != want:
             raise DataError(
                 f"shards have {name} {have} but the model has {want}; set --set {key}={have} or re-prepare"
             )
-    if fingerprint is not None and fingerprint != hashes["fingerprint"]:
+    if fingerprint is not None and fingerprint != hashes.fingerprint:
         raise DataError(
-            f"shards have signature fingerprint {hashes['fingerprint'][:12]} "
+            f"shards have signature fingerprint {hashes.fingerprint[:12]} "
             f"but the model has {fingerprint[:12]}; "
             "prepare the data with the model's tokenizer and hash config"
         )
 
 
-def split_shards(path: str | Path, manifest: dict[str, Any], split: str) -> list[dict[str, Any]]:
+def split_shards(path: str | Path, manifest: Manifest, split: str) -> list[ShardEntry]:
     """The manifest's shard entries of one split; an unknown or empty split is a one-line error."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    shards = manifest["splits"][split]["shards"]
+    shards = manifest.splits[split].shards
     if not shards:
         raise DataError(
             f"prepared data {str(path)!r} has no {split} rows; use more text or a smaller seq_len"
@@ -144,7 +273,7 @@ def split_shards(path: str | Path, manifest: dict[str, Any], split: str) -> list
     return shards
 
 
-def check_shard(directory: Path, shard: dict[str, Any]) -> pq.FileMetaData:
+def check_shard(directory: Path, shard: ShardEntry) -> pq.FileMetaData:
     """A shard must exist, have a readable parquet footer, the manifest's row count and one row per row
     group; returns the footer (so the reader opening the shard need not read it again).
 
@@ -153,7 +282,7 @@ def check_shard(directory: Path, shard: dict[str, Any]) -> pq.FileMetaData:
     interrupted copy, swapped for another run's shard). The manifest's sha256 of each shard catches any
     change at all but reads every byte; `verify_shards` does that on demand.
     """
-    path = directory / shard["file"]
+    path = directory / shard.file
     fix = f"re-run `mhf prepare --overwrite --out {directory}`"
     if not path.is_file():
         raise DataError(f"shard {path} is missing; {fix}")
@@ -161,11 +290,11 @@ def check_shard(directory: Path, shard: dict[str, Any]) -> pq.FileMetaData:
         metadata = pq.read_metadata(path)
     except (OSError, pa.ArrowException):
         raise DataError(f"shard {path} is truncated or not parquet; {fix}") from None
-    if metadata.num_rows != shard["rows"]:
+    if metadata.num_rows != shard.rows:
         raise DataError(
-            f"shard {path} holds {metadata.num_rows} rows but the manifest says {shard['rows']}; {fix}"
+            f"shard {path} holds {metadata.num_rows} rows but the manifest says {shard.rows}; {fix}"
         )
-    if metadata.num_row_groups != shard["rows"]:
+    if metadata.num_row_groups != shard.rows:
         raise DataError(f"shard {path} is not one row per row group as prepared; {fix}")
     return metadata
 
@@ -175,11 +304,11 @@ def verify_shards(path: str | Path) -> int:
     manifest = read_manifest(path)
     count = 0
     for split in SPLITS:
-        for shard in manifest["splits"][split]["shards"]:
+        for shard in manifest.splits[split].shards:
             check_shard(Path(path), shard)
-            if file_sha256(Path(path) / shard["file"]) != shard["sha256"]:
+            if file_sha256(Path(path) / shard.file) != shard.sha256:
                 raise DataError(
-                    f"shard {Path(path) / shard['file']} differs from the one prepared (sha256 mismatch); "
+                    f"shard {Path(path) / shard.file} differs from the one prepared (sha256 mismatch); "
                     f"re-run `mhf prepare --overwrite --out {path}`"
                 )
             count += 1

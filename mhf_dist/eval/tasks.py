@@ -104,12 +104,12 @@ def eval_text(exported: ExportedModel, path: Path, limit: int, seq_len: int) -> 
 def eval_prepared(exported: ExportedModel, path: Path, limit: int) -> dict[str, float]:
     """`ppl` over the validation rows of a prepared directory (its rows as they are: seq_len + 1 ids)."""
     from mhf_dist.data.reader import RowReader
-    from mhf_dist.data.shards import document_format, read_manifest
+    from mhf_dist.data.shards import read_manifest
     from mhf_dist.data.tokenizer import check_document_format
     from mhf_dist.eval.perplexity import evaluate_rows
 
     manifest = read_manifest(path)
-    fingerprint = manifest["signatures"]["fingerprint"]
+    fingerprint = manifest.signatures.fingerprint
     if fingerprint != exported.table.fingerprint:
         raise EvalDataError(
             f"shards {str(path)!r} have signature fingerprint {fingerprint[:12]} but model "
@@ -117,7 +117,7 @@ def eval_prepared(exported: ExportedModel, path: Path, limit: int) -> dict[str, 
             f"model's tokenizer.json and --set data.signatures={exported.path}"
         )
     check_document_format(
-        document_format(manifest),
+        manifest.document_format,
         exported.document_format,
         f"shards {str(path)!r}",
         f"model {str(exported.path)!r}",

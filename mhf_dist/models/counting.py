@@ -2,13 +2,18 @@
 
 FLOPs count matrix products only (2 per multiply-add), attention over the full T x T score matrix, as
 `torch.utils.flop_counter` does; a training step costs three forward passes (forward + backward).
+Nothing here decides what a family or stack is made of: the triple-latent formulas take the
+`StackParts` a registry entry names, and `mhf` over `model.backbone.kind` asks that kind's entry
+(`mhf_dist.plugins.BACKBONES`) for the stack's counts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from mhf_dist.config import BackboneConfig, ModelConfig
+from mhf_dist.plugins import BACKBONES
 
 
 def _layer_matmul_params(bb: BackboneConfig) -> int:
@@ -25,6 +30,15 @@ def backbone_params(bb: BackboneConfig) -> int:
 def backbone_forward_flops(bb: BackboneConfig, seq_len: int) -> int:
     attention_scores = 2 * seq_len * bb.num_heads * bb.head_dim  # QK^T and AV, per query token
     return 2 * bb.num_layers * (_layer_matmul_params(bb) + attention_scores)
+
+
+def qwen3_stack_params(cfg: ModelConfig) -> int:
+    return backbone_params(cfg.backbone)
+
+
+def qwen3_stack_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
+    """The decoder layers over a whole sequence of `seq_len` tokens."""
+    return seq_len * backbone_forward_flops(cfg.backbone, seq_len)
 
 
 def hash_io_params(cfg: ModelConfig) -> int:
@@ -92,21 +106,17 @@ def embedding_params(cfg: ModelConfig) -> int:
 
 
 def mhf_params(cfg: ModelConfig) -> int:
-    """Hash I/O around the stack `model.backbone.kind` names (plus gated_hybrid's memory)."""
-    kind = cfg.backbone.kind
-    body = backbone_params(cfg.backbone) if kind == "qwen3" else triple_body_params(cfg, kind)
-    return body + hash_io_params(cfg)
+    """Hash I/O around the stack `model.backbone.kind` names (its entry counts any memory it has)."""
+    return BACKBONES.entry(cfg.backbone.kind).params(cfg) + hash_io_params(cfg)
 
 
 def mhf_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
-    """Per token of the training forward; under gated_hybrid the decoder runs twice (recurrent, fused)."""
-    kind = cfg.backbone.kind
+    """Per token of the training forward; with a stack's memory the decoder runs twice (recurrent, fused)."""
+    stack = BACKBONES.entry(cfg.backbone.kind)
     hash_io = hash_encoder_forward_flops(cfg) + hash_decoder_forward_flops(cfg)
-    if kind == "qwen3":
-        return backbone_forward_flops(cfg.backbone, seq_len) + hash_io
-    total = triple_stack_forward_flops(cfg, kind, seq_len)
-    if triple_parts(kind)["memory"]:
-        total += memory_forward_flops(cfg, seq_len) + seq_len * hash_decoder_forward_flops(cfg)
+    total = stack.forward_flops(cfg, seq_len)
+    if stack.parts.memory:
+        total += seq_len * hash_decoder_forward_flops(cfg)
     return total // seq_len + hash_io
 
 
@@ -173,28 +183,22 @@ def mixer_forward_flops(cfg: ModelConfig, seq_len: int, slots: int = 0) -> int:
     return seq_len * per_token + _scan_flops(seq_len, cfg.triple.chunk_size, heads, state, rows)
 
 
-# The recurrent-stack variants and the parts each adds (`TripleLatentLM`'s switches).
-TRIPLE_STACKS: dict[str, dict[str, bool]] = {
-    "triple_latent": {},
-    "triple_slot": {"slots": True},
-    "triple_hybrid": {"conv": True},
-    "gated_hybrid": {"memory": True},
-}
+@dataclass(frozen=True)
+class StackParts:
+    """What a triple-latent stack adds to the plain one (`TripleLatentLM`'s switches); Qwen3 has none."""
+
+    slots: bool = False  # the slot memory (rank-M factored pair memory)
+    conv: bool = False  # the causal local convolution path
+    memory: bool = False  # the explicit key-value memory, read beside the stack
 
 
-def triple_parts(kind: str) -> dict[str, bool]:
-    """{"slots", "conv", "memory"} -> whether the backbone `kind` has that part (Qwen3 has none)."""
-    parts = TRIPLE_STACKS.get(kind, {})
-    return {part: parts.get(part, False) for part in ("slots", "conv", "memory")}
-
-
-def triple_stack_params(cfg: ModelConfig, kind: str) -> int:
+def triple_stack_params(cfg: ModelConfig, parts: StackParts) -> int:
     """A `TripleStack`: the blocks, the final norm and the conv path; no embedding, head or memory."""
-    bb, parts = cfg.backbone, triple_parts(kind)
-    slots = cfg.triple.num_slots if parts["slots"] else 0
+    bb = cfg.backbone
+    slots = cfg.triple.num_slots if parts.slots else 0
     block = 2 * bb.hidden_size + mixer_params(cfg, slots) + 3 * bb.hidden_size * bb.intermediate_size
     total = bb.num_layers * block + bb.hidden_size
-    if parts["conv"]:
+    if parts.conv:
         total += bb.hidden_size * (1 + cfg.triple.conv_kernel + bb.hidden_size)
     return total
 
@@ -205,14 +209,14 @@ def memory_params(cfg: ModelConfig) -> int:
     return 4 * cfg.backbone.hidden_size * memory_dim + 2 * cfg.backbone.hidden_size + 1
 
 
-def triple_stack_forward_flops(cfg: ModelConfig, kind: str, seq_len: int) -> int:
+def triple_stack_forward_flops(cfg: ModelConfig, seq_len: int, parts: StackParts) -> int:
     """FLOPs of a `TripleStack` over a whole sequence."""
-    bb, parts = cfg.backbone, triple_parts(kind)
-    slots = cfg.triple.num_slots if parts["slots"] else 0
+    bb = cfg.backbone
+    slots = cfg.triple.num_slots if parts.slots else 0
     d_model = bb.hidden_size
     total = bb.num_layers * mixer_forward_flops(cfg, seq_len, slots)
     total += seq_len * bb.num_layers * 6 * d_model * bb.intermediate_size
-    if parts["conv"]:
+    if parts.conv:
         total += seq_len * 2 * d_model * d_model  # the depthwise kernel is element-wise products
     return total
 
@@ -225,23 +229,27 @@ def memory_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
     return total + (2 * seq_len * min(cfg.triple.memory_top_k, pairs) * memory_dim if pairs else 0)
 
 
-def triple_body_params(cfg: ModelConfig, kind: str) -> int:
-    """Everything of a triple-latent model of variant `kind` but its input and output layers."""
-    memory = memory_params(cfg) if triple_parts(kind)["memory"] else 0
-    return triple_stack_params(cfg, kind) + memory
+def triple_body_params(cfg: ModelConfig, parts: StackParts) -> int:
+    """Everything of a triple-latent model with `parts` but its input and output layers."""
+    memory = memory_params(cfg) if parts.memory else 0
+    return triple_stack_params(cfg, parts) + memory
 
 
-def triple_params(cfg: ModelConfig) -> int:
-    return embedding_params(cfg) + triple_body_params(cfg, cfg.family)
+def triple_body_forward_flops(cfg: ModelConfig, seq_len: int, parts: StackParts) -> int:
+    """The stack and its memory over a whole sequence; no input or output layer."""
+    memory = memory_forward_flops(cfg, seq_len) if parts.memory else 0
+    return triple_stack_forward_flops(cfg, seq_len, parts) + memory
 
 
-def triple_forward_flops(cfg: ModelConfig, seq_len: int) -> int:
-    """Per token; gated_hybrid's head also reads the retrieved vector (a second V-way product)."""
+def triple_params(cfg: ModelConfig, parts: StackParts) -> int:
+    return embedding_params(cfg) + triple_body_params(cfg, parts)
+
+
+def triple_forward_flops(cfg: ModelConfig, seq_len: int, parts: StackParts) -> int:
+    """Per token; with the memory the head also reads the retrieved vector (a second V-way product)."""
     head = seq_len * 2 * cfg.backbone.hidden_size * cfg.vocab_size
-    total = triple_stack_forward_flops(cfg, cfg.family, seq_len) + head
-    if triple_parts(cfg.family)["memory"]:
-        total += memory_forward_flops(cfg, seq_len) + head
-    return total // seq_len
+    heads = 2 if parts.memory else 1
+    return (triple_body_forward_flops(cfg, seq_len, parts) + heads * head) // seq_len
 
 
 def transformer_plus_triple_params(cfg: ModelConfig) -> int:

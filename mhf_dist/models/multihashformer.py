@@ -24,7 +24,7 @@ from torch import nn
 from mhf_dist.config import ModelConfig
 from mhf_dist.errors import SignatureError
 from mhf_dist.models.base import CausalLM, LMOutput, split_rows
-from mhf_dist.models.counting import input_coordinates, triple_parts
+from mhf_dist.models.counting import input_coordinates
 from mhf_dist.models.hash_io import (
     CascadedHashDecoder,
     HashEncoder,
@@ -34,18 +34,15 @@ from mhf_dist.models.hash_io import (
     vocab_logsumexp,
     vocab_loss,
 )
-from mhf_dist.models.qwen3 import Qwen3Stack
 from mhf_dist.models.reference_io import ReferenceCascadeDecoder, ReferenceHashEncoder
-from mhf_dist.models.triple_latent import TripleStack, make_memory, memory_read
+from mhf_dist.models.triple_latent import make_memory, memory_read
+from mhf_dist.plugins import BACKBONES
 
 
 def build_stack(cfg: ModelConfig) -> nn.Module:
-    """The stack `model.backbone.kind` names: Qwen3's decoder layers or a triple-latent stack."""
-    kind = cfg.backbone.kind
-    if kind == "qwen3":
-        return Qwen3Stack(cfg.backbone)
-    parts = triple_parts(kind)
-    return TripleStack(cfg, slots=parts["slots"], conv=parts["conv"])
+    """The stack `model.backbone.kind` names, as its registry entry builds it (Qwen3's decoder layers,
+    a triple-latent stack, or one an outside package registered)."""
+    return BACKBONES.entry(cfg.backbone.kind).build(cfg)
 
 
 def build_hash_io(cfg: ModelConfig) -> tuple[nn.Module, nn.Module]:
@@ -76,7 +73,7 @@ class MultiHashFormer(CausalLM):
         self.loss_kind = cfg.hash.loss
         self.encoder, self.decoder = build_hash_io(cfg)
         self.backbone = build_stack(cfg)
-        self.memory = make_memory(cfg) if triple_parts(cfg.backbone.kind)["memory"] else None
+        self.memory = make_memory(cfg) if BACKBONES.entry(cfg.backbone.kind).parts.memory else None
         # The vocabulary's signatures: saved beside the weights as a SignatureTable, not in the state dict.
         self.register_buffer("vocab_signatures", vocab_signatures.long(), persistent=False)
 

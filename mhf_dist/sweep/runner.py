@@ -12,19 +12,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mhf_dist.config import Config, load_config
 from mhf_dist.data.shards import read_manifest
-from mhf_dist.errors import ConfigError, MhfError
+from mhf_dist.errors import MhfError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
-from mhf_dist.sweep.spec import SweepConfig, Trial, expand_trials, trial_configs
+from mhf_dist.sweep.spec import STORAGE_KEY, SweepConfig, Trial, expand_trials, trial_configs
 from mhf_dist.tracking import end_run, log_steps, reopen_run, start_run, tracking_uri
-from mhf_dist.train.engine import micro_batch_size
+from mhf_dist.train.callbacks import StepCallback
 
 if TYPE_CHECKING:
     from mhf_dist.compare import Comparison
@@ -67,15 +67,10 @@ def sweep_dir(spec: SweepConfig) -> Path:
     return Path(spec.storage).resolve() / spec.name
 
 
-def check_before_start(spec: SweepConfig, trials: list[Trial]) -> None:
+def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
     """What would otherwise fail inside Tune's trials, checked before anything starts: every trial's
-    shards exist and its batch splits over the workers, and every file `evaluate` names exists."""
-    configs = {trial.name: load_config(spec.config, trial.override_args()) for trial in trials}
-    for name, cfg in configs.items():
-        try:
-            micro_batch_size(cfg.train, spec.workers)
-        except ConfigError as err:
-            raise SweepError(f"trial {name}: {err} (workers: {spec.workers})") from None
+    shards exist and every file `evaluate` names exists (each trial's config, its batch split over its
+    workers included, was validated when the sweep was parsed)."""
     for task in spec.evaluate:
         if task.data is not None and not Path(task.data).exists():
             raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")
@@ -84,14 +79,20 @@ def check_before_start(spec: SweepConfig, trials: list[Trial]) -> None:
 
 
 def run_sweep(
-    spec: SweepConfig, resume: bool = False, log: Callable[[str], None] = print, verbose: bool = False
+    spec: SweepConfig,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+    verbose: bool = False,
+    worker_callbacks: Sequence[StepCallback] = (),
 ) -> SweepResult:
     """Run (or with `resume`, finish) every trial of `spec`; finished trials are never rerun.
 
     The console shows each trial's progress lines; Tune's status tables and Ray Train's internals go to
-    the Ray session's logs unless `verbose`."""
+    the Ray session's logs unless `verbose`. `worker_callbacks` reach every trial's workers (see
+    `ray_trainer.train`)."""
     trials = expand_trials(spec)
-    check_before_start(spec, trials)
+    configs = trial_configs(spec)
+    check_before_start(spec, configs)
     ensure_ray()
     from ray import tune
 
@@ -104,7 +105,7 @@ def run_sweep(
         log(f"resuming sweep {spec.name!r}: finished trials are kept, the others continue")
         tuner = tune.Tuner.restore(
             str(directory / TUNE_DIR),
-            trainable=_trainable(spec, parent_run_id, uri, verbose),
+            trainable=_trainable(spec, parent_run_id, uri, verbose, worker_callbacks),
             resume_unfinished=True,
             resume_errored=True,
         )
@@ -125,10 +126,10 @@ def run_sweep(
         write_json_atomic(record, {"spec": spec.model_dump(mode="json"), "parent_run_id": parent_run_id})
         log(f"sweep {spec.name!r}: {len(trials)} trials ({spec.kind}); MLflow parent run {parent_run_id}")
         tuner = tune.Tuner(
-            _trainable(spec, parent_run_id, uri, verbose),
+            _trainable(spec, parent_run_id, uri, verbose, worker_callbacks),
             param_space={"trial": tune.grid_search([dataclasses.asdict(trial) for trial in trials])},
             tune_config=tune.TuneConfig(
-                max_concurrent_trials=spec.max_concurrent or _concurrency(spec),
+                max_concurrent_trials=spec.max_concurrent or _concurrency(configs.values()),
                 trial_name_creator=_trial_name,
                 trial_dirname_creator=_trial_name,
                 **_scheduler(spec),
@@ -152,9 +153,16 @@ def run_sweep(
 
 
 def run_trial(
-    params: dict[str, Any], sweep: dict[str, Any], parent_run_id: str, uri: str, workdir: str, verbose: bool
+    params: dict[str, Any],
+    sweep: dict[str, Any],
+    parent_run_id: str,
+    uri: str,
+    workdir: str,
+    verbose: bool,
+    worker_callbacks: Sequence[StepCallback],
 ) -> None:
-    """One Tune trial: one `mhf train` run, a child of the sweep's MLflow run.
+    """One Tune trial: one `mhf train` run, a child of the sweep's MLflow run, stored under the sweep's
+    trials directory.
 
     A trial that errored before continues from its own newest checkpoint in the same MLflow run.
     """
@@ -166,20 +174,15 @@ def run_trial(
 
     spec = SweepConfig.model_validate(sweep)
     trial = Trial(**params["trial"])
-    cfg = load_config(spec.config, trial.override_args())
+    cfg = load_config(spec.config, {**trial.overrides, STORAGE_KEY: str(sweep_dir(spec) / TRIALS_DIR)})
     os.environ["MLFLOW_TRACKING_URI"] = uri  # every trial logs beside the parent run
-    options = TrainOptions(
-        workers=spec.workers,
-        gpus_per_worker=spec.gpus_per_worker,
-        zero_stage=spec.zero_stage,
-        storage=str(sweep_dir(spec) / TRIALS_DIR),
-        name=trial.name,
-        experiment=spec.experiment,
-        continue_run=True,
-        verbose=verbose,
-    )
+    options = TrainOptions(name=trial.name, experiment=spec.experiment, continue_run=True, verbose=verbose)
     result = train(
-        cfg, options, tags=_trial_tags(spec, trial, cfg, parent_run_id), callbacks=[TuneReportCallback()]
+        cfg,
+        options,
+        tags=_trial_tags(spec, trial, cfg, parent_run_id),
+        callbacks=[TuneReportCallback()],
+        worker_callbacks=worker_callbacks,
     )
     if spec.evaluate:
         evaluate_trial(spec, cfg, result.checkpoint / MODEL_DIR, uri, result.run_id)
@@ -217,7 +220,13 @@ def _trial_tags(spec: SweepConfig, trial: Trial, cfg: Any, parent_run_id: str) -
     return tags
 
 
-def _trainable(spec: SweepConfig, parent_run_id: str, uri: str, verbose: bool) -> Any:
+def _trainable(
+    spec: SweepConfig,
+    parent_run_id: str,
+    uri: str,
+    verbose: bool,
+    worker_callbacks: Sequence[StepCallback],
+) -> Any:
     from ray import tune
 
     trainable = tune.with_parameters(
@@ -227,6 +236,7 @@ def _trainable(spec: SweepConfig, parent_run_id: str, uri: str, verbose: bool) -
         uri=uri,
         workdir=os.getcwd(),
         verbose=verbose,
+        worker_callbacks=tuple(worker_callbacks),
     )
     return tune.with_resources(trainable, {"CPU": TRIAL_DRIVER_CPUS})
 
@@ -235,12 +245,14 @@ def _trial_name(tune_trial: Any) -> str:
     return tune_trial.config["trial"]["name"]
 
 
-def _concurrency(spec: SweepConfig) -> int:
-    """Trials whose workers fit in the cluster's CPUs, leaving one CPU for Ray Data's read tasks."""
+def _concurrency(configs: Iterable[Config]) -> int:
+    """Trials whose workers (the most any trial asks for) fit in the cluster's CPUs, leaving one CPU
+    for Ray Data's read tasks."""
     import ray
 
     cpus = ray.cluster_resources().get("CPU", 1)
-    return max(1, int((cpus - 1) // (spec.workers + TRIAL_DRIVER_CPUS)))
+    workers = max(cfg.topology.workers for cfg in configs)
+    return max(1, int((cpus - 1) // (workers + TRIAL_DRIVER_CPUS)))
 
 
 def _scheduler(spec: SweepConfig) -> dict[str, Any]:

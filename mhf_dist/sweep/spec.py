@@ -4,22 +4,22 @@
 name: matched-tiny
 kind: matched                 # matched | seeds | grid
 config: tiny                  # preset name or config YAML every trial starts from
-set: {train.steps: 100}       # overrides for every trial
+set: {train.steps: 100, topology.workers: 2}   # config overrides for every trial
 families: [mhf, qwen3, qwen3_matched]   # matched: the families trained on the mhf config
 seeds: [0, 1]
-grid: {train.lr: [1.0e-3, 3.0e-3]}      # grid: config keys over value lists (x seeds)
+grid: {train.lr: [1.0e-3, 3.0e-3]}      # grid: config keys (topology.* too) over value lists (x seeds)
 asha: {metric: loss, grace_period: 20}  # grid, optional: ASHA early stopping
 matched_to: mhf               # matched: the family parameter residuals are measured against
 evaluate: [{task: bpb, data: test.txt}]  # `mhf eval` tasks run on each trial's exported model
 ```
-A trial is one `mhf train` run: a name, a family, a seed and its config overrides; its group is the
-trial without the seed, which `mhf compare` aggregates over.
+A trial is one `mhf train` run: a name, a family, a seed and its config overrides (a mapping of
+dotted keys, handed to `load_config` as it is); its group is the trial without the seed, which
+`mhf compare` aggregates over. What a trial trains on is its config's `topology:`.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +28,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from mhf_dist.config import Config, StrictModel, load_config
+from mhf_dist.config import Config, StrictModel, check_topology, load_config
 from mhf_dist.errors import ConfigError
+
+TOPOLOGY_KEYS = ("workers", "gpus_per_worker", "zero_stage")
+STORAGE_KEY = "topology.storage"  # every trial's: the sweep's trials directory
 
 
 class AshaConfig(StrictModel):
@@ -66,11 +69,8 @@ class SweepConfig(StrictModel):
     seeds: list[int] = Field([0], min_length=1)
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     asha: AshaConfig | None = None
-    workers: int = Field(2, gt=0, description="Ray Train workers per trial")
-    gpus_per_worker: int = Field(0, ge=0)
-    zero_stage: int = Field(0, ge=0, le=3)
     max_concurrent: int = Field(0, ge=0, description="trials at once; 0: as many as the CPUs allow")
-    storage: str = "runs/sweeps"
+    storage: str = "runs/sweeps"  # the sweep's root: its record, Tune's state, the trials, MLflow
     experiment: str = "mhf-sweeps"
     metric: str = "val_nll"  # what `mhf compare` aggregates
     matched_to: str = Field("mhf", description="matched: the family parameter residuals are measured against")
@@ -121,9 +121,6 @@ class Trial:
     seed: int
     overrides: dict[str, Any] = field(default_factory=dict)
 
-    def override_args(self) -> list[str]:
-        return [f"{key}={json.dumps(value)}" for key, value in self.overrides.items()]
-
 
 def load_sweep(path: str | Path) -> SweepConfig:
     path = Path(path)
@@ -151,8 +148,19 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = f"unknown key; allowed: {', '.join(SweepConfig.model_fields)}"
+            if where in TOPOLOGY_KEYS:  # a sweep file written before the config had a topology section
+                message += f"; the run topology is set per trial: `set: {{topology.{where}: ...}}`"
         raise ConfigError(f"{source}: {where}: {message}") from None
-    trial_configs(spec)  # every trial's config must resolve (unknown config keys, bad values)
+    chosen = [key for key in (*spec.set, *spec.grid) if key == STORAGE_KEY]
+    if chosen:
+        raise ConfigError(
+            f"{source}: {STORAGE_KEY} is the sweep's to choose (<storage>/<name>/trials); set the sweep's "
+            "own `storage:` instead"
+        )
+    try:
+        trial_configs(spec)  # every trial's config must resolve (unknown keys, bad values, topology)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
     return spec
 
 
@@ -182,4 +190,13 @@ def expand_trials(spec: SweepConfig) -> list[Trial]:
 
 
 def trial_configs(spec: SweepConfig) -> dict[str, Config]:
-    return {trial.name: load_config(spec.config, trial.override_args()) for trial in expand_trials(spec)}
+    """Every trial's validated config; a trial that cannot train (its batch over its workers, say) is
+    an error naming it."""
+    configs = {}
+    for trial in expand_trials(spec):
+        try:
+            configs[trial.name] = cfg = load_config(spec.config, trial.overrides)
+            check_topology(cfg)
+        except ConfigError as err:
+            raise ConfigError(f"trial {trial.name}: {err}") from None
+    return configs

@@ -108,10 +108,11 @@ def resolve_resume(target: str, storage: Path) -> Path:
     )
 
 
-def check_resumable(path: Path, cfg: Config, fingerprint: str, workers: int, zero_stage: int) -> None:
+def check_resumable(path: Path, cfg: Config, fingerprint: str) -> None:
     """The checkpoint must belong to the same model and signature table as the run resuming it, and to
-    the same ZeRO stage; ZeRO 1-3 partition the optimizer state per worker, so only a ZeRO-0 checkpoint
-    resumes on another worker count (the batches do not depend on it)."""
+    the same ZeRO stage (`cfg.topology`); ZeRO 1-3 partition the optimizer state per worker, so only a
+    ZeRO-0 checkpoint resumes on another worker count (the batches do not depend on it)."""
+    workers, zero_stage = cfg.topology.workers, cfg.topology.zero_stage
     run = json.loads((path / RUN_FILE).read_text())
     saved_stage, saved_workers = run.get("zero_stage", zero_stage), run.get("workers", workers)
     if saved_stage != zero_stage:

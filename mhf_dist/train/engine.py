@@ -11,36 +11,10 @@ from typing import Any
 
 import torch
 
-from mhf_dist.config import TrainConfig
+from mhf_dist.config import Config, TrainConfig, accumulation_steps, micro_batch_size
 from mhf_dist.errors import ConfigError
 from mhf_dist.models.base import CausalLM
 from mhf_dist.train.optim import build_optimizer
-
-
-def rows_per_worker(cfg: TrainConfig, world_size: int) -> int:
-    """train.batch_size is the global batch; each worker takes an equal share of it every step."""
-    if cfg.batch_size % world_size:
-        raise ConfigError(
-            f"train.batch_size={cfg.batch_size} does not split over {world_size} workers; "
-            f"use a multiple of {world_size}"
-        )
-    return cfg.batch_size // world_size
-
-
-def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
-    """Rows per worker per forward: train.micro_batch_size, which must divide the worker's share."""
-    share = rows_per_worker(cfg, world_size)
-    micro = cfg.micro_batch_size or share
-    if share % micro:
-        raise ConfigError(
-            f"train.micro_batch_size={micro} does not divide the {share} rows each of {world_size} workers "
-            f"gets per step (train.batch_size={cfg.batch_size}); use a divisor of {share}"
-        )
-    return micro
-
-
-def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
-    return rows_per_worker(cfg, world_size) // micro_batch_size(cfg, world_size)
 
 
 def zero_config(stage: int, hidden_size: int) -> dict[str, Any]:
@@ -88,31 +62,23 @@ def precision_config(cfg: TrainConfig, zero_stage: int, bf16: bool) -> dict[str,
     return {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
 
 
-def check_training_options(cfg: TrainConfig, zero_stage: int, use_gpu: bool) -> None:
-    """Combinations that cannot run, refused before any worker starts."""
-    check_zero_stage(zero_stage)
-    if cfg.compile and zero_stage == 3:
-        raise ConfigError(
-            "train.compile under ZeRO-3 is not supported; use --zero-stage 2 or lower, or train.compile=false"
-        )
-    if uses_bf16(cfg, use_gpu) and not use_gpu:
+def check_precision_supported(cfg: Config) -> None:
+    """What the config cannot know: whether this machine's DeepSpeed accelerator has bf16 (the config
+    itself was checked against its topology when it was built)."""
+    use_gpu = cfg.topology.gpus_per_worker > 0
+    if uses_bf16(cfg.train, use_gpu) and not use_gpu:
         from deepspeed.accelerator import get_accelerator
 
         if get_accelerator().device_name() == "cpu" and not get_accelerator().is_bf16_supported():
             raise ConfigError(
-                f"train.precision={cfg.precision}: DeepSpeed's CPU accelerator here has no bf16; use fp32"
+                f"train.precision={cfg.train.precision}: DeepSpeed's CPU accelerator here has no bf16; "
+                "use fp32"
             )
-
-
-def check_zero_stage(stage: int) -> None:
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero-stage {stage} is not a ZeRO stage; use 0, 1, 2 or 3")
 
 
 def deepspeed_config(
     cfg: TrainConfig, zero_stage: int, world_size: int, bf16: bool, hidden_size: int
 ) -> dict[str, Any]:
-    check_zero_stage(zero_stage)
     return {
         "train_batch_size": cfg.batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size(cfg, world_size),

@@ -1,15 +1,16 @@
 """The training loop, written once.
 
 `run_training` drives any `Stepper` over a stream of batches: `TorchStepper` here for a plain local
-model, a DeepSpeed engine stepper inside Ray Train workers. Progress, throughput and the non-finite
-loss check live in the loop, so every way of training reports the same way.
+model, a DeepSpeed engine stepper inside Ray Train workers. Throughput and the non-finite loss check
+live in the loop, so every way of training measures the same way; what happens around each step
+(validation, progress lines, MLflow, checkpoints) is the callbacks' (`mhf_dist.train.callbacks`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,6 +19,7 @@ import torch
 from mhf_dist.config import TrainConfig
 from mhf_dist.errors import TrainingError
 from mhf_dist.models.base import CausalLM
+from mhf_dist.train.callbacks import ProgressLines, StepCallback
 from mhf_dist.train.optim import build_optimizer
 from mhf_dist.train.trainable import apply_trainable
 
@@ -68,12 +70,13 @@ def run_training(
     throughput: Throughput,
     start_step: int = 0,
     stop_step: int | None = None,
-    on_step: Callable[[dict[str, float]], None] | None = None,
+    callbacks: Sequence[StepCallback] = (),
 ) -> list[dict[str, float]]:
     """Run steps start_step+1 .. stop_step (default: steps) of a `steps`-step run.
 
-    Returns one metrics dict per step; `on_step` sees each (with `eta_s`) for logging and checkpoints.
-    `step_time` is the step's compute, `data_wait_s` the time it waited for its batch; tokens/s counts both.
+    Returns one metrics dict per step; `callbacks` see each (with `eta_s`) in order, for validation,
+    logging and checkpoints (`mhf_dist.train.callbacks`). `step_time` is the step's compute,
+    `data_wait_s` the time it waited for its batch; tokens/s counts both.
     """
     history: list[dict[str, float]] = []
     batch_iter: Iterator[Batch] = iter(batches)
@@ -109,29 +112,9 @@ def run_training(
                 metrics["mfu"] = metrics["flops_per_s"] / (throughput.peak_flops * throughput.workers)
         metrics["eta_s"] = (time.perf_counter() - started) / (step - start_step) * (steps - step)
         history.append(metrics)
-        if on_step is not None:
-            on_step(metrics)
+        for callback in callbacks:
+            callback.on_step_end(metrics)
     return history
-
-
-def format_progress(metrics: dict[str, float], steps: int) -> str:
-    """`step 20/200 | loss 3.2100 | lr 2.90e-03 | 12,345 tok/s | MFU 41.0% | val ppl 35.2 | eta 0:01:10`.
-
-    MFU and validation perplexity appear when the step has them.
-    """
-    eta = int(metrics.get("eta_s", 0))
-    parts = [
-        f"step {int(metrics['step'])}/{steps}",
-        f"loss {metrics['loss']:.4f}",
-        f"lr {metrics['lr']:.2e}",
-        f"{metrics['tokens_per_s']:,.0f} tok/s",
-    ]
-    if "mfu" in metrics:
-        parts.append(f"MFU {metrics['mfu']:.1%}")
-    if "val_ppl" in metrics:
-        parts.append(f"val ppl {metrics['val_ppl']:.2f}")
-    parts.append(f"eta {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}")
-    return " | ".join(parts)
 
 
 def train_local(
@@ -144,13 +127,5 @@ def train_local(
     """Train `model` in this process for `cfg.steps` steps: the code path every runner shares."""
     apply_trainable(model, cfg.trainable)  # None: every parameter trains
     throughput = Throughput(tokens_per_step=cfg.batch_size * cfg.seq_len, flops_per_token=flops_per_token)
-
-    def on_step(metrics: dict[str, float]) -> None:
-        if log is not None and is_log_step(int(metrics["step"]), cfg):
-            log(format_progress(metrics, cfg.steps))
-
-    return run_training(TorchStepper(model, cfg), batches, cfg.steps, throughput, on_step=on_step)
-
-
-def is_log_step(step: int, cfg: TrainConfig) -> bool:
-    return step % cfg.log_every == 0 or step == cfg.steps
+    callbacks = [ProgressLines(cfg, log)] if log is not None else []
+    return run_training(TorchStepper(model, cfg), batches, cfg.steps, throughput, callbacks=callbacks)

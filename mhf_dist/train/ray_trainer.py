@@ -13,19 +13,21 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mhf_dist.config import Config
+from mhf_dist.config import Config, TopologyConfig, check_topology
 from mhf_dist.data.reader import RowReader, training_plan
-from mhf_dist.data.shards import SIGNATURES_FILE, check_compatible, document_format, read_manifest
+from mhf_dist.data.shards import SIGNATURES_FILE, Manifest, check_compatible, read_manifest
 from mhf_dist.errors import Interrupted, MhfError, TrainingError
 from mhf_dist.files import write_json_atomic
+from mhf_dist.plugins import outside_registrations
 from mhf_dist.ray_utils import ensure_ray
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.signatures import load_table
 from mhf_dist.tracking import end_run, log_artifact, reopen_run, start_run, tracking_uri
+from mhf_dist.train.callbacks import StepCallback
 from mhf_dist.train.checkpoints import (
     MODEL_DIR,
     RUN_FILE,
@@ -36,9 +38,9 @@ from mhf_dist.train.checkpoints import (
     prune_checkpoints,
     resolve_resume,
 )
-from mhf_dist.train.engine import check_training_options, micro_batch_size
+from mhf_dist.train.engine import check_precision_supported
 from mhf_dist.train.trainable import config_split
-from mhf_dist.train.worker import STAGING_PREFIX, train_loop_per_worker
+from mhf_dist.train.worker import STAGING_PREFIX, WorkerSpec, train_loop_per_worker
 
 TRACKING_FILE = "mlflow-run.json"  # in the run directory: the MLflow run a continued run logs to
 
@@ -58,10 +60,8 @@ PRINT_PATCH_VARIABLE = "RAY_TRAIN_ENABLE_PRINT_PATCH"  # Ray Train propagates it
 
 @dataclass(frozen=True)
 class TrainOptions:
-    workers: int = 2
-    gpus_per_worker: int = 0
-    zero_stage: int = 0
-    storage: str = "runs/train"
+    """How this one run is started and named; what it trains on is the config's `topology`."""
+
     name: str = "mhf-train"
     experiment: str = "mhf"  # the MLflow experiment
     resume: str | None = None  # a checkpoint directory, or a run name under storage (its newest)
@@ -73,25 +73,15 @@ class TrainOptions:
     verbose: bool = False  # Ray Train's INFO lines on the console too (else only in the session's logs)
 
 
-def check_run_shape(cfg: Config, options: TrainOptions) -> None:
-    """What can be checked before Ray starts: the worker count, the batch split, the ZeRO stage."""
-    if options.workers < 1:
-        raise TrainingError(f"--workers {options.workers}: a run needs at least one worker")
-    if options.gpus_per_worker < 0:
-        raise TrainingError(f"--gpus-per-worker {options.gpus_per_worker}: give 0 (CPU) or more")
-    micro_batch_size(cfg.train, options.workers)
-    check_training_options(cfg.train, options.zero_stage, options.gpus_per_worker > 0)
-
-
 def check_resources(
-    options: TrainOptions, cluster: Callable[[], dict[str, float]], log: Callable[[str], None] = print
+    topology: TopologyConfig, cluster: Callable[[], dict[str, float]], log: Callable[[str], None] = print
 ) -> None:
     """Refuse a run the Ray cluster cannot place, instead of waiting for resources that never come.
 
     On a cluster whose autoscaler adds nodes on demand (`MHF_AUTOSCALING_CLUSTER=1`) the run waits for
     them, at most `MHF_AUTOSCALING_WAIT_S` seconds (default 900), polling what the cluster has.
     """
-    wanted = {"CPU": options.workers, "GPU": options.workers * options.gpus_per_worker}
+    wanted = {"CPU": topology.workers, "GPU": topology.workers * topology.gpus_per_worker}
     autoscaling = bool(os.environ.get(AUTOSCALING_ENV))
     wait_s = float(os.environ.get(AUTOSCALING_WAIT_ENV, 900)) if autoscaling else 0.0
     deadline, said = time.monotonic() + wait_s, False
@@ -109,11 +99,11 @@ def check_resources(
         time.sleep(min(5.0, remaining))
     resource = missing[0]
     count = int(have.get(resource, 0))
-    per_worker = 1 if resource == "CPU" else options.gpus_per_worker
+    per_worker = 1 if resource == "CPU" else topology.gpus_per_worker
     hint = " (--gpus-per-worker 0 trains on CPUs)" if resource == "GPU" else ""
     waited = f" after {wait_s:g} s of autoscaling" if autoscaling else ""
     raise TrainingError(
-        f"--workers {options.workers} x {per_worker} {resource} asks for {wanted[resource]} {resource}s but "
+        f"--workers {topology.workers} x {per_worker} {resource} asks for {wanted[resource]} {resource}s but "
         f"the Ray cluster has {count}{waited}; use --workers {max(1, count // per_worker)} or a larger "
         f"cluster{hint}"
     )
@@ -124,22 +114,27 @@ def train(
     options: TrainOptions,
     tags: dict[str, Any] | None = None,
     callbacks: list[Any] | None = None,
+    worker_callbacks: Sequence[StepCallback] = (),
 ) -> TrainResult:
-    """Train `cfg` on the shards at `cfg.data.path`, tracked in MLflow; returns where the results are.
+    """Train `cfg` on the shards at `cfg.data.path` on `cfg.topology`, tracked in MLflow; returns where
+    the results are.
 
     `tags` join the MLflow run's tags (a sweep adds its parent run and matching); `callbacks` are Ray
-    Train callbacks (a sweep passes Tune's report callback).
+    Train callbacks (a sweep passes Tune's report callback); `worker_callbacks` step callbacks every
+    worker runs before its own (tests inject faults with them).
     """
-    check_run_shape(cfg, options)
+    topology = cfg.topology
+    check_topology(cfg)
+    check_precision_supported(cfg)
     manifest = read_manifest(cfg.data.path)
     ensure_ray()
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    check_resources(options, ray.cluster_resources)
-    fingerprint = manifest["signatures"]["fingerprint"]
-    storage = Path(options.storage).resolve()
+    check_resources(topology, ray.cluster_resources)
+    fingerprint = manifest.signatures.fingerprint
+    storage = Path(topology.storage).resolve()
     run_dir = storage / options.name
     if newest_checkpoint(run_dir) is not None and not options.continue_run:
         raise TrainingError(
@@ -152,42 +147,46 @@ def train(
     resume = None
     if options.resume is not None:
         resume = resolve_resume(options.resume, storage)
-        check_resumable(resume, cfg, fingerprint, options.workers, options.zero_stage)
+        check_resumable(resume, cfg, fingerprint)
         check_model_documents(resume / MODEL_DIR, manifest, cfg.data.path)
     # Workers run in their own working directories: hand them absolute paths.
     data = cfg.data.model_copy(update={"path": str(Path(cfg.data.path).resolve())})
-    worker_cfg = cfg.model_copy(update={"data": data})
+    worker_cfg = cfg.model_copy(
+        update={"data": data, "topology": topology.model_copy(update={"storage": str(storage)})}
+    )
     check_compatible(manifest, cfg, fingerprint)
     reader = RowReader(data.path, "train")
     reader.check_all()  # every shard's footer, once, here rather than in every worker
     training_plan(reader, cfg)  # enough rows for one batch
     # train.trainable: a bad pattern fails here, before any worker starts; the counts go to MLflow.
-    table = SignatureTable.load(Path(data.path) / SIGNATURES_FILE)
+    table = load_table(Path(data.path) / SIGNATURES_FILE)
     split = config_split(cfg.model, table, cfg.train.trainable)
     uri = tracking_uri(storage)
-    run_tags = {**_tags(cfg, options, manifest), **split.tags(), **(tags or {})}
+    run_tags = {**_tags(cfg, manifest), **split.tags(), **(tags or {})}
     run_id = _tracking_run(uri, run_dir, cfg, options, run_tags)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "config": worker_cfg.model_dump(mode="json"),
-            "zero_stage": options.zero_stage,
-            "gpus_per_worker": options.gpus_per_worker,
-            "peak_tflops": options.peak_tflops,
-            "init_from": str(Path(options.init_from).resolve()) if options.init_from else None,
-            "stop_at_step": options.stop_at_step,
-            "resume_from": str(resume) if resume else None,
-            "run_dir": str(run_dir),
-            "tracking_uri": uri,
-            "run_id": run_id,
-            "verbose": options.verbose,
+            "spec": WorkerSpec(
+                config=worker_cfg,
+                run_dir=str(run_dir),
+                tracking_uri=uri,
+                run_id=run_id,
+                init_from=str(Path(options.init_from).resolve()) if options.init_from else None,
+                resume_from=str(resume) if resume else None,
+                stop_at_step=options.stop_at_step,
+                peak_tflops=options.peak_tflops,
+                verbose=options.verbose,
+                callbacks=tuple(worker_callbacks),
+                registrations=outside_registrations(),
+            )
         },
         scaling_config=ScalingConfig(
-            num_workers=options.workers,
-            use_gpu=options.gpus_per_worker > 0,
+            num_workers=topology.workers,
+            use_gpu=topology.gpus_per_worker > 0,
             resources_per_worker={
                 "CPU": 1,
-                **({"GPU": options.gpus_per_worker} if options.gpus_per_worker else {}),
+                **({"GPU": topology.gpus_per_worker} if topology.gpus_per_worker else {}),
             },
         ),
         run_config=RunConfig(
@@ -296,15 +295,15 @@ def _worker_user_error(err: BaseException) -> MhfError | None:
     return None
 
 
-def check_model_documents(model_dir: Path, manifest: dict[str, Any], data_path: str) -> None:
+def check_model_documents(model_dir: Path, manifest: Manifest, data_path: str) -> None:
     """A model continued (`--init-from`, `mhf cpt`, a resume) trains only on documents framed as its own
     (a checkpoint without its exported model: check_resumable has judged it already)."""
     from mhf_dist.export import check_documents_fit
 
-    check_documents_fit(model_dir, document_format(manifest), f"shards {data_path!r}", TrainingError)
+    check_documents_fit(model_dir, manifest.document_format, f"shards {data_path!r}", TrainingError)
 
 
-def _tags(cfg: Config, options: TrainOptions, manifest: dict[str, Any]) -> dict[str, Any]:
+def _tags(cfg: Config, manifest: Manifest) -> dict[str, Any]:
     from mhf_dist.models import param_count
 
     return {
@@ -313,7 +312,5 @@ def _tags(cfg: Config, options: TrainOptions, manifest: dict[str, Any]) -> dict[
         "preset": cfg.preset or "custom",
         "seed": cfg.train.seed,
         "param_count": param_count(cfg.model),
-        "signature_fingerprint": manifest["signatures"]["fingerprint"],
-        "zero_stage": options.zero_stage,
-        "workers": options.workers,
+        "signature_fingerprint": manifest.signatures.fingerprint,
     }

@@ -1,34 +1,44 @@
 """What every Ray Train worker runs: a DeepSpeed ZeRO engine driven by the shared step loop.
 
-Each worker builds the model from the registry and runs `run_training` with a `DeepSpeedStepper`.
-Data: the rows of step s's global batch are a pure function of (seed, s) (`data.reader.BatchPlan`), and
-each worker reads only its own share of them from the shards, one step ahead. That is what makes resume
-exact and immediate: a resumed worker computes the rows of step s + 1 and reads them, nothing before.
+Each worker builds the model from the registry and runs `run_training` with a `DeepSpeedStepper` and
+the step callbacks of `mhf_dist.train.callbacks` (validation, memory metrics, history, progress lines,
+MLflow, checkpoints). Data: the rows of step s's global batch are a pure function of (seed, s)
+(`data.reader.BatchPlan`), and each worker reads only its own share of them from the shards, one step
+ahead. That is what makes resume exact and immediate: a resumed worker computes the rows of step s + 1
+and reads them, nothing before.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from mhf_dist.config import Config, validate_config
+from mhf_dist.config import Config, micro_batch_size
 from mhf_dist.data.reader import RowReader, step_batches, training_plan
-from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE, document_format, read_manifest
+from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE, read_manifest
 from mhf_dist.eval.perplexity import nll_summary, nll_totals
 from mhf_dist.export import export_model, load_exported
-from mhf_dist.files import write_json_atomic
 from mhf_dist.models.checkpointing import checkpoint_layers
-from mhf_dist.signatures import SignatureTable
-from mhf_dist.tracking import log_steps
+from mhf_dist.plugins import register_missing
+from mhf_dist.signatures import SignatureTable, load_table
+from mhf_dist.train.callbacks import (
+    Checkpoints,
+    History,
+    MemoryMetrics,
+    MLflowSteps,
+    ProgressLines,
+    StepCallback,
+    Validation,
+)
 from mhf_dist.train.checkpoints import (
     MODEL_DIR,
     STATE_TAG,
@@ -40,12 +50,9 @@ from mhf_dist.train.checkpoints import (
 )
 from mhf_dist.train.engine import DeepSpeedStepper, uses_bf16
 from mhf_dist.train.hardware import default_peak_flops, live_tensor_bytes, peak_memory_bytes
+from mhf_dist.train.loop import Throughput, run_training
 from mhf_dist.train.trainable import apply_trainable
 
-# Test hooks in a run's storage directory: the step the last worker is to die at, and the proof it did.
-FAULT_PLAN = "fail-at-step"
-FAULT_INJECTED = "fault-injected"
-LOGGED_FILE = "mlflow-logged.json"  # in the run directory: the last step logged to its MLflow run
 STAGING_PREFIX = ".staging-"  # each rank's checkpoint files before Ray Train copies them into place
 
 GIB = 2**30
@@ -104,209 +111,247 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What `ray_trainer.train` hands every worker (through Ray Train's train_loop_config), typed.
+
+    `callbacks` run first on every worker, before the built-in ones (tests pass fault injection here).
+    """
+
+    config: Config  # data.path and topology.storage absolute: workers run in their own directories
+    run_dir: str
+    tracking_uri: str
+    run_id: str
+    init_from: str | None = None  # an exported model whose weights training starts from
+    resume_from: str | None = None  # a checkpoint directory (--resume)
+    stop_at_step: int | None = None
+    peak_tflops: float = 0.0  # per worker; 0: the device's known bf16 peak
+    verbose: bool = False
+    callbacks: tuple[StepCallback, ...] = field(default_factory=tuple)
+    registrations: dict[str, dict[str, Any]] = field(default_factory=dict)  # plugins.outside_registrations
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker (torch.distributed is already initialised by TorchTrainer)."""
     import ray.train
 
-    from mhf_dist.models import build_model, train_flops_per_token
-    from mhf_dist.train.engine import micro_batch_size
-    from mhf_dist.train.loop import Throughput, format_progress, is_log_step, run_training
-
-    cfg = validate_config(loop_config["config"])
-    if not loop_config["verbose"]:
+    spec: WorkerSpec = loop_config["spec"]
+    register_missing(spec.registrations)  # families the driver's own code registered
+    cfg = spec.config
+    if not spec.verbose:
         # Ray Train's worker-side INFO lines (one per report) log under module-path names that its
         # LoggingConfig does not reach; the root level does. Progress lines are plain prints.
         logging.getLogger().setLevel(logging.WARNING)
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
     torch.manual_seed(cfg.train.seed)
-    data_path = Path(cfg.data.path)
-    table = SignatureTable.load(data_path / SIGNATURES_FILE)
-    lineage: list[dict] = []
-    if loop_config["init_from"]:
-        initial = load_exported(loop_config["init_from"])
+    table = load_table(Path(cfg.data.path) / SIGNATURES_FILE)
+    stepper, lineage = _build_stepper(spec, table, world_size)
+    start_step, history = _restore(stepper, spec, rank)
+    last_step = min(cfg.train.steps, spec.stop_at_step or cfg.train.steps)
+    run_info = {
+        "model": cfg.model.model_dump(mode="json"),
+        "workers": world_size,
+        "zero_stage": cfg.topology.zero_stage,
+        "fingerprint": table.fingerprint,
+        "lineage": lineage,
+        "trainable": cfg.train.trainable,  # a resume must freeze the same parameters (no optimizer state)
+        "document_format": read_manifest(cfg.data.path).document_format,  # exports carry the shards'
+    }
+    saver = CheckpointSaver(stepper, cfg, table, run_info, Path(spec.run_dir), rank, world_size, history)
+    callbacks = [
+        *spec.callbacks,
+        *_built_in_callbacks(spec, stepper, saver, start_step, last_step, rank, world_size),
+    ]
+    batches = training_batches(cfg, rank, world_size, start_step, signatures=cfg.model.family == "mhf")
+    run_training(
+        stepper,
+        batches,
+        cfg.train.steps,
+        _throughput(spec, stepper, world_size),
+        start_step,
+        last_step,
+        callbacks,
+    )
+
+
+def _build_stepper(
+    spec: WorkerSpec, table: SignatureTable, world_size: int
+) -> tuple[DeepSpeedStepper, list[dict]]:
+    """The model (built, or the exported one of --init-from) in a DeepSpeed engine; and its lineage."""
+    import ray.train
+
+    from mhf_dist.models import build_model
+
+    cfg, lineage = spec.config, []
+    if spec.init_from:
+        initial = load_exported(spec.init_from)
         model, lineage = initial.model.train(), initial.lineage
     else:
         model = build_model(cfg.model, table)
     apply_trainable(model, cfg.train.trainable)  # before the optimizer sees requires_grad
-    use_gpu = loop_config["gpus_per_worker"] > 0
+    use_gpu = cfg.topology.gpus_per_worker > 0
     if use_gpu:
         model = model.to(ray.train.torch.get_device())
     if cfg.train.activation_checkpointing == "layers":
         checkpoint_layers(model)
     if cfg.train.compile:
         model.compile()  # in place: parameter names and the exported model stay as they are
+    bf16 = uses_bf16(cfg.train, use_gpu)
     stepper = DeepSpeedStepper(
-        model,
-        cfg.train,
-        loop_config["zero_stage"],
-        world_size,
-        uses_bf16(cfg.train, use_gpu),
-        cfg.model.backbone.hidden_size,
+        model, cfg.train, cfg.topology.zero_stage, world_size, bf16, cfg.model.backbone.hidden_size
     )
-    device = stepper.engine.device
+    return stepper, lineage
 
-    start_step, history = 0, []
-    # After a worker failure the run continues from its own newest checkpoint, else from --resume.
-    # Ray Train registers a checkpoint only when its controller next polls the workers; one that dies
-    # in between would otherwise restart from scratch although the files were already stored.
+
+def _restore(stepper: DeepSpeedStepper, spec: WorkerSpec, rank: int) -> tuple[int, list[dict[str, float]]]:
+    """The step to continue after and the history so far: 0 and none for a fresh run.
+
+    After a worker failure the run continues from its own newest checkpoint, else from --resume. Ray
+    Train registers a checkpoint only when its controller next polls the workers; one that dies in
+    between would otherwise restart from scratch although the files were already stored.
+    """
+    import ray.train
+
     checkpoint = ray.train.get_checkpoint()
-    newest = newest_checkpoint(Path(loop_config["run_dir"]))
+    newest = newest_checkpoint(Path(spec.run_dir))
     if checkpoint is None and newest is not None:
         checkpoint = ray.train.Checkpoint.from_directory(str(newest))
-    if checkpoint is None and loop_config["resume_from"]:
-        checkpoint = ray.train.Checkpoint.from_directory(loop_config["resume_from"])
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            _, client_state = stepper.engine.load_checkpoint(directory, tag=STATE_TAG)
-            history = read_history(directory)
-        start_step = client_state["step"]
-        saved_rng = client_state["rng"]  # one per rank of the saving run (a ZeRO-0 run may resize)
-        _set_rng_state(saved_rng[rank % len(saved_rng)])
-        if rank == 0:
-            print(f"resumed from {checkpoint.path} at step {start_step}", flush=True)
+    if checkpoint is None and spec.resume_from:
+        checkpoint = ray.train.Checkpoint.from_directory(spec.resume_from)
+    if checkpoint is None:
+        return 0, []
+    with checkpoint.as_directory() as directory:
+        _, client_state = stepper.engine.load_checkpoint(directory, tag=STATE_TAG)
+        history = read_history(directory)
+    saved_rng = client_state["rng"]  # one per rank of the saving run (a ZeRO-0 run may resize)
+    _set_rng_state(saved_rng[rank % len(saved_rng)])
+    if rank == 0:
+        print(f"resumed from {checkpoint.path} at step {client_state['step']}", flush=True)
+    return client_state["step"], history
 
-    micro = micro_batch_size(cfg.train, world_size)
-    batches = training_batches(cfg, rank, world_size, start_step, signatures=cfg.model.family == "mhf")
-    peak_flops = loop_config["peak_tflops"] * 1e12 or default_peak_flops(device)
-    throughput = Throughput(
+
+def _throughput(spec: WorkerSpec, stepper: DeepSpeedStepper, world_size: int) -> Throughput:
+    from mhf_dist.models import train_flops_per_token
+
+    cfg = spec.config
+    return Throughput(
         tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
         flops_per_token=train_flops_per_token(cfg.model, cfg.train.seq_len),
         workers=world_size,
-        peak_flops=peak_flops,
+        peak_flops=spec.peak_tflops * 1e12 or default_peak_flops(stepper.engine.device),
     )
-    last_step = min(cfg.train.steps, loop_config["stop_at_step"] or cfg.train.steps)
-    validate = Validator(cfg, rank, world_size, micro)
-    if rank == 0 and not validate:
-        print("no validation rows: val_nll is not computed (prepare with data.val_percent > 0)", flush=True)
-
-    run_info = {
-        "model": cfg.model.model_dump(mode="json"),
-        "workers": world_size,
-        "zero_stage": loop_config["zero_stage"],
-        "fingerprint": table.fingerprint,
-        "lineage": lineage,
-        "trainable": cfg.train.trainable,  # a resume must freeze the same parameters (no optimizer state)
-        "document_format": document_format(read_manifest(cfg.data.path)),  # exports carry the shards'
-    }
-    run_dir = Path(loop_config["run_dir"])
-    tracking = StepLogger(loop_config["tracking_uri"], loop_config["run_id"], run_dir, start_step)
-    fail_at_step = planned_fault(run_dir)
-
-    def on_step(metrics: dict[str, float]) -> None:
-        step = int(metrics["step"])
-        _maybe_inject_fault(step, fail_at_step, rank == world_size - 1, run_dir / FAULT_INJECTED)
-        if validate and _due(step, cfg.train.eval_every, last_step):
-            metrics.update(validate(stepper))
-        if step == start_step + 1:  # optimizer states exist from the first step on
-            state = {
-                "model_state_gb": live_tensor_bytes(device.type) / GIB,
-                "param_share": stepper.parameter_share(),
-            }
-            metrics.update(max_over_workers(state))
-        if is_log_step(step, cfg.train) or step == last_step:
-            metrics.update(max_over_workers({"peak_mem_gb": peak_memory_bytes(device) / GIB}))
-        history.append(metrics)
-        if rank == 0 and is_log_step(step, cfg.train):
-            print(format_progress(metrics, cfg.train.steps), flush=True)
-        checkpoint_due = _due(step, cfg.train.checkpoint_every, last_step)
-        if rank == 0 and (checkpoint_due or is_log_step(step, cfg.train)):
-            tracking.log(history)
-        if checkpoint_due:
-            _report_checkpoint(
-                stepper, cfg, table, step, metrics, history, run_info, rank, world_size, run_dir
-            )
-        elif is_log_step(step, cfg.train):
-            ray.train.report(metrics)
-
-    run_training(stepper, batches, cfg.train.steps, throughput, start_step, last_step, on_step)
 
 
-class StepLogger:
-    """Rank 0's metrics to MLflow every log step, each step once even across restarts.
-
-    Training is deterministic, so the steps a restarted run recomputes after its checkpoint were logged
-    with the same values before the failure: the last step logged to this MLflow run is kept in the run
-    directory (`LOGGED_FILE`) and nothing up to it is logged again.
-    """
-
-    def __init__(self, uri: str, run_id: str, run_dir: Path, start_step: int) -> None:
-        self.uri, self.run_id, self.record = uri, run_id, run_dir / LOGGED_FILE
-        logged = json.loads(self.record.read_text()) if self.record.is_file() else {}
-        self.logged = max(start_step, logged.get("step", 0) if logged.get("run_id") == run_id else 0)
-        self.seen = start_step  # history[:seen] was looked at before (history[i] is step i + 1)
-
-    def log(self, history: list[dict[str, float]]) -> None:
-        """Log the steps of `history` not logged yet; looks only at the entries added since last time."""
-        new = [entry for entry in history[self.seen :] if entry["step"] > self.logged]
-        self.seen = len(history)
-        if not new:
-            return
-        log_steps(self.uri, self.run_id, new)
-        self.logged = int(new[-1]["step"])
-        write_json_atomic(self.record, {"run_id": self.run_id, "step": self.logged})
-
-
-def _due(step: int, every: int, last_step: int) -> bool:
-    """Every `every` steps (0: never) and at this run's last step."""
-    return step == last_step or bool(every and step % every == 0)
-
-
-def planned_fault(run_dir: Path) -> int:
-    """The step a test asked the last worker to die at (0: none): the number in `<run>/fail-at-step`.
-
-    A test hook, not a setting: tests write the file before the run; users never see it in a config."""
-    plan = run_dir / FAULT_PLAN
-    return int(plan.read_text()) if plan.is_file() else 0
-
-
-def _maybe_inject_fault(step: int, fail_at_step: int, last_rank: bool, marker: Path) -> None:
-    """Kill the last worker's process once, as a crashed node would; the marker file in the run's
-    storage keeps the restarted worker group from failing again."""
-    if fail_at_step and step == fail_at_step and last_rank and not marker.exists():
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(f"the last worker was killed at step {step}\n")
-        os._exit(1)
-
-
-def _report_checkpoint(
+def _built_in_callbacks(
+    spec: WorkerSpec,
     stepper: DeepSpeedStepper,
-    cfg: Config,
-    table: SignatureTable,
-    step: int,
-    metrics: dict[str, float],
-    history: list[dict],
-    run_info: dict[str, Any],
+    saver: CheckpointSaver,
+    start_step: int,
+    last_step: int,
     rank: int,
     world_size: int,
-    run_dir: Path,
-) -> None:
-    """Every rank saves its DeepSpeed files; Ray Train merges the ranks' folders into one checkpoint."""
+) -> list[StepCallback]:
+    """Validation and memory (all ranks: they all-reduce), the history, rank 0's progress lines and
+    MLflow steps, then checkpoints (all ranks save their shards)."""
     import ray.train
 
-    rng_states = [None] * world_size
-    torch.distributed.all_gather_object(rng_states, _rng_state())
-    # Staged inside the run's own directory, where an interrupted run's driver can remove what is left.
-    with tempfile.TemporaryDirectory(dir=run_dir, prefix=STAGING_PREFIX) as tmp:
-        directory = Path(tmp)
-        stepper.engine.save_checkpoint(tmp, tag=STATE_TAG, client_state={"step": step, "rng": rng_states})
-        with stepper.whole_parameters():
-            if rank == 0:
-                tokenizer = Path(cfg.data.path) / TOKENIZER_FILE
-                export_model(
-                    stepper.engine.module,
-                    cfg.model,
-                    table,
-                    tokenizer,
-                    directory / MODEL_DIR,
-                    run_info["lineage"],
-                    document_format=run_info["document_format"],
-                )
-        if rank == 0:
-            write_history(directory, history, run_info)
-        write_rank_files(directory, rank)  # last: what makes this rank's part count as complete
-        ray.train.report(
-            metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(tmp),
-            checkpoint_dir_name=checkpoint_name(step),
-        )
+    cfg = spec.config
+    validator = Validator(cfg, rank, world_size, micro_batch_size(cfg.train, world_size))
+    if rank == 0 and not validator:
+        print("no validation rows: val_nll is not computed (prepare with data.val_percent > 0)", flush=True)
+    device = stepper.engine.device
+    history = History(saver.history)  # the list the checkpoints store
+    callbacks: list[StepCallback] = []
+    if validator:
+        callbacks.append(Validation(partial(validator, stepper), cfg.train.eval_every, last_step))
+    callbacks += [
+        MemoryMetrics(
+            partial(_model_state, stepper),
+            partial(_peak_memory, device),
+            start_step + 1,
+            last_step,
+            cfg.train,
+        ),
+        history,
+    ]
+    if rank == 0:
+        callbacks += [
+            ProgressLines(cfg.train, partial(print, flush=True)),
+            MLflowSteps(
+                spec.tracking_uri,
+                spec.run_id,
+                Path(spec.run_dir),
+                history,
+                start_step,
+                last_step,
+                cfg.train,
+            ),
+        ]
+    callbacks.append(
+        Checkpoints(saver.save, ray.train.report, cfg.train.checkpoint_every, last_step, cfg.train)
+    )
+    return callbacks
+
+
+def _model_state(stepper: DeepSpeedStepper) -> dict[str, float]:
+    state = {
+        "model_state_gb": live_tensor_bytes(stepper.engine.device.type) / GIB,
+        "param_share": stepper.parameter_share(),
+    }
+    return max_over_workers(state)
+
+
+def _peak_memory(device: torch.device) -> dict[str, float]:
+    return max_over_workers({"peak_mem_gb": peak_memory_bytes(device) / GIB})
+
+
+class CheckpointSaver:
+    """Every rank saves its DeepSpeed files; Ray Train merges the ranks' folders into one checkpoint.
+
+    Rank 0 adds the exported model and the history so far (`history`, the list the `History` callback
+    fills)."""
+
+    def __init__(
+        self,
+        stepper: DeepSpeedStepper,
+        cfg: Config,
+        table: SignatureTable,
+        run_info: dict[str, Any],
+        run_dir: Path,
+        rank: int,
+        world_size: int,
+        history: list[dict[str, float]],
+    ) -> None:
+        self.stepper, self.cfg, self.table, self.run_info = stepper, cfg, table, run_info
+        self.run_dir, self.rank, self.world_size, self.history = run_dir, rank, world_size, history
+
+    def save(self, step: int, metrics: dict[str, float]) -> None:
+        import ray.train
+
+        rng_states = [None] * self.world_size
+        torch.distributed.all_gather_object(rng_states, _rng_state())
+        # Staged inside the run's own directory, where an interrupted run's driver can remove what is left.
+        with tempfile.TemporaryDirectory(dir=self.run_dir, prefix=STAGING_PREFIX) as tmp:
+            directory = Path(tmp)
+            client_state = {"step": step, "rng": rng_states}
+            self.stepper.engine.save_checkpoint(tmp, tag=STATE_TAG, client_state=client_state)
+            with self.stepper.whole_parameters():
+                if self.rank == 0:
+                    export_model(
+                        self.stepper.engine.module,
+                        self.cfg.model,
+                        self.table,
+                        Path(self.cfg.data.path) / TOKENIZER_FILE,
+                        directory / MODEL_DIR,
+                        self.run_info["lineage"],
+                        document_format=self.run_info["document_format"],
+                    )
+            if self.rank == 0:
+                write_history(directory, self.history, self.run_info)
+            write_rank_files(directory, self.rank)  # last: what makes this rank's part count as complete
+            ray.train.report(
+                metrics,
+                checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                checkpoint_dir_name=checkpoint_name(step),
+            )

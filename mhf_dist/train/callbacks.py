@@ -1,0 +1,178 @@
+"""Step callbacks: what happens around the optimizer steps, one small class per concern.
+
+`run_training` calls every callback's `on_step_end(metrics)` after each step, in list order. A
+callback may add to `metrics`, and the ones after it see that: a Ray Train worker lists validation and
+memory first, then the history, progress lines, MLflow and checkpoints, so each of those sees the
+validation loss of the step it handles. Callbacks hold no distributed code of their own; what needs the
+workers (an all-reduce, a checkpoint save) is handed in as a function, so each class can be tested
+alone with a fake `Stepper`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from mhf_dist.config import TrainConfig
+from mhf_dist.files import write_json_atomic
+from mhf_dist.tracking import log_steps
+
+Metrics = dict[str, float]
+LOGGED_FILE = "mlflow-logged.json"  # in the run directory: the last step logged to its MLflow run
+
+
+class StepCallback:
+    """What `run_training` calls after every step."""
+
+    def on_step_end(self, metrics: Metrics) -> None:
+        """After step `metrics["step"]`; may add entries to `metrics`."""
+
+
+def due(step: int, every: int, last_step: int) -> bool:
+    """Every `every` steps (0: never) and at this run's last step."""
+    return step == last_step or bool(every and step % every == 0)
+
+
+def is_log_step(step: int, cfg: TrainConfig) -> bool:
+    return step % cfg.log_every == 0 or step == cfg.steps
+
+
+def format_progress(metrics: Metrics, steps: int) -> str:
+    """`step 20/200 | loss 3.2100 | lr 2.90e-03 | 12,345 tok/s | MFU 41.0% | val ppl 35.2 | eta 0:01:10`.
+
+    MFU and validation perplexity appear when the step has them.
+    """
+    eta = int(metrics.get("eta_s", 0))
+    parts = [
+        f"step {int(metrics['step'])}/{steps}",
+        f"loss {metrics['loss']:.4f}",
+        f"lr {metrics['lr']:.2e}",
+        f"{metrics['tokens_per_s']:,.0f} tok/s",
+    ]
+    if "mfu" in metrics:
+        parts.append(f"MFU {metrics['mfu']:.1%}")
+    if "val_ppl" in metrics:
+        parts.append(f"val ppl {metrics['val_ppl']:.2f}")
+    parts.append(f"eta {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}")
+    return " | ".join(parts)
+
+
+class Validation(StepCallback):
+    """`validate()`'s metrics (exact validation NLL) every `every` steps and at the last step."""
+
+    def __init__(self, validate: Callable[[], Metrics], every: int, last_step: int) -> None:
+        self.validate, self.every, self.last_step = validate, every, last_step
+
+    def on_step_end(self, metrics: Metrics) -> None:
+        if due(int(metrics["step"]), self.every, self.last_step):
+            metrics.update(self.validate())
+
+
+class MemoryMetrics(StepCallback):
+    """`model_state()` once, after the run's first step (the optimizer states exist from then on), and
+    `peak_memory()` at every log step and the last."""
+
+    def __init__(
+        self,
+        model_state: Callable[[], Metrics],
+        peak_memory: Callable[[], Metrics],
+        first_step: int,
+        last_step: int,
+        cfg: TrainConfig,
+    ) -> None:
+        self.model_state, self.peak_memory = model_state, peak_memory
+        self.first_step, self.last_step, self.cfg = first_step, last_step, cfg
+
+    def on_step_end(self, metrics: Metrics) -> None:
+        step = int(metrics["step"])
+        if step == self.first_step:
+            metrics.update(self.model_state())
+        if is_log_step(step, self.cfg) or step == self.last_step:
+            metrics.update(self.peak_memory())
+
+
+class History(StepCallback):
+    """Every step's metrics of the whole run: a resumed run's history continued (`entries[i]` is step
+    i + 1); what checkpoints store and MLflow is fed from."""
+
+    def __init__(self, entries: list[Metrics] | None = None) -> None:
+        self.entries = entries if entries is not None else []
+
+    def on_step_end(self, metrics: Metrics) -> None:
+        self.entries.append(metrics)
+
+
+class ProgressLines(StepCallback):
+    """One `format_progress` line per log step."""
+
+    def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print) -> None:
+        self.cfg, self.log = cfg, log
+
+    def on_step_end(self, metrics: Metrics) -> None:
+        if is_log_step(int(metrics["step"]), self.cfg):
+            self.log(format_progress(metrics, self.cfg.steps))
+
+
+class MLflowSteps(StepCallback):
+    """The run's metrics to MLflow at every log step and checkpoint, each step exactly once, even across
+    restarts.
+
+    Training is deterministic, so the steps a restarted run recomputes after its checkpoint were logged
+    with the same values before the failure: the last step logged to this MLflow run is kept in the run
+    directory (`LOGGED_FILE`) and nothing up to it is logged again.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        run_id: str,
+        run_dir: Path,
+        history: History,
+        start_step: int,
+        last_step: int,
+        cfg: TrainConfig,
+    ) -> None:
+        self.uri, self.run_id, self.record = uri, run_id, run_dir / LOGGED_FILE
+        self.history, self.last_step, self.cfg = history, last_step, cfg
+        logged = json.loads(self.record.read_text()) if self.record.is_file() else {}
+        self.logged = max(start_step, logged.get("step", 0) if logged.get("run_id") == run_id else 0)
+        self.seen = start_step  # history.entries[:seen] were looked at before
+
+    def on_step_end(self, metrics: Metrics) -> None:
+        step = int(metrics["step"])
+        if is_log_step(step, self.cfg) or due(step, self.cfg.checkpoint_every, self.last_step):
+            self.flush()
+
+    def flush(self) -> None:
+        """Log the steps not logged yet; looks only at the entries added since last time."""
+        entries = self.history.entries
+        new = [entry for entry in entries[self.seen :] if entry["step"] > self.logged]
+        self.seen = len(entries)
+        if not new:
+            return
+        log_steps(self.uri, self.run_id, new)
+        self.logged = int(new[-1]["step"])
+        write_json_atomic(self.record, {"run_id": self.run_id, "step": self.logged})
+
+
+class Checkpoints(StepCallback):
+    """`save(step, metrics)` every `every` steps and at the last step; `report(metrics)` at the other
+    log steps (Ray Train's report, which Tune's schedulers read)."""
+
+    def __init__(
+        self,
+        save: Callable[[int, Metrics], None],
+        report: Callable[[Metrics], None],
+        every: int,
+        last_step: int,
+        cfg: TrainConfig,
+    ) -> None:
+        self.save, self.report, self.every, self.last_step, self.cfg = save, report, every, last_step, cfg
+
+    def on_step_end(self, metrics: Metrics) -> None:
+        step = int(metrics["step"])
+        if due(step, self.every, self.last_step):
+            self.save(step, metrics)
+        elif is_log_step(step, self.cfg):
+            self.report(metrics)

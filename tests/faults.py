@@ -1,0 +1,39 @@
+"""Fault injection for the crash tests: a step callback that tests hand to the workers through
+`train(..., worker_callbacks=[...])` (or `run_sweep`); production workers never look for it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray.cloudpickle
+
+from mhf_dist.train.callbacks import StepCallback
+
+# Ray's workers cannot import this test module: send the class itself with the callback.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@dataclass(frozen=True)
+class KillLastWorker(StepCallback):
+    """Kill the last worker's process after `step`, once, as a crashed node would. `marker`, a file in
+    the run's storage, records that it happened and keeps the restarted worker group from failing
+    again; with `run`, only that run (a sweep's trial) is hit."""
+
+    step: int
+    marker: Path
+    run: str | None = None
+
+    def on_step_end(self, metrics: dict[str, float]) -> None:
+        import ray.train
+
+        context = ray.train.get_context()
+        if int(metrics["step"]) != self.step or context.get_world_rank() != context.get_world_size() - 1:
+            return
+        if (self.run is not None and context.get_experiment_name() != self.run) or self.marker.exists():
+            return
+        self.marker.parent.mkdir(parents=True, exist_ok=True)
+        self.marker.write_text(f"the last worker was killed after step {self.step}\n")
+        os._exit(1)

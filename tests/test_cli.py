@@ -1,0 +1,115 @@
+"""The `mhf` command line: every sub-command parses, flags set config keys, mistakes are one line."""
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from mhf_dist.cli import build_parser, config_overrides, main
+
+SUB_COMMANDS = next(
+    action.choices for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)
+)
+
+
+@pytest.mark.parametrize("command", sorted(SUB_COMMANDS))
+def test_every_sub_command_prints_its_help(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: mhf {command}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["train"], {}),  # no flag: the config's own topology holds
+        (
+            ["train", "--workers", "4", "--gpus-per-worker", "1", "--zero-stage", "2", "--storage", "s"],
+            {
+                "topology.workers": 4,
+                "topology.gpus_per_worker": 1,
+                "topology.zero_stage": 2,
+                "topology.storage": "s",
+            },
+        ),
+        # a flag given wins over a --set of its key
+        (["train", "--set", "topology.workers=4", "--workers", "1"], {"topology.workers": 1}),
+        (["train", "--set", "topology.workers=4"], {"topology.workers": 4}),
+        (
+            [
+                *("cpt", "--from", "p", "--data", "d", "--zero-stage", "3"),
+                *("--replay", "r", "--replay-fraction", "0.5"),
+            ],
+            {
+                "data.corpus": "d",
+                "topology.zero_stage": 3,
+                "data.replay.corpus": "r",
+                "data.replay.fraction": 0.5,
+            },
+        ),
+        (["demo", "--workers", "1", "--set", "train.steps=8"], {"train.steps": 8, "topology.workers": 1}),
+        (["prepare", "--out", "o", "--set", "data.path=x"], {"data.path": "o"}),
+        (["sweep", "--config", "s.yaml", "--set", "topology.zero_stage=1"], {"topology.zero_stage": 1}),
+    ],
+)
+def test_flags_become_overrides_of_the_config_keys_they_name(argv, expected):
+    assert config_overrides(build_parser().parse_args(argv)) == expected
+
+
+def test_train_options_take_only_what_is_not_topology():
+    from mhf_dist.cli import _train_options
+    from mhf_dist.train.ray_trainer import TrainOptions
+
+    argv = ["train", "--workers", "3", "--storage", "s", "--name", "n", "--stop-at-step", "4"]
+    args = build_parser().parse_args(argv)
+    assert _train_options(args) == TrainOptions(name="n", stop_at_step=4)
+
+
+def test_a_topology_flag_reaches_the_config_validation_before_anything_starts(capsys):
+    """tiny's batch of 8 rows does not split over 3 workers: refused in one line, from the flag."""
+    assert main(["train", "--set", "topology.workers=2", "--workers", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "does not split over 3 workers" in err and err.count("\n") == 1
+
+
+def test_plan_reads_its_config_and_defaults_to_its_vocabulary_and_qwen3s(capsys):
+    plan = ["plan", "--config", "1b", "--gpus", "8", "--gpu-mem-gb", "80"]
+    assert main(plan) == 0
+    lines = capsys.readouterr().out.splitlines()  # DeepSpeed's import may print a line first
+    head = next(i for i, line in enumerate(lines) if line.startswith("preset 1b, H4B16K, seq_len 2048;"))
+    rows = [line.split("|")[1:3] for line in lines[head + 3 : head + 7]]
+    assert [(family.strip(), vocab.strip()) for family, vocab in rows] == [
+        ("mhf", "32,768"),  # 1b's model.vocab_size
+        ("qwen3", "32,768"),
+        ("mhf", "151,936"),
+        ("qwen3", "151,936"),
+    ]
+    assert main([*plan, "--set", "model.vocab_size=151936"]) == 0
+    assert "32,768" not in capsys.readouterr().out  # one vocabulary when the config's is Qwen3's
+
+
+def test_an_unknown_init_new_rows_is_refused_while_parsing(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["cpt", "--from", "p", "--data", "d", "--init-new-rows", "zeros"])
+    assert done.value.code == 2
+    assert "--init-new-rows: 'zeros': use one of subword, mean" in capsys.readouterr().err
+
+
+def test_submit_env_must_be_key_value(capsys):
+    assert main(["submit", "jobs/pretrain.job.yaml", "--env", "MHF_STORAGE"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --env 'MHF_STORAGE' is not KEY=VALUE; write e.g. --env MHF_STORAGE=/shared/mhf\n"
+    )
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """`mhf count | head -1`: the reader leaves before mhf writes; no BrokenPipeError traceback."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mhf_dist.cli", "count"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    assert process.wait() == 141, err  # 128 + SIGPIPE, as a shell reports a writer whose reader left
+    assert "BrokenPipeError" not in err and "Traceback" not in err
