@@ -7,6 +7,7 @@ whose one-line message names the bad key or value and what is allowed.
 
 from __future__ import annotations
 
+import datetime
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -464,7 +465,7 @@ def validate_config(raw: Mapping[str, Any]) -> Config:
         raise ConfigError(_describe(err)) from None
 
 
-def _load_source(source: str | Path) -> dict[str, Any]:
+def _load_source(source: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = Path(source)
     if path.suffix not in (".yaml", ".yml"):
         preset = PRESET_DIR / f"{source}.yaml"
@@ -482,7 +483,11 @@ def _load_source(source: str | Path) -> dict[str, Any]:
         return raw if path.parent != PRESET_DIR else {**raw, "preset": path.stem}
     if path.parent == PRESET_DIR:
         raise ConfigError(f"preset {path.stem!r} names another preset; presets must be self-contained")
-    merged = _load_source(str(base))
+    chain = (*seen, path.resolve())
+    if Path(str(base)).resolve() in chain:
+        names = " -> ".join(str(link) for link in (*chain, Path(str(base)).resolve()))
+        raise ConfigError(f"config files name each other as `preset:` ({names}); end the chain at a preset")
+    merged = _load_source(str(base), chain)
     _deep_merge(merged, raw)
     return merged
 
@@ -512,12 +517,32 @@ def split_assignment(text: str, flag: str = "--set", example: str = "train.steps
 
 def parse_override(text: str) -> tuple[str, Any]:
     """`train.steps=50` -> ("train.steps", 50): the value typed as YAML reads it (`[a, b]` a list,
-    `null` None, `1.0e-3` a float), text that is not YAML kept as it is."""
+    `null` None), text that is not YAML kept as it is. Scalars follow YAML 1.2's core schema, not
+    PyYAML's 1.1: `010` is 10 (not octal 8), `1e-3` a float, `1:30` and `yes` stay text."""
     key, value = split_assignment(text)
     try:
-        return key, yaml.safe_load(value)
+        loaded = yaml.safe_load(value)
     except yaml.YAMLError:
         return key, value
+    return key, _core_scalar(value.strip(), loaded)
+
+
+YAML12_INT = re.compile(r"[-+]?[0-9]+")
+YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+
+
+def _core_scalar(text: str, loaded: Any) -> Any:
+    if YAML12_INT.fullmatch(text):
+        return int(text)
+    if YAML12_FLOAT.fullmatch(text):
+        return float(text)
+    if isinstance(loaded, bool):
+        return loaded if text.lower() in ("true", "false") else text  # YAML 1.1's yes/no/on/off
+    if isinstance(loaded, int | float) and not text.lstrip("+-").startswith("."):
+        return text  # 1:30 (sexagesimal), 1_000, 0x1F: not numbers in YAML 1.2's core schema
+    if isinstance(loaded, datetime.date):
+        return text  # YAML 1.2's core schema has no timestamps
+    return loaded
 
 
 def parse_overrides(overrides: Overrides) -> dict[str, Any]:

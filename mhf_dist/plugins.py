@@ -100,10 +100,10 @@ def load_entry_points() -> None:
     for entry_point in entry_points(group=ENTRY_POINT_GROUP):
         try:
             entry_point.load()
-        except ImportError as err:
+        except Exception as err:  # any error a plugin's import raises: it is the plugin's, not ours
             raise ConfigError(
                 f"entry point {entry_point.name!r} of {ENTRY_POINT_GROUP} ({entry_point.value}) does not "
-                f"import: {err}; fix or uninstall the package that declares it"
+                f"import: {type(err).__name__}: {err}; fix or uninstall the package that declares it"
             ) from None
 
 

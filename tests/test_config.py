@@ -2,6 +2,7 @@
 the fix."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -102,6 +103,12 @@ def test_setting_the_hash_spec_directly_keeps_the_preset_widths():
         ("data.corpus=[unclosed", "data.corpus", "[unclosed"),  # not YAML: the text as it is
         (" train.steps =7", "train.steps", 7),
         ("data.path=a=b", "data.path", "a=b"),  # the first `=` splits
+        # YAML 1.2's core schema, not PyYAML's 1.1: no octal, sexagesimal, yes/no or dates
+        ("train.steps=010", "train.steps", 10),
+        ("train.lr=1e-3", "train.lr", 0.001),
+        ("train.steps=1:30", "train.steps", "1:30"),
+        ("data.corpus=yes", "data.corpus", "yes"),
+        ("data.path=2024-01-01", "data.path", "2024-01-01"),
     ],
 )
 def test_an_override_is_typed_as_yaml_reads_its_value(text, key, value):
@@ -120,6 +127,18 @@ def test_a_section_given_a_mapping_merges_into_it():
     cfg = load_config("tiny", {"model.backbone": {"num_layers": 3}, "model.hash": {"spec": "H2B64"}})
     assert cfg.model.backbone == tiny.model.backbone.model_copy(update={"num_layers": 3})
     assert cfg.model.hash == tiny.model.hash.model_copy(update={"spec": "H2B64"})
+    nested = load_config("tiny", {"model": {"hash": "H2B64", "backbone": {"num_layers": 3}}})
+    assert nested.model == cfg.model  # a shorthand deeper in a mapping keeps the widths too
+
+
+def test_config_files_naming_each_other_as_preset_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("a.yaml").write_text("preset: b.yaml\n")
+    Path("b.yaml").write_text("preset: a.yaml\n")
+    with pytest.raises(
+        ConfigError, match=r"^config files name each other as `preset:` \(.*a.yaml -> .*b.yaml -> .*a.yaml\)"
+    ):
+        load_config("a.yaml")
 
 
 def test_keys_under_a_hash_shorthand_of_a_yaml_file_are_set_within_it(tmp_path):
