@@ -695,8 +695,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted (SIGINT)", file=sys.stderr)
         return 128 + signal.SIGINT
+    except Exception as err:
+        stop = _interruption_behind(err)
+        if stop is None:
+            raise
+        # A library's clean-up (Ray Data's, say) failed while the interrupt unwound through it.
+        print(f"interrupted: {stop}", file=sys.stderr)
+        return stop.exit_code
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _interruption_behind(err: BaseException) -> Interrupted | None:
+    """The `Interrupted` that `err` was raised while handling, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, Interrupted):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from mhf_dist.cli import build_parser, config_overrides, main
+from mhf_dist.errors import Interrupted
 
 SUB_COMMANDS = next(
     action.choices for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)
@@ -113,3 +114,25 @@ def test_output_into_a_closed_pipe_ends_quietly():
     err = process.stderr.read().decode()
     assert process.wait() == 141, err  # 128 + SIGPIPE, as a shell reports a writer whose reader left
     assert "BrokenPipeError" not in err and "Traceback" not in err
+
+
+def test_an_error_raised_while_an_interrupt_unwinds_still_ends_as_the_interrupt(monkeypatch, capsys):
+    """A library's clean-up that fails during the unwinding (a traceback otherwise) is still a stop."""
+    import mhf_dist.cli as cli
+
+    def interrupted_then_clean_up_fails(args):
+        try:
+            raise Interrupted("SIGTERM; rerun the command to start again", 143)
+        finally:
+            raise ConnectionError("Found multiple active Ray instances")
+
+    monkeypatch.setattr(cli, "cmd_count", interrupted_then_clean_up_fails)
+    assert main(["count"]) == 143
+    assert capsys.readouterr().err == "interrupted: SIGTERM; rerun the command to start again\n"
+
+    def plain_failure(args):
+        raise ConnectionError("not an interrupt")
+
+    monkeypatch.setattr(cli, "cmd_count", plain_failure)
+    with pytest.raises(ConnectionError):
+        main(["count"])

@@ -447,6 +447,6 @@ def test_sigterm_stops_prepare_with_one_line_and_leaves_no_staging(tmp_path):
     assert process.poll() is None, "prepare ended before it could be stopped: give it more text"
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 143
+    assert process.returncode == 143, stderr
     assert stderr.strip().splitlines()[-1].startswith("interrupted: SIGTERM")
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
