@@ -71,11 +71,11 @@ def test_validation_runs_every_n_steps_and_at_the_last_step_of_the_run(every, st
 
 
 def test_later_callbacks_see_what_earlier_ones_added_in_list_order():
-    cfg = train_cfg()
+    cfg = train_cfg("train.checkpoint_every=5")
     lines, saved = [], {}
     validation = Validation(lambda: {"val_nll": 2.0, "val_ppl": 7.389}, 4, 10)
     history = History()
-    save = Checkpoints(lambda step, m: saved.update({step: dict(m)}), lambda m: None, 5, 10, cfg)
+    save = Checkpoints(lambda step, m: saved.update({step: dict(m)}), lambda m: None, 10, cfg)
     run([validation, history, ProgressLines(cfg, lines.append), save])
     assert [line.split(" | ")[0] for line in lines] == ["step 4/10", "step 8/10", "step 10/10"]
     assert all("val ppl 7.39" in line for line in lines)  # validation ran before the progress line
@@ -92,9 +92,9 @@ def test_memory_is_measured_once_after_the_first_step_and_its_peak_at_log_steps(
 
 
 def test_checkpoints_are_saved_every_n_steps_and_last_and_other_log_steps_only_report():
-    cfg = train_cfg()
+    cfg = train_cfg("train.checkpoint_every=3")
     save, report = Counter("saved"), Counter("reported")
-    run([Checkpoints(save, report, 3, 10, cfg)])
+    run([Checkpoints(save, report, 10, cfg)])
     assert [args[0] for args in save.calls] == [3, 6, 9, 10]
     assert [int(args[0]["step"]) for args in report.calls] == [4, 8]  # 12 would be a saved one too
 

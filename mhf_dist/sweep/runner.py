@@ -132,7 +132,7 @@ def run_sweep(
                 max_concurrent_trials=spec.max_concurrent or _concurrency(configs.values()),
                 trial_name_creator=_trial_name,
                 trial_dirname_creator=_trial_name,
-                **_scheduler(spec),
+                **_scheduler(spec, configs.values()),
             ),
             run_config=tune.RunConfig(name=TUNE_DIR, storage_path=str(directory), verbose=int(verbose)),
         )
@@ -255,12 +255,12 @@ def _concurrency(configs: Iterable[Config]) -> int:
     return max(1, int((cpus - 1) // (workers + TRIAL_DRIVER_CPUS)))
 
 
-def _scheduler(spec: SweepConfig) -> dict[str, Any]:
+def _scheduler(spec: SweepConfig, configs: Iterable[Config]) -> dict[str, Any]:
     if spec.asha is None:
         return {}
     from ray.tune.schedulers import ASHAScheduler
 
-    steps = max(cfg.train.steps for cfg in trial_configs(spec).values())
+    steps = max(cfg.train.steps for cfg in configs)
     scheduler = ASHAScheduler(
         time_attr="step",
         max_t=steps,

@@ -157,22 +157,21 @@ class MLflowSteps(StepCallback):
 
 
 class Checkpoints(StepCallback):
-    """`save(step, metrics)` every `every` steps and at the last step; `report(metrics)` at the other
-    log steps (Ray Train's report, which Tune's schedulers read)."""
+    """`save(step, metrics)` every `train.checkpoint_every` steps and at the last step;
+    `report(metrics)` at the other log steps (Ray Train's report, which Tune's schedulers read)."""
 
     def __init__(
         self,
         save: Callable[[int, Metrics], None],
         report: Callable[[Metrics], None],
-        every: int,
         last_step: int,
         cfg: TrainConfig,
     ) -> None:
-        self.save, self.report, self.every, self.last_step, self.cfg = save, report, every, last_step, cfg
+        self.save, self.report, self.last_step, self.cfg = save, report, last_step, cfg
 
     def on_step_end(self, metrics: Metrics) -> None:
         step = int(metrics["step"])
-        if due(step, self.every, self.last_step):
+        if due(step, self.cfg.checkpoint_every, self.last_step):
             self.save(step, metrics)
         elif is_log_step(step, self.cfg):
             self.report(metrics)

@@ -288,9 +288,7 @@ def _built_in_callbacks(
                 cfg.train,
             ),
         ]
-    callbacks.append(
-        Checkpoints(saver.save, ray.train.report, cfg.train.checkpoint_every, last_step, cfg.train)
-    )
+    callbacks.append(Checkpoints(saver.save, ray.train.report, last_step, cfg.train))
     return callbacks
 
 
