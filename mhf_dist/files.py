@@ -2,9 +2,10 @@
 that a damaged one is a one-line error.
 
 Every write that others may read goes through `staged_file` or `staged_directory`: the content is
-written to a private staging path, then published in one step by `_publish`. On a local disk that step
-is a rename. It is the one place a storage backend without rename (an object store) would implement
-its own rule instead: upload the staged objects, then write the object that marks them complete last.
+written to a private staging path, then published in one step. On a local disk that step is a rename
+(`_publish`). An object store has no rename: the staging path is a local temporary one, its files are
+uploaded, and a directory's `marker` file (its manifest or config) is uploaded last, so a reader that
+trusts only directories with their marker never sees half of one (`storage.Location.upload`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,13 +21,22 @@ from pathlib import Path
 from typing import Any
 
 from mhf_dist.errors import MhfError
+from mhf_dist.storage import Location, is_uri
 
 
 @contextmanager
-def staged_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
+def staged_file(path: str | Path | Location, suffix: str = ".tmp") -> Iterator[Path]:
     """Yields a new sibling of `path` to write; on success it replaces `path` in one step, on any error
     (or interrupt) it is removed and `path` is left as it was. `suffix` keeps the extension that
-    writers such as matplotlib choose a format by."""
+    writers such as matplotlib choose a format by. For an object-store URI the staging file is local
+    and uploaded in one request on success."""
+    if isinstance(path, Location) or is_uri(path):
+        with tempfile.TemporaryDirectory(prefix="mhf-staged-") as tmp:
+            staging = Path(tmp) / f"file{suffix}"
+            staging.touch()
+            yield staging
+            Location.of(path).write_bytes(staging.read_bytes())
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging_name(path, suffix)
@@ -38,10 +49,26 @@ def staged_file(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
 
 
 @contextmanager
-def staged_directory(path: str | Path, replace: bool = False) -> Iterator[Path]:
+def staged_directory(
+    path: str | Path | Location, replace: bool = False, marker: str | None = None
+) -> Iterator[Path]:
     """Yields an empty staging directory beside `path`; on success it becomes `path`, on any error it is
     removed. With `replace`, an existing `path` is swapped out and deleted only once the new one is in
-    place (callers decide whether what is there may be replaced)."""
+    place (callers decide whether what is there may be replaced). For an object-store URI the staging
+    directory is local; on success an existing `path` (with `replace`) loses its `marker` first, then
+    everything, and the new files are uploaded with `marker` last."""
+    if isinstance(path, Location) or is_uri(path):
+        where = Location.of(path)
+        with tempfile.TemporaryDirectory(prefix="mhf-staged-") as tmp:
+            yield Path(tmp)
+            if where.exists():
+                if not replace:
+                    raise FileExistsError(f"{where} appeared while it was being written")
+                if marker is not None:
+                    (where / marker).remove()  # no longer complete before any of it changes
+                where.remove()
+            where.upload(Path(tmp), last=marker)
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging_name(path, "")
@@ -71,19 +98,18 @@ def _publish(staging: Path, path: Path) -> None:
     os.replace(staging, path)
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    with staged_file(path) as staging:
-        staging.write_text(text, encoding="utf-8")
-    return Path(path)
+def write_text_atomic(path: str | Path | Location, text: str) -> Path | Location:
+    Location.of(path).write_text(text)
+    return path if isinstance(path, Location) or is_uri(path) else Path(path)
 
 
-def write_json_atomic(path: str | Path, payload: dict[str, Any]) -> Path:
+def write_json_atomic(path: str | Path | Location, payload: dict[str, Any]) -> Path | Location:
     return write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
-def read_json(path: str | Path, error: type[MhfError], fix: str) -> Any:
-    """The parsed file; invalid JSON is `error` naming the file, the line and `fix`."""
+def read_json(path: str | Path | Location, error: type[MhfError], fix: str) -> Any:
+    """The parsed file (local or remote); invalid JSON is `error` naming the file, the line and `fix`."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(Location.of(path).read_text())
     except json.JSONDecodeError as err:
         raise error(f"{str(path)!r} is damaged (invalid JSON at line {err.lineno}); {fix}") from None

@@ -2,9 +2,12 @@ import os
 import socket
 
 import pytest
+import servers
 
 from mhf_dist.config import Config, load_config
 from mhf_dist.signatures import SignatureTable
+
+servers.install_s3_environment()  # before any Ray instance starts: its workers inherit the endpoint
 
 SMALL_VOCAB = 300
 
@@ -97,3 +100,31 @@ def fresh_ray_after_a_failed_ray_test(request):
         ray.init(**RAY_INIT)
         request.config.stash[RAY_TEST_FAILED] = False
     yield
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """The S3-protocol server on 127.0.0.1 for the whole session; `make_bucket(name)` -> "s3://name"."""
+    server = servers.S3Server(tmp_path_factory.mktemp("moto") / "moto.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server, request):
+    """A new, empty bucket for one test: its s3:// URI."""
+    name = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:40].strip("-")
+    return s3_server.make_bucket(f"{name}-{os.urandom(3).hex()}")
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """PostgreSQL on 127.0.0.1: `MHF_TEST_POSTGRES_URL` (`.ci/run` starts one), else one started here."""
+    if os.environ.get("MHF_TEST_POSTGRES_URL"):
+        yield os.environ["MHF_TEST_POSTGRES_URL"]
+        return
+    if not servers.postgres_available():
+        pytest.skip("PostgreSQL is not installed (initdb not on PATH) and MHF_TEST_POSTGRES_URL is unset")
+    server = servers.Postgres()
+    yield server.url
+    server.stop()

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 from mhf_dist.config import Config
 from mhf_dist.data.shards import check_shard, read_manifest, split_shards
 from mhf_dist.errors import DataError
+from mhf_dist.storage import Location, storage_errors
 
 
 class RowReader:
@@ -43,9 +44,11 @@ class RowReader:
     does, before any worker starts). `rows_decoded` counts the rows read so far.
     """
 
-    def __init__(self, path: str | Path, split: str, signatures: bool = True, open_files: int = 64) -> None:
-        manifest = read_manifest(path)
-        self.directory = Path(path)
+    def __init__(
+        self, path: str | Path | Location, split: str, signatures: bool = True, open_files: int = 64
+    ) -> None:
+        self.directory = Location.of(path)  # local, or a bucket: row groups are read with ranged requests
+        manifest = read_manifest(self.directory)
         self.shards = split_shards(path, manifest, split)
         rows = [shard.rows for shard in self.shards]
         self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
@@ -58,7 +61,7 @@ class RowReader:
         self.rows_decoded = 0
 
     @property
-    def files(self) -> list[Path]:
+    def files(self) -> list[Location]:
         return [self.directory / shard.file for shard in self.shards]
 
     def check_all(self) -> None:
@@ -106,7 +109,9 @@ class RowReader:
             return self._handles[shard]
         entry = self.shards[shard]
         metadata = check_shard(self.directory, entry)
-        handle = pq.ParquetFile(self.directory / entry.file, metadata=metadata)
+        where = self.directory / entry.file
+        with storage_errors(where):
+            handle = pq.ParquetFile(where.fs.open_input_file(where.path), metadata=metadata, pre_buffer=True)
         self._handles[shard] = handle
         if len(self._handles) > self.open_files:
             self._handles.popitem(last=False)[1].close()

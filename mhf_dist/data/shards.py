@@ -30,6 +30,7 @@ from mhf_dist.data.tokenizer import FORMAT_TEXT, LEGACY_FORMAT
 from mhf_dist.errors import DataError
 from mhf_dist.files import read_json, write_json_atomic
 from mhf_dist.signatures import SignatureTable
+from mhf_dist.storage import Location, storage_errors
 
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -47,8 +48,9 @@ def is_validation(text: str, val_percent: float) -> bool:
     return mmh3.hash(text.encode(), 0, signed=False) % 10_000 < round(val_percent * 100)
 
 
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as handle:
+def file_sha256(path: Path | Location) -> str:
+    where = Location.of(path)
+    with storage_errors(where), where.fs.open_input_stream(where.path) as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
@@ -150,8 +152,9 @@ class Manifest(_Record):
         return self
 
 
-def write_shard(rows: np.ndarray, table: SignatureTable, directory: Path, name: str) -> ShardEntry:
-    """Write packed rows [n, T+1] with their signatures as `directory/name`; returns its manifest entry.
+def write_shard(rows: np.ndarray, table: SignatureTable, directory: Path | Location, name: str) -> ShardEntry:
+    """Write packed rows [n, T+1] with their signatures as `directory/name` (local or in a bucket);
+    returns its manifest entry.
 
     One row per row group: the training reader decodes single rows (`mhf_dist.data.reader` says why).
     """
@@ -163,16 +166,19 @@ def write_shard(rows: np.ndarray, table: SignatureTable, directory: Path, name: 
             pa.array(signatures.reshape(-1)), width * table.num_hashes
         ),
     }
-    path = directory / name
+    path = Location.of(directory) / name
+    sink = pa.BufferOutputStream()  # whole in memory (one shard), then one upload: no partial object
     pq.write_table(
         pa.table(columns),
-        path,
+        sink,
         compression="zstd",
         row_group_size=1,
         use_dictionary=False,  # a dictionary page per one-row group would cost more than it saves
         write_statistics=False,
     )
-    return ShardEntry(file=name, rows=len(rows), sha256=file_sha256(path))
+    data = sink.getvalue().to_pybytes()
+    path.write_bytes(data)
+    return ShardEntry(file=name, rows=len(rows), sha256=hashlib.sha256(data).hexdigest())
 
 
 def shard_name(split: str, index: int) -> str:
@@ -188,21 +194,20 @@ def content_hash(splits: dict[str, SplitInfo]) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    write_json_atomic(directory / MANIFEST, manifest.model_dump(mode="json"))
+def write_manifest(directory: Path | Location, manifest: Manifest) -> None:
+    write_json_atomic(Location.of(directory) / MANIFEST, manifest.model_dump(mode="json"))
 
 
-def read_manifest(path: str | Path) -> Manifest:
-    """The manifest of a prepared directory; a missing, foreign, old, damaged or hand-edited one is a
-    one-line error."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise DataError(f"prepared data {str(path)!r} does not exist; run `mhf prepare` first")
+def read_manifest(path: str | Path | Location) -> Manifest:
+    """The manifest of a prepared directory (local or in a bucket); a missing, foreign, old, damaged or
+    hand-edited one is a one-line error."""
+    directory = Location.of(path)
+    path = str(directory)
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
-        raise DataError(
-            f"{str(path)!r} is not a complete prepared dataset (no {MANIFEST}); rerun `mhf prepare`"
-        )
+        if not directory.is_dir():
+            raise DataError(f"prepared data {path!r} does not exist; run `mhf prepare` first")
+        raise DataError(f"{path!r} is not a complete prepared dataset (no {MANIFEST}); rerun `mhf prepare`")
     fix = f"re-run `mhf prepare --overwrite --out {path}`"
     raw = read_json(manifest_path, DataError, fix)
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
@@ -273,7 +278,7 @@ def split_shards(path: str | Path, manifest: Manifest, split: str) -> list[Shard
     return shards
 
 
-def check_shard(directory: Path, shard: ShardEntry) -> pq.FileMetaData:
+def check_shard(directory: Path | Location, shard: ShardEntry) -> pq.FileMetaData:
     """A shard must exist, have a readable parquet footer, the manifest's row count and one row per row
     group; returns the footer (so the reader opening the shard need not read it again).
 
@@ -282,12 +287,14 @@ def check_shard(directory: Path, shard: ShardEntry) -> pq.FileMetaData:
     interrupted copy, swapped for another run's shard). The manifest's sha256 of each shard catches any
     change at all but reads every byte; `verify_shards` does that on demand.
     """
+    directory = Location.of(directory)
     path = directory / shard.file
     fix = f"re-run `mhf prepare --overwrite --out {directory}`"
     if not path.is_file():
         raise DataError(f"shard {path} is missing; {fix}")
     try:
-        metadata = pq.read_metadata(path)
+        with storage_errors(path), path.fs.open_input_file(path.path) as handle:
+            metadata = pq.read_metadata(handle)
     except (OSError, pa.ArrowException):
         raise DataError(f"shard {path} is truncated or not parquet; {fix}") from None
     if metadata.num_rows != shard.rows:
@@ -299,17 +306,18 @@ def check_shard(directory: Path, shard: ShardEntry) -> pq.FileMetaData:
     return metadata
 
 
-def verify_shards(path: str | Path) -> int:
+def verify_shards(path: str | Path | Location) -> int:
     """Every shard of every split against the manifest's sha256 (reads all the data); returns the count."""
-    manifest = read_manifest(path)
+    directory = Location.of(path)
+    manifest = read_manifest(directory)
     count = 0
     for split in SPLITS:
         for shard in manifest.splits[split].shards:
-            check_shard(Path(path), shard)
-            if file_sha256(Path(path) / shard.file) != shard.sha256:
+            check_shard(directory, shard)
+            if file_sha256(directory / shard.file) != shard.sha256:
                 raise DataError(
-                    f"shard {Path(path) / shard.file} differs from the one prepared (sha256 mismatch); "
-                    f"re-run `mhf prepare --overwrite --out {path}`"
+                    f"shard {directory / shard.file} differs from the one prepared (sha256 mismatch); "
+                    f"re-run `mhf prepare --overwrite --out {directory}`"
                 )
             count += 1
     return count

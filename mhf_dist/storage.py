@@ -1,0 +1,325 @@
+"""Where mhf-dist reads and writes: a local path or an object-store URI (`s3://`, `gs://`), through one
+`pyarrow.fs` filesystem either way.
+
+`Location.of("s3://bucket/runs")` or `Location.of("runs")` gives the filesystem and the path inside it;
+everything that stores data (corpora, prepared shards, checkpoints, exported models, reports) goes
+through a `Location`, so the local disk is one backend among others.
+
+Endpoint and credentials come from the standard environment: `AWS_ENDPOINT_URL` (or
+`AWS_ENDPOINT_URL_S3`), `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/`AWS_SESSION_TOKEN`, `AWS_REGION`,
+the instance role; for GCS the application default credentials (and `STORAGE_EMULATOR_HOST`). A URI's
+own query options (`s3://bucket/x?endpoint_override=...`) are honoured too. Requests time out and retry
+a bounded number of times, so an unreachable endpoint is an error within seconds, not a hang.
+`redact` removes what could be a secret (user info, query options) before a location is shown.
+
+Object stores have no rename: a directory is published by writing every other file first and its
+marker file last (`publish_directory`); readers trust a directory only once its marker is there.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pyarrow.fs as pafs
+
+from mhf_dist.errors import MhfError
+
+CONNECT_TIMEOUT_S = 5
+REQUEST_TIMEOUT_S = 20
+MAX_ATTEMPTS = 3  # per request: an unreachable endpoint fails in seconds
+CACHE_VARIABLE = "MHF_CACHE"  # where remote models are copied to before loading (default ~/.cache/mhf-dist)
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+
+
+class StorageError(MhfError):
+    """A location that cannot be reached, does not exist, or refuses the credentials."""
+
+
+def is_uri(location: str | Path) -> bool:
+    """A location with a scheme other than file:// (`s3://bucket/x`, `gs://bucket/x`)."""
+    match = _SCHEME.match(str(location))
+    return bool(match) and match.group(1).lower() != "file"
+
+
+def redact(location: str | Path) -> str:
+    """`location` without user info and query options (where credentials could be): safe to print or log."""
+    text = str(location)
+    if not _SCHEME.match(text):
+        return text
+    parts = urlsplit(text)
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def redact_text(text: str) -> str:
+    """Every URI inside `text` redacted (for error messages a library wrote)."""
+    return re.sub(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+", lambda match: redact(match.group(0)), text)
+
+
+def _endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+@functools.lru_cache(maxsize=16)
+def _s3(endpoint: str | None, region: str | None) -> pafs.FileSystem:
+    options: dict[str, Any] = {
+        "connect_timeout": CONNECT_TIMEOUT_S,
+        "request_timeout": REQUEST_TIMEOUT_S,
+        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=MAX_ATTEMPTS),
+    }
+    if endpoint:
+        options["endpoint_override"] = endpoint
+    if region:
+        options["region"] = region
+    return pafs.S3FileSystem(**options)
+
+
+@functools.lru_cache(maxsize=16)
+def _gcs(emulator: str | None) -> pafs.FileSystem:
+    options: dict[str, Any] = {"retry_time_limit": timedelta(seconds=REQUEST_TIMEOUT_S)}
+    if emulator:
+        options.update(endpoint_override=emulator, scheme="http", anonymous=True)
+    return pafs.GcsFileSystem(**options)
+
+
+def filesystem(location: str | Path) -> tuple[pafs.FileSystem, str]:
+    """The filesystem holding `location` and the path inside it."""
+    text = str(location)
+    if not is_uri(text):
+        path = text.removeprefix("file://") if text.startswith("file://") else text
+        return pafs.LocalFileSystem(), str(Path(path).expanduser().absolute())
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    inside = (parts.netloc.rsplit("@", 1)[-1] + parts.path).rstrip("/")
+    if not parts.netloc:
+        raise StorageError(f"{redact(text)!r} names no bucket; write {scheme}://BUCKET/PATH")
+    if scheme == "s3" and not parts.query and "@" not in parts.netloc:
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        return _s3(_endpoint(), region), inside
+    if scheme in ("gs", "gcs") and not parts.query and "@" not in parts.netloc:
+        return _gcs(os.environ.get("STORAGE_EMULATOR_HOST")), inside
+    try:
+        fs, path = pafs.FileSystem.from_uri(text)
+    except (ValueError, OSError) as err:  # pyarrow.ArrowInvalid is a ValueError
+        if "Unrecognized filesystem type" in str(err):
+            raise StorageError(
+                f"{redact(text)!r}: pyarrow knows no filesystem for {scheme}://; use a local path, s3:// or gs://"
+            ) from None
+        raise StorageError(f"{redact(text)!r}: {redact_text(str(err)).splitlines()[0]}") from None
+    return fs, path
+
+
+@dataclass(frozen=True)
+class Location:
+    """A file or directory on some filesystem: `uri` as the user wrote it (re-resolved in other processes),
+    `fs` and `path` inside it."""
+
+    uri: str
+    fs: pafs.FileSystem
+    path: str
+
+    @classmethod
+    def of(cls, location: str | Path | Location) -> Location:
+        if isinstance(location, Location):
+            return location
+        text = str(location)
+        fs, path = filesystem(text)
+        return cls(text if is_uri(text) else path, fs, path)
+
+    def __str__(self) -> str:
+        return redact(self.uri)
+
+    def __truediv__(self, name: str) -> Location:
+        if not self.remote:
+            return Location.of(Path(self.path) / name)
+        parts = urlsplit(self.uri)
+        joined = urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + name.strip("/")))
+        return Location(joined, self.fs, f"{self.path.rstrip('/')}/{name.strip('/')}")
+
+    @property
+    def remote(self) -> bool:
+        return is_uri(self.uri)
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def local(self) -> Path:
+        """The local path (only for a location on the local disk)."""
+        if self.remote:
+            raise StorageError(f"{self} is not on the local disk")
+        return Path(self.path)
+
+    def info(self) -> pafs.FileInfo:
+        with storage_errors(self):
+            return self.fs.get_file_info(self.path)
+
+    def exists(self) -> bool:
+        return self.info().type != pafs.FileType.NotFound
+
+    def is_file(self) -> bool:
+        return self.info().type == pafs.FileType.File
+
+    def is_dir(self) -> bool:
+        return self.info().type == pafs.FileType.Directory
+
+    def size(self) -> int:
+        return self.info().size
+
+    def read_bytes(self) -> bytes:
+        with storage_errors(self), self.fs.open_input_stream(self.path) as stream:
+            return stream.read()
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode("utf-8")
+
+    def write_bytes(self, data: bytes) -> None:
+        """The whole file in one step (local: staged and renamed; object store: one upload)."""
+        if not self.remote:
+            from mhf_dist.files import staged_file
+
+            with staged_file(self.local) as staging:
+                staging.write_bytes(data)
+            return
+        with storage_errors(self), self.fs.open_output_stream(self.path) as stream:
+            stream.write(data)
+
+    def write_text(self, text: str) -> None:
+        self.write_bytes(text.encode("utf-8"))
+
+    def files(self) -> list[tuple[str, int]]:
+        """(path relative to this directory, size) of every file below it, sorted; none if it is missing."""
+        if not self.is_dir():
+            return []
+        with storage_errors(self):
+            infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=True))
+        base = self.path.rstrip("/") + "/"
+        found = [
+            (info.path.removeprefix(base), info.size) for info in infos if info.type == pafs.FileType.File
+        ]
+        return sorted(found)
+
+    def children(self) -> list[Location]:
+        """The entries directly inside this directory, sorted by name."""
+        if not self.is_dir():
+            return []
+        with storage_errors(self):
+            infos = self.fs.get_file_info(pafs.FileSelector(self.path))
+        return [
+            self / info.path.rstrip("/").rsplit("/", 1)[-1] for info in sorted(infos, key=lambda i: i.path)
+        ]
+
+    def make_dirs(self) -> None:
+        with storage_errors(self):
+            self.fs.create_dir(self.path, recursive=True)
+
+    def remove(self) -> None:
+        """Delete this file or directory tree (nothing if missing)."""
+        kind = self.info().type
+        with storage_errors(self):
+            if kind == pafs.FileType.Directory:
+                self.fs.delete_dir(self.path)
+            elif kind == pafs.FileType.File:
+                self.fs.delete_file(self.path)
+
+    def upload(self, local: Path, last: str | None = None) -> None:
+        """Copy the local directory `local` here, its file `last` (a marker) after all the others."""
+        names = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+        ordered = [name for name in names if name != last] + ([last] if last in names else [])
+        with storage_errors(self):
+            for name in ordered:
+                pafs.copy_files(
+                    str(local / name),
+                    f"{self.path}/{name}",
+                    pafs.LocalFileSystem(),
+                    self.fs,
+                    use_threads=False,
+                )
+
+    def download(self, local: Path) -> Path:
+        """Copy this directory (or file) to the local path `local`; returns it."""
+        with storage_errors(self):
+            if self.is_file():
+                local.parent.mkdir(parents=True, exist_ok=True)
+                pafs.copy_files(self.path, str(local), self.fs, pafs.LocalFileSystem())
+            else:
+                local.mkdir(parents=True, exist_ok=True)
+                pafs.copy_files(self.path, str(local), self.fs, pafs.LocalFileSystem())
+        return local
+
+
+def local_copy(location: str | Path | Location, marker: str | None = None) -> Path:
+    """A local path holding `location`: itself on the local disk, else a cached copy keyed by the URI and
+    its listing (names, sizes), so an unchanged remote model is downloaded once. With `marker`, a remote
+    directory without that file is refused as incomplete."""
+    where = Location.of(location)
+    if not where.remote:
+        return where.local
+    listing = where.files() if where.is_dir() else [("", where.size())] if where.exists() else []
+    if not listing:
+        raise StorageError(f"{where} does not exist; check the URI")
+    if marker is not None and where.is_dir() and marker not in dict(listing):
+        raise StorageError(f"{where} has no {marker}: it is incomplete or not what was asked for")
+    key = hashlib.sha256(repr((redact(where.uri), listing)).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "mhf-dist") / "remote"
+    target = cache / f"{where.name}-{key}"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=cache, prefix=f".{where.name}-"))
+        try:
+            where.download(staging / where.name)
+            os.replace(staging / where.name, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+@contextmanager
+def storage_errors(location: Location | str) -> Iterator[None]:
+    """An OSError from the filesystem becomes one line naming the problem and the fix."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise StorageError(describe_failure(str(location), str(err))) from None
+
+
+_UNREACHABLE = ("NETWORK_CONNECTION", "Could not connect", "Couldn't connect")
+_NO_BUCKET = ("NO_SUCH_BUCKET", "bucket does not exist", "not found. To create buckets")
+_REFUSED = ("ACCESS_DENIED", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden")
+
+
+def describe_failure(location: str, message: str) -> str:
+    """One line for a failed request: which location, what went wrong, what to do."""
+    where = redact(location)
+    text = redact_text(message)
+    if "NETWORK_CONNECTION" in text or "Could not connect" in text or "Couldn't connect" in text:
+        endpoint = _endpoint() or "the default endpoint"
+        return f"cannot reach the object store at {endpoint} for {where!r}; check AWS_ENDPOINT_URL and the network"
+    if "NO_SUCH_BUCKET" in text or "bucket does not exist" in text or "not found. To create buckets" in text:
+        return f"the bucket of {where!r} does not exist; create it or fix the URI"
+    if any(
+        key in text for key in ("ACCESS_DENIED", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden")
+    ):
+        return (
+            f"the object store refused the credentials for {where!r}; check AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or the instance role)"
+        )
+    first = text.strip().splitlines()[0] if text.strip() else "unknown error"
+    return f"cannot use {where!r} ({first[:200]})"
