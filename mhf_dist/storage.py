@@ -309,14 +309,12 @@ def describe_failure(location: str, message: str) -> str:
     """One line for a failed request: which location, what went wrong, what to do."""
     where = redact(location)
     text = redact_text(message)
-    if "NETWORK_CONNECTION" in text or "Could not connect" in text or "Couldn't connect" in text:
+    if any(key in text for key in _UNREACHABLE):
         endpoint = _endpoint() or "the default endpoint"
-        return f"cannot reach the object store at {endpoint} for {where!r}; check AWS_ENDPOINT_URL and the network"
-    if "NO_SUCH_BUCKET" in text or "bucket does not exist" in text or "not found. To create buckets" in text:
+        return f"cannot reach the object store at {endpoint} for {where!r}; check AWS_ENDPOINT_URL"
+    if any(key in text for key in _NO_BUCKET):
         return f"the bucket of {where!r} does not exist; create it or fix the URI"
-    if any(
-        key in text for key in ("ACCESS_DENIED", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden")
-    ):
+    if any(key in text for key in _REFUSED):
         return (
             f"the object store refused the credentials for {where!r}; check AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY (or the instance role)"
