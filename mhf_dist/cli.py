@@ -295,10 +295,12 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
         "eval", help="evaluate an exported model: ppl, bpb, lambada, hellaswag, card660"
     )
     evaluate.add_argument(
-        "--model", required=True, help="an exported model directory (a checkpoint's model/)"
+        "--model", required=True, help="an exported model directory (a checkpoint's model/): path or URI"
     )
     evaluate.add_argument("--task", required=True, help="ppl | bpb | lambada | hellaswag | card660 | recall")
-    evaluate.add_argument("--data", help="the task's local file (see README); recall generates its own")
+    evaluate.add_argument(
+        "--data", help="the task's file, a path or a URI (see README); recall generates its own"
+    )
     evaluate.add_argument("--limit", type=int, default=0, help="first N examples only (default: all)")
     evaluate.add_argument("--seq-len", type=int, default=128, help="window length for ppl and bpb")
     evaluate.add_argument("--layer", type=int, default=-2, help="card660: hidden-state layer (default: -2)")
@@ -317,8 +319,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from mhf_dist.tables import markdown_table
 
     exported = load_exported(args.model)
-    data = Path(args.data) if args.data else None
-    results = run_task(exported, args.task, data, args.limit, args.seq_len, args.layer)
+    results = run_task(exported, args.task, args.data, args.limit, args.seq_len, args.layer)
     print(markdown_table([{"task": args.task, **results}], ["task", *results]))
     if args.task in ("ppl", "bpb"):
         print(f"scored in windows of {args.seq_len} tokens, no context carried across windows")
@@ -335,21 +336,24 @@ def add_import_hf_parser(commands: argparse._SubParsersAction) -> None:
     importer = commands.add_parser(
         "import-hf", help="a reference MHF or transformers Qwen3 checkpoint -> an exported mhf-dist model"
     )
-    importer.add_argument("source", help="a Hugging Face checkpoint directory (config.json, safetensors)")
-    importer.add_argument("--out", required=True, help="the exported model directory to create")
+    importer.add_argument(
+        "source", help="a Hugging Face checkpoint directory (config.json, safetensors): a path or a URI"
+    )
+    importer.add_argument("--out", required=True, help="the exported model directory to create (path or URI)")
     importer.set_defaults(func=cmd_import_hf)
 
 
 def cmd_import_hf(args: argparse.Namespace) -> None:
     from mhf_dist.hf_layout import import_hf
     from mhf_dist.models import param_count
+    from mhf_dist.storage import redact
 
     exported = import_hf(args.source, args.out)
     cfg = exported.config
     io = f", {cfg.hash.spec} {cfg.hash.io} I/O, loss {cfg.hash.loss}" if cfg.family == "mhf" else ""
     print(
         f"imported {cfg.family} ({param_count(cfg):,} parameters, V={cfg.vocab_size:,}{io}) "
-        f"from {args.source} to {exported.path}"
+        f"from {redact(args.source)} to {exported.path}"
     )
 
 
@@ -357,8 +361,8 @@ def add_export_hf_parser(commands: argparse._SubParsersAction) -> None:
     exporter = commands.add_parser(
         "export-hf", help="an exported model -> the reference layout (mhf) or a transformers Qwen3 directory"
     )
-    exporter.add_argument("model", help="an exported model directory (a checkpoint's model/)")
-    exporter.add_argument("--out", required=True, help="the Hugging Face directory to create")
+    exporter.add_argument("model", help="an exported model directory (a checkpoint's model/): path or URI")
+    exporter.add_argument("--out", required=True, help="the Hugging Face directory to create (path or URI)")
     exporter.add_argument(
         "--max-shard-size",
         default="5GB",
@@ -375,7 +379,7 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
 
 def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     gen = commands.add_parser("generate", help="stream tokens from an exported model")
-    gen.add_argument("--model", required=True, help="an exported model directory")
+    gen.add_argument("--model", required=True, help="an exported model directory: a path or s3:// gs://")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")

@@ -31,6 +31,7 @@ from mhf_dist.models import build_model, param_count
 from mhf_dist.models.base import CausalLM
 from mhf_dist.models.registry import resolved_config
 from mhf_dist.signatures import SignatureTable
+from mhf_dist.storage import Location
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 from mhf_dist.train.trainable import AUTHORS_VE, authors_ve_trainable, trainable_split
 
@@ -132,13 +133,14 @@ def expand_model(
     )
 
 
-def resolve_parent(source: str) -> Path:
-    """An exported model directory, a checkpoint directory (its `model/`) or a run (its newest)."""
-    path = Path(source)
-    if (path / MODEL_DIR).is_dir():
-        return path / MODEL_DIR
-    newest = newest_checkpoint(path) if path.is_dir() else None
-    return newest / MODEL_DIR if newest is not None else path
+def resolve_parent(source: str) -> Location:
+    """An exported model directory, a checkpoint directory (its `model/`) or a run (its newest), local or
+    in a bucket."""
+    where = Location.of(source)
+    if (where / MODEL_DIR).is_dir():
+        return where / MODEL_DIR
+    newest = newest_checkpoint(where) if where.is_dir() else None
+    return newest / MODEL_DIR if newest is not None else where
 
 
 def expanded_tokenizer(
@@ -283,7 +285,7 @@ def run_cpt(
             f"{expansion.table.fingerprint[:12]}; remove the directory and run mhf cpt again"
         )
     tags = {
-        "cpt_parent_model": str(parent_dir.resolve()),
+        "cpt_parent_model": str(parent_dir),  # redacted
         "cpt_parent_fingerprint": parent.table.fingerprint,
         "cpt_old_vocab_size": expansion.old_vocab_size,
         "cpt_new_vocab_size": expansion.config.vocab_size,

@@ -2,7 +2,10 @@
 
 An exported directory holds `config.json` (the model config and the signature fingerprint),
 `model.safetensors` (the weights), `signatures.safetensors` (the vocabulary's SignatureTable) and
-`tokenizer.json`. It is written through `staged_directory`, so a directory that exists is complete.
+`tokenizer.json`. It is written through `staged_directory`, so a directory that exists is complete: on
+a local disk by a rename, in a bucket (`s3://`, `gs://`) by uploading `config.json` last, so a remote
+directory without it is an export that did not finish and is refused. A remote model is loaded from a
+local copy (`storage.local_copy`, downloaded once per version); a local one in place.
 Loading never unpickles: safetensors only. `config.json` also records the document format the model was
 trained on (`document_format`: bos or eos); a model written before it was recorded is `eos`.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +28,7 @@ from mhf_dist.errors import DataError, MhfError, SignatureError
 from mhf_dist.files import read_json, staged_directory
 from mhf_dist.models.base import CausalLM
 from mhf_dist.signatures import SignatureTable, load_table, save_table
+from mhf_dist.storage import Location, local_copy
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -40,7 +45,7 @@ class ExportedModel:
     config: ModelConfig
     table: SignatureTable
     tokenizer: TextTokenizer
-    path: Path
+    path: Path | Location  # where it was loaded from: a local directory, or a bucket's
     lineage: list[dict]  # the vocabularies this model grew from, oldest first: fingerprint, vocab_size
     document_format: str = LEGACY_FORMAT  # bos: `<s> text` documents; eos: `text EOS`
 
@@ -50,11 +55,12 @@ def export_model(
     config: ModelConfig,
     table: SignatureTable,
     tokenizer_file: str | Path,
-    directory: str | Path,
+    directory: str | Path | Location,
     lineage: list[dict] | None = None,
     document_format: str = LEGACY_FORMAT,
-) -> Path:
-    """Write `model` (whole parameters: gather ZeRO-3 shards before calling) as an exported directory.
+) -> Path | Location:
+    """Write `model` (whole parameters: gather ZeRO-3 shards before calling) as an exported directory,
+    local or in a bucket.
 
     `lineage` lists the earlier vocabularies of a model whose vocabulary was expanded (`mhf cpt`);
     `document_format` the boundaries of the documents it was trained on (the shards' manifest's).
@@ -63,9 +69,8 @@ def export_model(
         raise ExportError(f"document format {document_format!r}; use one of {', '.join(DOCUMENT_FORMATS)}")
     from safetensors.torch import save_file
 
-    directory = Path(directory)
-    if directory.exists():
-        raise ExportError(f"export directory {str(directory)!r} already exists; remove it or pick another")
+    where = Location.of(directory)
+    check_new_output(where, ExportError, "another directory")
     description = {
         "format": FORMAT,
         "model": config.model_dump(mode="json"),
@@ -73,12 +78,36 @@ def export_model(
         "lineage": lineage or [],
         "document_format": document_format,
     }
-    with staged_directory(directory) as staging:
+    with staged_directory(where.uri, marker=CONFIG_FILE) as staging:
         (staging / CONFIG_FILE).write_text(json.dumps(description, indent=2))
         save_file(_weights(model), str(staging / WEIGHTS_FILE))
         save_table(table, staging / SIGNATURES_FILE)
         shutil.copyfile(tokenizer_file, staging / TOKENIZER_FILE)
-    return directory
+    return as_given(where)
+
+
+def as_given(where: Location) -> Path | Location:
+    """A local directory as a `Path` (as callers always had it), a remote one as its `Location`."""
+    return where if where.remote else where.local
+
+
+def check_new_output(where: Location, error: type[MhfError], fix: str) -> None:
+    """`where` does not exist yet and can be written: a local parent this process may create and write
+    in, or an existing bucket (checked before any work, not at the upload after it)."""
+    if where.exists():
+        raise error(f"output {str(where)!r} already exists; remove it or pick {fix}")
+    if where.remote:
+        where.check_bucket()
+        return
+    parent = where.local.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise error(f"cannot create the directory {str(parent)!r} ({err.strerror}); pick {fix}") from None
+    try:  # a real attempt: os.access tells root it may write in /proc or on a read-only mount
+        tempfile.TemporaryDirectory(dir=parent, prefix=f".{where.name}.").cleanup()
+    except OSError as err:
+        raise error(f"cannot write in {str(parent)!r} ({err.strerror}); pick {fix}") from None
 
 
 def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -99,12 +128,16 @@ def _weights(model: CausalLM) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in unique_tensors(model).items()}
 
 
-def read_export_config(directory: str | Path) -> dict:
-    path = Path(directory) / CONFIG_FILE
+def read_export_config(directory: str | Path | Location) -> dict:
+    """The exported model's config.json (local or in a bucket), checked to be one."""
+    where = Location.of(directory)
+    path = where / CONFIG_FILE
     if not path.is_file():
+        where.check_bucket()
+        unfinished = ", which an export writes last" if where.remote and where.is_dir() else ""
         raise ExportError(
-            f"{str(directory)!r} is not an exported model (no {CONFIG_FILE}); pass the `model` directory "
-            "of a checkpoint or of `mhf train` output"
+            f"{str(where)!r} is not an exported model (no {CONFIG_FILE}{unfinished}); pass the `model` "
+            "directory of a checkpoint or of `mhf train` output"
         )
     description = read_json(path, ExportError, "re-export the model")
     if not isinstance(description, dict) or description.get("format") != FORMAT:
@@ -124,61 +157,63 @@ def document_format_of(description: dict) -> str:
 
 
 def check_documents_fit(
-    model_dir: Path, data_format: str, data_label: str, error: type[MhfError] = DataError
+    model_dir: str | Path | Location, data_format: str, data_label: str, error: type[MhfError] = DataError
 ) -> None:
-    """Data for the exported model in `model_dir` frames documents as its training data did (a directory
-    without config.json holds no exported model and is not judged here)."""
-    if not (model_dir / CONFIG_FILE).is_file():
+    """Data for the exported model in `model_dir` (local or in a bucket) frames documents as its training
+    data did (a directory without config.json holds no exported model and is not judged here)."""
+    where = Location.of(model_dir)
+    if not (where / CONFIG_FILE).is_file():
         return
     check_document_format(
         data_format,
-        document_format_of(read_export_config(model_dir)),
+        document_format_of(read_export_config(where)),
         data_label,
-        f"model {str(model_dir)!r}",
+        f"model {str(where)!r}",
         error,
     )
 
 
-def load_exported(directory: str | Path) -> ExportedModel:
-    """Build the model from config.json and load its weights; the signature table must match."""
+def load_exported(directory: str | Path | Location) -> ExportedModel:
+    """Build the model from config.json and load its weights; the signature table must match. A model in
+    a bucket is downloaded first (once: the copy is cached by the listing), a local one read in place."""
     from safetensors.torch import load_model
 
     from mhf_dist.models import build_model
 
-    directory = Path(directory)
-    description = read_export_config(directory)
+    where = Location.of(directory)
+    description = read_export_config(where)
+    local = local_copy(where, marker=CONFIG_FILE)
     try:
         config = ModelConfig.model_validate(description["model"])
     except (KeyError, ValidationError) as err:
         raise ExportError(
-            f"{str(directory)!r}: config.json holds no valid model config ({err!s:.80}); re-export"
+            f"{str(where)!r}: config.json holds no valid model config ({err!s:.80}); re-export"
         ) from None
-    table = load_table(directory / SIGNATURES_FILE)
+    table = load_table(local / SIGNATURES_FILE)
     if table.fingerprint != description["signature_fingerprint"]:
         raise SignatureError(
-            f"{str(directory)!r}: the signature table's fingerprint {table.fingerprint[:12]} differs from "
+            f"{str(where)!r}: the signature table's fingerprint {table.fingerprint[:12]} differs from "
             f"the one the model was trained with ({description['signature_fingerprint'][:12]}); "
             "restore the exported directory's signatures.safetensors"
         )
     model = build_model(config, table)
-    weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
-        raise ExportError(f"{str(directory)!r} has no {WEIGHTS_FILE}; re-export the model")
+    if not (local / WEIGHTS_FILE).is_file():
+        raise ExportError(f"{str(where)!r} has no {WEIGHTS_FILE}; re-export the model")
     try:
-        load_model(model, str(weights), strict=True)
+        load_model(model, str(local / WEIGHTS_FILE), strict=True)
     except Exception as err:  # safetensors raises several types for a truncated or foreign file
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ExportError(
-            f"{str(weights)!r} is damaged or from another model ({reason}); re-export it"
+            f"{str(where / WEIGHTS_FILE)!r} is damaged or from another model ({reason}); re-export it"
         ) from None
     model.eval()
-    tokenizer = TextTokenizer.load(directory / TOKENIZER_FILE)
+    tokenizer = TextTokenizer.load(local / TOKENIZER_FILE)
     return ExportedModel(
         model,
         config,
         table,
         tokenizer,
-        directory,
+        as_given(where),
         description.get("lineage", []),
         document_format_of(description),
     )

@@ -10,7 +10,10 @@ Two layouts are understood:
 Both are read and written as transformers and the Hub do it: `config.json` through `Qwen3Config` (the
 reference's extra keys ride along as attributes), weights as `model.safetensors` or, past
 `max_shard_size` (the Hub's 5GB by default), shards named by `model.safetensors.index.json`
-(`huggingface_hub.save_torch_state_dict` writes them; import reads either).
+(`huggingface_hub.save_torch_state_dict` writes them; import reads either). Either end may be a
+bucket (`s3://`, `gs://`): import reads a remote checkpoint file by file, and a remote output is staged
+locally and uploaded with its `config.json` last (`files.staged_directory`), so a reader never takes an
+unfinished upload for a checkpoint.
 
 The vocabulary (model.vocab_size, the ids) is the tokenizer's; the signature table is the checkpoint's
 `hash_map`, every row, LSH coordinates (`num_lsh`, `lsh_only_embed`) included. Rows past the tokenizer's
@@ -22,7 +25,6 @@ The imported model's document format is its tokenizer's default (`bos` for the r
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +45,8 @@ from mhf_dist.export import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     ExportedModel,
+    as_given,
+    check_new_output,
     export_model,
     load_exported,
     unique_tensors,
@@ -51,6 +55,7 @@ from mhf_dist.files import read_json, staged_directory
 from mhf_dist.models import build_model
 from mhf_dist.models.qwen3 import qwen3_config
 from mhf_dist.signatures import NO_PAD, ReferenceScheme, SignatureTable, build_for_config
+from mhf_dist.storage import Location, local_copy
 
 INDEX_FILE = "model.safetensors.index.json"
 HASH_MAP = "model.hash_map"
@@ -71,16 +76,17 @@ class LayoutError(MhfError):
 
 
 # --- import ------------------------------------------------------------------------------------------
-def import_hf(source: str | Path, out: str | Path) -> ExportedModel:
-    """A reference MHF or plain Qwen3 checkpoint directory -> an exported mhf-dist model at `out`."""
-    source, out = Path(source), Path(out)
-    _check_out(out)
+def import_hf(source: str | Path | Location, out: str | Path | Location) -> ExportedModel:
+    """A reference MHF or plain Qwen3 checkpoint directory -> an exported mhf-dist model at `out` (each
+    local or in a bucket)."""
+    source, out = Location.of(source), Location.of(out)
+    check_new_output(out, LayoutError, "another --out")
     hf_config = _read_hf_config(source)
-    tokenizer_file = source / TOKENIZER_FILE
-    if not tokenizer_file.is_file():
+    if not (source / TOKENIZER_FILE).is_file():
         raise LayoutError(
             f"{str(source)!r} has no {TOKENIZER_FILE}; copy the model's tokenizer.json beside it"
         )
+    tokenizer_file = local_copy(source / TOKENIZER_FILE)
     tokenizer = TextTokenizer.load(tokenizer_file)
     weights = _read_weights(source)
     if hasattr(hf_config, "num_hashes"):
@@ -92,13 +98,13 @@ def import_hf(source: str | Path, out: str | Path) -> ExportedModel:
     # Documents as the checkpoint was trained on them: its tokenizer's default special tokens (the
     # released reference models' Mistral tokenizer: `<s>` first, no `</s>`; a Qwen3 tokenizer: EOS).
     document_format = tokenizer.resolve_format("auto")
-    export_model(model, model_cfg, table, tokenizer_file, out, document_format=document_format)
-    return load_exported(out)
+    written = export_model(model, model_cfg, table, tokenizer_file, out, document_format=document_format)
+    return ExportedModel(model.eval(), model_cfg, table, tokenizer, written, [], document_format)
 
 
-def _read_hf_config(source: Path) -> Qwen3Config:
+def _read_hf_config(source: Location) -> Qwen3Config:
     path = source / CONFIG_FILE
-    if not source.is_dir() or not path.is_file():
+    if not path.is_file():
         raise LayoutError(
             f"{str(source)!r} is not a Hugging Face checkpoint directory (no {CONFIG_FILE}); pass the "
             "directory save_pretrained wrote"
@@ -117,21 +123,22 @@ def _read_hf_config(source: Path) -> Qwen3Config:
         raise LayoutError(f"{path} is not a valid Qwen3 config ({reason}); fix or re-download it") from None
 
 
-def _read_weights(source: Path) -> dict[str, torch.Tensor]:
+def _read_weights(source: Location) -> dict[str, torch.Tensor]:
     """Every tensor of model.safetensors, or of the shards a model.safetensors.index.json names."""
     weights = {}
     for path in _weight_files(source):
         try:
-            weights.update(load_file(path))
+            weights.update(load_file(local_copy(path)))
         except Exception as err:  # safetensors raises several types for a damaged file
             raise LayoutError(f"cannot read {path}: {err}; re-download the checkpoint") from None
     return weights
 
 
-def _weight_files(source: Path) -> list[Path]:
+def _weight_files(source: Location) -> list[Location]:
+    present = {name for name, _ in source.files()}  # one listing, not a request per shard
     index = source / INDEX_FILE
-    if not index.is_file():
-        if not (source / WEIGHTS_FILE).is_file():
+    if INDEX_FILE not in present:
+        if WEIGHTS_FILE not in present:
             raise LayoutError(
                 f"{str(source)!r} has no {WEIGHTS_FILE} (nor {INDEX_FILE}); only safetensors load"
             )
@@ -145,7 +152,7 @@ def _weight_files(source: Path) -> list[Path]:
             f"{index} has no weight_map of tensor names to shard files beside it; re-download the checkpoint"
         )
     shards = sorted(set(weight_map.values()))
-    missing = [name for name in shards if not (source / name).is_file()]
+    missing = [name for name in shards if name not in present]
     if missing:
         raise LayoutError(
             f"{index} names {len(missing)} shard(s) that are not in {str(source)!r} "
@@ -292,7 +299,7 @@ def _from_qwen3(
     return model_cfg, table, _renamed(weights, lambda name: f"model.{name}")
 
 
-def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Location) -> None:
     """Load `state` into `model`; each tied tensor (the decoder's table, Qwen3's lm_head) once."""
     expected = unique_tensors(model)
     wanted = set(expected)
@@ -312,20 +319,22 @@ def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source:
 
 
 # --- export ------------------------------------------------------------------------------------------
-def export_hf(model_dir: str | Path, out: str | Path, max_shard_size: int | str = "5GB") -> Path:
+def export_hf(
+    model_dir: str | Path | Location, out: str | Path | Location, max_shard_size: int | str = "5GB"
+) -> Path | Location:
     """An exported mhf-dist model -> the reference layout (mhf) or a plain transformers Qwen3 directory,
     its weights in safetensors shards of at most `max_shard_size` (bytes, or a size such as "500MB";
-    one tensor larger than that is a shard of its own)."""
+    one tensor larger than that is a shard of its own). Either directory may be in a bucket."""
     shard_bytes = _shard_bytes(max_shard_size)
-    out = Path(out)
-    _check_out(out)
+    out = Location.of(out)
+    check_new_output(out, LayoutError, "another --out")
     exported = load_exported(model_dir)
     config, weights = _layout_for(exported.config)(exported)
-    with staged_directory(out) as staging:
+    with staged_directory(out.uri, marker=CONFIG_FILE) as staging:
         config.save_pretrained(staging)
         save_torch_state_dict(weights, staging, max_shard_size=shard_bytes)
         exported.tokenizer.save(staging / TOKENIZER_FILE)
-    return out
+    return as_given(out)
 
 
 def _shard_bytes(size: int | str) -> int:
@@ -341,20 +350,6 @@ def _shard_bytes(size: int | str) -> int:
             f"max shard size {size!r} is not a size; give bytes or a number with KB, MB or GB, e.g. 500MB"
         )
     return value
-
-
-def _check_out(out: Path) -> None:
-    """`out` must not exist yet and its parent must be a directory this process can write in."""
-    if out.exists():
-        raise LayoutError(f"output {str(out)!r} already exists; remove it or pick another --out")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise LayoutError(
-            f"cannot create the directory {str(out.parent)!r} ({err.strerror}); pick another --out"
-        ) from None
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise LayoutError(f"cannot write in {str(out.parent)!r} (permission denied); pick another --out")
 
 
 HfLayout = Callable[[ExportedModel], tuple[Qwen3Config, dict[str, torch.Tensor]]]

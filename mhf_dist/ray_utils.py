@@ -39,7 +39,7 @@ def _init(num_cpus: int | None) -> None:
 
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        ray.init(address=address, logging_level=logging.WARNING, runtime_env=_forwarded_environment())
         return
     cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1) + LOCAL_CPU_HEADROOM
     # "local" starts a new instance even where `ray start` left a cluster that ray.init() would join.
@@ -50,6 +50,23 @@ def _init(num_cpus: int | None) -> None:
         logging_level=logging.WARNING,
         runtime_env={"worker_process_setup_hook": drop_state_api_warnings},
     )
+
+
+# Where storage is, for workers on other nodes (a local instance's workers inherit them).
+# Credentials are not forwarded: a runtime_env is visible in Ray's dashboard; nodes take theirs from
+# their own environment or instance role.
+FORWARDED_VARIABLES = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "STORAGE_EMULATOR_HOST",
+)
+
+
+def _forwarded_environment() -> dict[str, dict[str, str]]:
+    forwarded = {name: os.environ[name] for name in FORWARDED_VARIABLES if os.environ.get(name)}
+    return {"env_vars": forwarded} if forwarded else {}
 
 
 def drop_state_api_warnings() -> None:

@@ -50,6 +50,7 @@ from safetensors.numpy import load_file, save_file
 from mhf_dist.config import HashConfig, format_hash_spec
 from mhf_dist.errors import SignatureError
 from mhf_dist.files import staged_file
+from mhf_dist.storage import Location, local_copy
 
 # torch is imported only where a tensor is asked for: `mhf prepare`'s Ray tasks load tables and look up
 # numpy rows, and importing torch cost each of their worker processes about a second of CPU.
@@ -537,9 +538,10 @@ def save_table(table: SignatureTable, path: str | Path) -> None:
         save_file(tensors, str(staging), metadata=metadata)
 
 
-def load_table(path: str | Path) -> SignatureTable:
-    """The table `save_table` wrote; a missing, foreign, old or corrupted file is a one-line error."""
-    path = Path(path)
+def load_table(path: str | Path | Location) -> SignatureTable:
+    """The table `save_table` wrote (local or in a bucket); a missing, foreign, old or corrupted file is a
+    one-line error."""
+    path = local_copy(path)
     if not path.is_file():
         raise SignatureError(f"signature table {str(path)!r} does not exist; check the path")
     try:

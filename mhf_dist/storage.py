@@ -163,6 +163,16 @@ class Location:
             raise StorageError(f"{self} is not on the local disk")
         return Path(self.path)
 
+    def check_bucket(self) -> None:
+        """A remote location's bucket exists: a missing bucket otherwise reads as an empty listing, and a
+        write into it fails only at its upload, after the work."""
+        if not self.remote:
+            return
+        bucket = self.path.split("/", 1)[0]
+        root = Location(urlunsplit(urlsplit(self.uri)._replace(path="")), self.fs, bucket)
+        if not root.is_dir():
+            raise StorageError(f"the bucket of {str(self)!r} does not exist; create it or fix the URI")
+
     def info(self) -> pafs.FileInfo:
         with storage_errors(self):
             return self.fs.get_file_info(self.path)

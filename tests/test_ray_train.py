@@ -148,7 +148,7 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
     assert newest_checkpoint(tmp_path / "whole") == last and last.name == "checkpoint-0000010"
     listed = {rank: json.loads((last / f"rank-{rank}.json").read_text()) for rank in (0, 1)}
     name = next(name for rank in (1, 0) for name in sorted(listed[rank]) if "state" in name)  # rank 1's first
-    (last / name).unlink()
+    (last / name).remove()
     assert newest_checkpoint(tmp_path / "whole").name == "checkpoint-0000005"
     with pytest.raises(TrainingError, match="is incomplete"):
         resolve_resume(str(last), tmp_path)
@@ -403,4 +403,4 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_removes_incomplete_on
     paths = [checkpoint(2), checkpoint(4), checkpoint(6), checkpoint(8, complete=False), checkpoint(10)]
     prune_checkpoints(tmp_path, keep=2)
     assert sorted(path.name for path in tmp_path.iterdir()) == [paths[2].name, paths[4].name]
-    assert newest_checkpoint(tmp_path) == paths[4]
+    assert newest_checkpoint(tmp_path).local == paths[4]

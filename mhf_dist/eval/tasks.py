@@ -13,6 +13,7 @@
 - `recall`: generated multi-query associative recall (`mhf_dist.data.recall`, no file): accuracy of the
   greedy prediction of each queried value.
 Continuations are scored token by token through the KV cache over the full vocabulary (V_actl for mhf).
+`--data` (and `--model`) may be local or in a bucket (`s3://`, `gs://`).
 Texts follow the model's document format: `bos` models read `<s>` before each document and context
 (lambada, hellaswag, card660 words), `eos` models an EOS after each document.
 """
@@ -34,6 +35,7 @@ from mhf_dist.data.recall import EVAL_SEED, make_recall
 from mhf_dist.errors import MhfError
 from mhf_dist.eval.perplexity import text_scores
 from mhf_dist.export import ExportedModel
+from mhf_dist.storage import Location
 
 TASKS = ("ppl", "bpb", "lambada", "hellaswag", "card660", "recall")
 RECALL_SEQ_LEN = 64  # `mhf eval --task recall`: rows of the generator's default settings and this length
@@ -43,13 +45,14 @@ class EvalDataError(MhfError):
     """An evaluation file is missing or malformed."""
 
 
-def _lines(path: Path) -> list[str]:
-    if not path.is_file():
-        raise EvalDataError(f"evaluation file {str(path)!r} does not exist; pass --data with a local file")
-    return path.read_text(encoding="utf-8").splitlines()
+def _lines(path: str | Path | Location) -> list[str]:
+    where = Location.of(path)
+    if not where.is_file():
+        raise EvalDataError(f"evaluation file {str(where)!r} does not exist; pass --data with a file")
+    return where.read_text().splitlines()
 
 
-def read_jsonl(path: Path, fields: dict[str, type]) -> list[dict[str, Any]]:
+def read_jsonl(path: Location, fields: dict[str, type]) -> list[dict[str, Any]]:
     records = []
     for number, line in enumerate(_lines(path), start=1):
         if not line.strip():
@@ -71,8 +74,8 @@ def read_jsonl(path: Path, fields: dict[str, type]) -> list[dict[str, Any]]:
     return records
 
 
-def read_texts(path: Path) -> list[str]:
-    if path.suffix == ".jsonl":
+def read_texts(path: str | Path | Location) -> list[str]:
+    if str(path).endswith(".jsonl"):
         return [record["text"] for record in read_jsonl(path, {"text": str})]
     return split_documents("\n".join(_lines(path)))
 
@@ -90,7 +93,7 @@ def continuation_logprob(model: Any, context: list[int], continuation: list[int]
     return total, greedy
 
 
-def eval_text(exported: ExportedModel, path: Path, limit: int, seq_len: int) -> dict[str, float]:
+def eval_text(exported: ExportedModel, path: Location, limit: int, seq_len: int) -> dict[str, float]:
     if path.is_dir():
         return eval_prepared(exported, path, limit)
     texts = read_texts(path)[: limit or None]
@@ -101,7 +104,7 @@ def eval_text(exported: ExportedModel, path: Path, limit: int, seq_len: int) -> 
             "tokens": scores["val_tokens"], "documents": len(texts)}  # fmt: skip
 
 
-def eval_prepared(exported: ExportedModel, path: Path, limit: int) -> dict[str, float]:
+def eval_prepared(exported: ExportedModel, path: Location, limit: int) -> dict[str, float]:
     """`ppl` over the validation rows of a prepared directory (its rows as they are: seq_len + 1 ids)."""
     from mhf_dist.data.reader import RowReader
     from mhf_dist.data.shards import read_manifest
@@ -136,7 +139,7 @@ def _framed_pair(exported: ExportedModel, context: str, continuation: str) -> tu
     return exported.tokenizer.context_prefix(exported.document_format) + context_ids, continuation_ids
 
 
-def eval_lambada(exported: ExportedModel, path: Path, limit: int) -> dict[str, float]:
+def eval_lambada(exported: ExportedModel, path: Location, limit: int) -> dict[str, float]:
     records = read_jsonl(path, {"text": str})[: limit or None]
     correct, logprob_sum = 0, 0.0
     for number, record in enumerate(records, start=1):
@@ -153,7 +156,7 @@ def eval_lambada(exported: ExportedModel, path: Path, limit: int) -> dict[str, f
     }
 
 
-def eval_hellaswag(exported: ExportedModel, path: Path, limit: int) -> dict[str, float]:
+def eval_hellaswag(exported: ExportedModel, path: Location, limit: int) -> dict[str, float]:
     records = read_jsonl(path, {"ctx": str, "endings": list, "label": int})[: limit or None]
     correct = correct_norm = 0
     for number, record in enumerate(records, start=1):
@@ -182,7 +185,7 @@ def word_vector(exported: ExportedModel, word: str, layer: int) -> torch.Tensor 
     return states[len(prefix) :].float().mean(dim=0)
 
 
-def eval_card660(exported: ExportedModel, path: Path, limit: int, layer: int) -> dict[str, float]:
+def eval_card660(exported: ExportedModel, path: Location, limit: int, layer: int) -> dict[str, float]:
     from scipy.stats import pearsonr, spearmanr
 
     pairs = []
@@ -232,14 +235,16 @@ def eval_recall(
 def run_task(
     exported: ExportedModel,
     task: str,
-    data: Path | None,
+    data: str | Path | Location | None,
     limit: int = 0,
     seq_len: int = 128,
     layer: int = -2,
     recall: tuple[RecallDataConfig, int] = (RecallDataConfig(), RECALL_SEQ_LEN),
 ) -> dict[str, float]:
-    """`recall`: the generator settings and row length (a model trained on `data.corpus: recall` is
-    scored on rows like its training rows, from another seed)."""
+    """`data`: the task's file (ppl: or a prepared directory), local or in a bucket. `recall`: the
+    generator settings and row length (a model trained on `data.corpus: recall` is scored on rows like
+    its training rows, from another seed)."""
+    data = Location.of(data) if data is not None else None
     runners: dict[str, Callable[[], dict[str, float]]] = {
         "ppl": lambda: eval_text(exported, data, limit, seq_len),
         "bpb": lambda: eval_text(exported, data, limit, seq_len),

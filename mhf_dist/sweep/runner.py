@@ -3,8 +3,9 @@
 The sweep is one MLflow parent run; every trial's training run is its child (tag `mlflow.parentRunId`)
 with tags `sweep`, `group`, `family`, `seed`, `param_count` and, in matched sweeps, `matched_to` and
 `param_residual`. Workers' reports reach Tune through Ray Train's `TuneReportCallback`, which is what
-ASHA stops trials on. Everything lives under `<storage>/<name>/`: `sweep.json` (the spec and the parent
-run), `tune/` (Tune's experiment state, for `--resume`) and `trials/<trial>/` (each run's checkpoints).
+ASHA stops trials on. Everything lives under `<storage>/<name>/` (a local directory or a bucket URI):
+`sweep.json` (the spec and the parent run), `tune/` (Tune's experiment state, for `--resume`) and
+`trials/<trial>/` (each run's checkpoints).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from mhf_dist.data.shards import read_manifest
 from mhf_dist.errors import MhfError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
+from mhf_dist.storage import Location
 from mhf_dist.sweep.spec import STORAGE_KEY, SweepConfig, Trial, expand_trials, trial_configs
 from mhf_dist.tracking import end_run, log_steps, reopen_run, start_run, tracking_uri
 from mhf_dist.train.callbacks import StepCallback
@@ -45,7 +47,7 @@ class SweepResult:
     experiment: str
     parent_run_id: str
     tracking_uri: str
-    directory: Path
+    directory: Location
     trials: list[dict[str, Any]]  # name, group, family, seed, status
 
 
@@ -63,8 +65,8 @@ def compare_sweep(spec: SweepConfig, result: SweepResult) -> Comparison:
     )
 
 
-def sweep_dir(spec: SweepConfig) -> Path:
-    return Path(spec.storage).resolve() / spec.name
+def sweep_dir(spec: SweepConfig) -> Location:
+    return Location.of(spec.storage) / spec.name
 
 
 def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
@@ -98,13 +100,15 @@ def run_sweep(
 
     directory = sweep_dir(spec)
     record = directory / SWEEP_FILE
-    uri = tracking_uri(Path(spec.storage))
+    uri = tracking_uri(Location.of(spec.storage).uri)
+    tune_storage = _tune_storage(directory)
     if resume:
         parent_run_id = _check_resume(spec, directory)
         reopen_run(uri, parent_run_id)
         log(f"resuming sweep {spec.name!r}: finished trials are kept, the others continue")
         tuner = tune.Tuner.restore(
-            str(directory / TUNE_DIR),
+            (directory / TUNE_DIR).path,
+            storage_filesystem=tune_storage["storage_filesystem"],
             trainable=_trainable(spec, parent_run_id, uri, verbose, worker_callbacks),
             resume_unfinished=True,
             resume_errored=True,
@@ -122,7 +126,7 @@ def run_sweep(
             _flat_spec(spec),
             {"sweep": spec.name, "sweep_kind": spec.kind, "trials": len(trials), "role": "sweep"},
         )
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.make_dirs()
         write_json_atomic(record, {"spec": spec.model_dump(mode="json"), "parent_run_id": parent_run_id})
         log(f"sweep {spec.name!r}: {len(trials)} trials ({spec.kind}); MLflow parent run {parent_run_id}")
         tuner = tune.Tuner(
@@ -134,7 +138,7 @@ def run_sweep(
                 trial_dirname_creator=_trial_name,
                 **_scheduler(spec, configs.values()),
             ),
-            run_config=tune.RunConfig(name=TUNE_DIR, storage_path=str(directory), verbose=int(verbose)),
+            run_config=tune.RunConfig(name=TUNE_DIR, verbose=int(verbose), **tune_storage),
         )
     grid = tuner.fit()
     outcomes = []
@@ -174,7 +178,7 @@ def run_trial(
 
     spec = SweepConfig.model_validate(sweep)
     trial = Trial(**params["trial"])
-    cfg = load_config(spec.config, {**trial.overrides, STORAGE_KEY: str(sweep_dir(spec) / TRIALS_DIR)})
+    cfg = load_config(spec.config, {**trial.overrides, STORAGE_KEY: (sweep_dir(spec) / TRIALS_DIR).uri})
     os.environ["MLFLOW_TRACKING_URI"] = uri  # every trial logs beside the parent run
     options = TrainOptions(name=trial.name, experiment=spec.experiment, continue_run=True, verbose=verbose)
     result = train(
@@ -185,10 +189,10 @@ def run_trial(
         worker_callbacks=worker_callbacks,
     )
     if spec.evaluate:
-        evaluate_trial(spec, cfg, result.checkpoint / MODEL_DIR, uri, result.run_id)
+        evaluate_trial(spec, cfg, (result.checkpoint / MODEL_DIR).uri, uri, result.run_id)
 
 
-def evaluate_trial(spec: SweepConfig, cfg: Config, model_dir: Path, uri: str, run_id: str) -> None:
+def evaluate_trial(spec: SweepConfig, cfg: Config, model_dir: str, uri: str, run_id: str) -> None:
     """The sweep's `evaluate` tasks on the trial's exported model, logged at the trial's last step.
 
     `recall` is scored on rows generated like the trial's `data.recall` rows, from another seed."""
@@ -270,11 +274,18 @@ def _scheduler(spec: SweepConfig, configs: Iterable[Config]) -> dict[str, Any]:
     return {"scheduler": scheduler, "metric": spec.asha.metric, "mode": spec.asha.mode}
 
 
-def _check_resume(spec: SweepConfig, directory: Path) -> str:
+def _tune_storage(directory: Location) -> dict[str, Any]:
+    """Tune's storage_path (and filesystem, for a bucket) for the sweep's directory."""
+    return {"storage_path": directory.path, "storage_filesystem": directory.fs if directory.remote else None}
+
+
+def _check_resume(spec: SweepConfig, directory: Location) -> str:
     from ray import tune
 
     record = directory / SWEEP_FILE
-    if not record.is_file() or not tune.Tuner.can_restore(str(directory / TUNE_DIR)):
+    storage = _tune_storage(directory)
+    tune_dir = (directory / TUNE_DIR).path
+    if not record.is_file() or not tune.Tuner.can_restore(tune_dir, storage["storage_filesystem"]):
         raise SweepError(
             f"there is no sweep {spec.name!r} to resume in {str(directory)!r}; start it without --resume"
         )

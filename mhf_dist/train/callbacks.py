@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 from mhf_dist.config import TrainConfig
 from mhf_dist.files import write_json_atomic
+from mhf_dist.storage import Location
 from mhf_dist.tracking import log_steps
 
 Metrics = dict[str, float]
@@ -127,15 +127,15 @@ class MLflowSteps(StepCallback):
         self,
         uri: str,
         run_id: str,
-        run_dir: Path,
+        run_dir: Location | str,
         history: History,
         start_step: int,
         last_step: int,
         cfg: TrainConfig,
     ) -> None:
-        self.uri, self.run_id, self.record = uri, run_id, run_dir / LOGGED_FILE
+        self.uri, self.run_id, self.record = uri, run_id, Location.of(run_dir) / LOGGED_FILE
         self.history, self.last_step, self.cfg = history, last_step, cfg
-        logged = json.loads(self.record.read_text()) if self.record.is_file() else {}
+        logged = json.loads(self.record.read_text()) if self.record.exists() else {}
         self.logged = max(start_step, logged.get("step", 0) if logged.get("run_id") == run_id else 0)
         self.seen = start_step  # history.entries[:seen] were looked at before
 

@@ -7,50 +7,62 @@ of every step so far), `run.json` (the model config and signature fingerprint it
 wrote, with their sizes. A checkpoint is complete when every rank's files are there as listed (Ray Train
 copies the ranks' folders in one by one, and a node can die in between). The step is the data position:
 batches are a pure function of the step, so a resumed run skips exactly the batches already trained on.
+
+Checkpoints live wherever `topology.storage` is: a local directory or a bucket (`storage.Location`).
+An object store has no rename, so completeness is the rule there too: the rank files are written last
+and a reader trusts a checkpoint only when every listed file is there with its size. A restarted
+worker downloads only its own share of a checkpoint (`download_for_rank`), so a resume costs each worker
+the same whatever the worker count.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import re
 from pathlib import Path
 from typing import Any
 
 from mhf_dist.config import Config
 from mhf_dist.errors import TrainingError
+from mhf_dist.storage import Location, redact
 
 HISTORY_FILE = "history.jsonl"
 RUN_FILE = "run.json"
 STATE_TAG = "state"  # DeepSpeed's checkpoint tag
 MODEL_DIR = "model"  # the exported model inside each checkpoint
 RANK_FILES = "rank-{rank}.json"
+_RANK_SHARD = re.compile(r"(?:^|/)zero_pp_rank_(\d+)_")  # DeepSpeed's per-rank ZeRO partition files
 
 
 def checkpoint_name(step: int) -> str:
     return f"checkpoint-{step:07d}"
 
 
-def checkpoint_step(path: Path) -> int:
+def checkpoint_step(path: Path | Location) -> int:
     """The inverse of `checkpoint_name`."""
     return int(path.name.removeprefix("checkpoint-"))
 
 
-def newest_checkpoint(run_dir: Path) -> Path | None:
+def _checkpoints(run_dir: Path | Location) -> list[Location]:
+    return [path for path in Location.of(run_dir).children() if path.name.startswith("checkpoint-")]
+
+
+def newest_checkpoint(run_dir: Path | Location) -> Location | None:
     """The run's newest complete checkpoint on storage; incomplete ones are passed over."""
-    complete = [path for path in sorted(run_dir.glob("checkpoint-*")) if is_complete(path)]
+    complete = [path for path in _checkpoints(run_dir) if is_complete(path)]
     return complete[-1] if complete else None
 
 
-def prune_checkpoints(run_dir: Path, keep: int) -> None:
+def prune_checkpoints(run_dir: Path | Location, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints; remove older ones and any incomplete one.
 
     Ray Train deletes old checkpoints itself, but only once it has registered the next: a run stopped
     in between would keep one too many."""
-    checkpoints = sorted(run_dir.glob("checkpoint-*"))
-    kept = [path for path in checkpoints if is_complete(path)][-keep:]
+    checkpoints = _checkpoints(run_dir)
+    kept = [path.uri for path in checkpoints if is_complete(path)][-keep:]
     for path in checkpoints:
-        if path not in kept:
-            shutil.rmtree(path, ignore_errors=True)
+        if path.uri not in kept:
+            path.remove()
 
 
 def write_rank_files(directory: Path, rank: int) -> None:
@@ -63,23 +75,36 @@ def write_rank_files(directory: Path, rank: int) -> None:
     (directory / RANK_FILES.format(rank=rank)).write_text(json.dumps(files, indent=1))
 
 
-def is_complete(path: Path) -> bool:
-    """Every rank's listed files are in the checkpoint with their sizes (and rank 0's run.json)."""
+def is_complete(path: Path | Location) -> bool:
+    """Every rank's listed files are in the checkpoint with their sizes (and rank 0's run.json); one
+    listing of the checkpoint, whatever its size."""
+    path = Location.of(path)
     try:
+        present = dict(path.files())
         workers = json.loads((path / RUN_FILE).read_text())["workers"]
         for rank in range(workers):
             listed = json.loads((path / RANK_FILES.format(rank=rank)).read_text())
-            for name, size in listed.items():
-                if (path / name).stat().st_size != size:
-                    return False
+            if any(present.get(name) != size for name, size in listed.items()):
+                return False
     except (OSError, ValueError, KeyError):  # a file missing, half written or from an older layout
         return False
     return True
 
 
-def read_history(checkpoint: str | Path) -> list[dict[str, float]]:
+def download_for_rank(checkpoint: Location, rank: int, local: Path) -> Path:
+    """The files of `checkpoint` rank `rank` loads, copied to `local`: everything but the other ranks'
+    ZeRO partitions and the exported model (a worker's download does not grow with the worker count)."""
+    for name, _ in checkpoint.files():
+        owner = _RANK_SHARD.search(name)
+        if name.startswith(f"{MODEL_DIR}/") or (owner is not None and int(owner.group(1)) != rank):
+            continue
+        (checkpoint / name).download(local / name)
+    return local
+
+
+def read_history(checkpoint: str | Path | Location) -> list[dict[str, float]]:
     """Per-step metrics of a run up to one of its checkpoints."""
-    lines = (Path(checkpoint) / HISTORY_FILE).read_text().splitlines()
+    lines = (Location.of(checkpoint) / HISTORY_FILE).read_text().splitlines()
     return [json.loads(line) for line in lines]
 
 
@@ -89,30 +114,35 @@ def write_history(directory: Path, history: list[dict[str, float]], run_info: di
     (directory / RUN_FILE).write_text(json.dumps(run_info, indent=2))
 
 
-def resolve_resume(target: str, storage: Path) -> Path:
-    """`--resume` takes a checkpoint directory or the name of a run under the storage path (its newest)."""
-    path = Path(target)
+def resolve_resume(target: str, storage: Path | Location) -> Location:
+    """`--resume` takes a checkpoint directory or the name of a run under the storage path (its newest),
+    local or in a bucket."""
+    storage = Location.of(storage)
+    path = Location.of(target)
     if (path / RUN_FILE).is_file():
         if not is_complete(path):
             raise TrainingError(
-                f"checkpoint {target!r} is incomplete (a rank's files are missing or cut short); resume "
-                "from an earlier checkpoint or the run's name (its newest complete one)"
+                f"checkpoint {redact(target)!r} is incomplete (a rank's files are missing or cut short); "
+                "resume from an earlier checkpoint or the run's name (its newest complete one)"
             )
-        return path.resolve()
-    for run_dir in (path, storage / target):
-        if run_dir.is_dir() and newest_checkpoint(run_dir) is not None:
-            return newest_checkpoint(run_dir).resolve()
+        return path
+    candidates = [path] if path.remote else [path, storage / target]
+    for run_dir in candidates:
+        newest = newest_checkpoint(run_dir)
+        if newest is not None:
+            return newest
     raise TrainingError(
-        f"--resume {target!r} is neither a checkpoint directory nor a run with checkpoints under "
+        f"--resume {redact(target)!r} is neither a checkpoint directory nor a run with checkpoints under "
         f"{str(storage)!r}; pass a checkpoint-* directory or a run name"
     )
 
 
-def check_resumable(path: Path, cfg: Config, fingerprint: str) -> None:
+def check_resumable(path: Path | Location, cfg: Config, fingerprint: str) -> None:
     """The checkpoint must belong to the same model and signature table as the run resuming it, and to
     the same ZeRO stage (`cfg.topology`); ZeRO 1-3 partition the optimizer state per worker, so only a
     ZeRO-0 checkpoint resumes on another worker count (the batches do not depend on it)."""
     workers, zero_stage = cfg.topology.workers, cfg.topology.zero_stage
+    path = Location.of(path)
     run = json.loads((path / RUN_FILE).read_text())
     saved_stage, saved_workers = run.get("zero_stage", zero_stage), run.get("workers", workers)
     if saved_stage != zero_stage:

@@ -3,6 +3,10 @@
 The driver checks the data and any checkpoint to resume, opens the MLflow run (so an unreachable
 server fails before any worker starts), runs the trainer (`worker.train_loop_per_worker` on each
 worker), and turns a worker's one-line error back into a one-line error here.
+
+`topology.storage` and `data.path` may be local paths or bucket URIs (`storage.Location`): Ray Train
+stores the checkpoints through the same pyarrow filesystem (`storage_filesystem`), so a cluster needs
+no shared disk.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import PurePosixPath
 from typing import Any
 
 from mhf_dist.config import Config, TopologyConfig, check_topology
@@ -26,6 +30,7 @@ from mhf_dist.files import write_json_atomic
 from mhf_dist.plugins import outside_registrations
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.signatures import load_table
+from mhf_dist.storage import Location, local_copy, redact
 from mhf_dist.tracking import end_run, log_artifact, reopen_run, start_run, tracking_uri
 from mhf_dist.train.callbacks import StepCallback
 from mhf_dist.train.checkpoints import (
@@ -47,7 +52,7 @@ TRACKING_FILE = "mlflow-run.json"  # in the run directory: the MLflow run a cont
 
 @dataclass(frozen=True)
 class TrainResult:
-    checkpoint: Path  # the last checkpoint directory; its exported model is checkpoint / "model"
+    checkpoint: Location  # the last checkpoint directory; its exported model is checkpoint / "model"
     run_id: str  # the MLflow run
     tracking_uri: str
 
@@ -127,6 +132,8 @@ def train(
     check_topology(cfg)
     check_precision_supported(cfg)
     manifest = read_manifest(cfg.data.path)
+    storage = Location.of(topology.storage)
+    storage.make_dirs()  # a missing bucket or an unreachable endpoint fails here, in one line
     ensure_ray()
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
@@ -134,34 +141,35 @@ def train(
 
     check_resources(topology, ray.cluster_resources)
     fingerprint = manifest.signatures.fingerprint
-    storage = Path(topology.storage).resolve()
     run_dir = storage / options.name
     if newest_checkpoint(run_dir) is not None and not options.continue_run:
         raise TrainingError(
             f"run directory {str(run_dir)!r} already holds checkpoints; continue it with --resume "
             f"{options.name} --name <new name>, continue it with --continue, or pick another --name"
         )
-    if options.init_from is not None:
-        check_initial_model(Path(options.init_from), cfg, fingerprint)
-        check_model_documents(Path(options.init_from), manifest, cfg.data.path)
+    init_from = Location.of(options.init_from).uri if options.init_from is not None else None
+    if init_from is not None:
+        check_initial_model(init_from, cfg, fingerprint)
+        check_model_documents(init_from, manifest, cfg.data.path)
     resume = None
     if options.resume is not None:
         resume = resolve_resume(options.resume, storage)
         check_resumable(resume, cfg, fingerprint)
-        check_model_documents(resume / MODEL_DIR, manifest, cfg.data.path)
-    # Workers run in their own working directories: hand them absolute paths.
-    data = cfg.data.model_copy(update={"path": str(Path(cfg.data.path).resolve())})
+        check_model_documents((resume / MODEL_DIR).uri, manifest, cfg.data.path)
+    # Workers run in their own working directories: hand them absolute paths (or URIs).
+    data = cfg.data.model_copy(update={"path": Location.of(cfg.data.path).uri})
     worker_cfg = cfg.model_copy(
-        update={"data": data, "topology": topology.model_copy(update={"storage": str(storage)})}
+        update={"data": data, "topology": topology.model_copy(update={"storage": storage.uri})}
     )
     check_compatible(manifest, cfg, fingerprint)
     reader = RowReader(data.path, "train")
     reader.check_all()  # every shard's footer, once, here rather than in every worker
     training_plan(reader, cfg)  # enough rows for one batch
     # train.trainable: a bad pattern fails here, before any worker starts; the counts go to MLflow.
-    table = load_table(Path(data.path) / SIGNATURES_FILE)
+    table = load_table(Location.of(data.path) / SIGNATURES_FILE)
     split = config_split(cfg.model, table, cfg.train.trainable)
-    uri = tracking_uri(storage)
+    uri = tracking_uri(storage.uri)
+    check_tracking_reaches_workers(uri, ray.nodes())
     run_tags = {**_tags(cfg, manifest), **split.tags(), **(tags or {})}
     run_id = _tracking_run(uri, run_dir, cfg, options, run_tags)
     trainer = TorchTrainer(
@@ -169,11 +177,11 @@ def train(
         train_loop_config={
             "spec": WorkerSpec(
                 config=worker_cfg,
-                run_dir=str(run_dir),
+                run_dir=run_dir.uri,
                 tracking_uri=uri,
                 run_id=run_id,
-                init_from=str(Path(options.init_from).resolve()) if options.init_from else None,
-                resume_from=str(resume) if resume else None,
+                init_from=init_from,
+                resume_from=resume.uri if resume else None,
                 stop_at_step=options.stop_at_step,
                 peak_tflops=options.peak_tflops,
                 verbose=options.verbose,
@@ -191,7 +199,8 @@ def train(
         ),
         run_config=RunConfig(
             name=options.name,
-            storage_path=str(storage),
+            storage_path=storage.path,
+            storage_filesystem=storage.fs if storage.remote else None,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             failure_config=FailureConfig(max_failures=options.max_failures),
             callbacks=callbacks,
@@ -224,11 +233,22 @@ def train(
     if result.checkpoint is None:
         end_run(uri, run_id, "FAILED")
         raise TrainingError(f"run {options.name!r} ended without a checkpoint; see the worker errors above")
-    checkpoint = Path(result.checkpoint.path)
-    log_artifact(uri, run_id, checkpoint / RUN_FILE)
-    log_artifact(uri, run_id, checkpoint / MODEL_DIR)
+    checkpoint = run_dir / PurePosixPath(result.checkpoint.path).name
+    log_artifact(uri, run_id, local_copy(checkpoint / RUN_FILE))
+    log_artifact(uri, run_id, local_copy(checkpoint / MODEL_DIR))
     end_run(uri, run_id, "FINISHED")
     return TrainResult(checkpoint, run_id, uri)
+
+
+def check_tracking_reaches_workers(uri: str, nodes: list[dict[str, Any]]) -> None:
+    """MLflow's embedded SQLite store is a file on this machine: rank 0 logs its steps from wherever it
+    runs, so a cluster of several machines needs a tracking server."""
+    hosts = {node["NodeManagerAddress"] for node in nodes if node.get("Alive")}
+    if uri.startswith("sqlite:") and len(hosts) > 1:
+        raise TrainingError(
+            f"MLflow's embedded SQLite store is on this machine, but the Ray cluster spans {len(hosts)} "
+            "machines; set MLFLOW_TRACKING_URI to a tracking server (cluster/README.md)"
+        )
 
 
 def _hand_sigterm_to_ray(stopped_by: dict[str, int]) -> Callable[[], None]:
@@ -251,11 +271,12 @@ def _hand_sigterm_to_ray(stopped_by: dict[str, int]) -> Callable[[], None]:
     return restore
 
 
-def _interrupted(sig: int, run_dir: Path, name: str, keep: int) -> Interrupted:
+def _interrupted(sig: int, run_dir: Location, name: str, keep: int) -> Interrupted:
     """The one line of a stopped run (where it stopped, how to go on); leftover staging removed and
     train.keep_checkpoints applied."""
-    for staging in run_dir.glob(f"{STAGING_PREFIX}*"):
-        shutil.rmtree(staging, ignore_errors=True)
+    if not run_dir.remote:  # a run in a bucket stages in local temporary directories
+        for staging in run_dir.local.glob(f"{STAGING_PREFIX}*"):
+            shutil.rmtree(staging, ignore_errors=True)
     prune_checkpoints(run_dir, keep)
     last = newest_checkpoint(run_dir)
     name_of = signal.Signals(sig).name
@@ -268,7 +289,9 @@ def _interrupted(sig: int, run_dir: Path, name: str, keep: int) -> Interrupted:
     )
 
 
-def _tracking_run(uri: str, run_dir: Path, cfg: Config, options: TrainOptions, tags: dict[str, Any]) -> str:
+def _tracking_run(
+    uri: str, run_dir: Location, cfg: Config, options: TrainOptions, tags: dict[str, Any]
+) -> str:
     """A new MLflow run, or with `continue_run` the run's own (steps logged before are not logged again)."""
     record = run_dir / TRACKING_FILE
     if options.continue_run and record.is_file():
@@ -276,8 +299,8 @@ def _tracking_run(uri: str, run_dir: Path, cfg: Config, options: TrainOptions, t
         reopen_run(uri, run_id)
         return run_id
     run_id = start_run(uri, options.experiment, options.name, cfg.flat(), tags)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(record, {"run_id": run_id, "tracking_uri": uri})
+    run_dir.make_dirs()
+    write_json_atomic(record, {"run_id": run_id, "tracking_uri": redact(uri)})  # no password on disk
     return run_id
 
 
@@ -295,12 +318,12 @@ def _worker_user_error(err: BaseException) -> MhfError | None:
     return None
 
 
-def check_model_documents(model_dir: Path, manifest: Manifest, data_path: str) -> None:
+def check_model_documents(model_dir: str, manifest: Manifest, data_path: str) -> None:
     """A model continued (`--init-from`, `mhf cpt`, a resume) trains only on documents framed as its own
     (a checkpoint without its exported model: check_resumable has judged it already)."""
     from mhf_dist.export import check_documents_fit
 
-    check_documents_fit(model_dir, manifest.document_format, f"shards {data_path!r}", TrainingError)
+    check_documents_fit(model_dir, manifest.document_format, f"shards {redact(data_path)!r}", TrainingError)
 
 
 def _tags(cfg: Config, manifest: Manifest) -> dict[str, Any]:

@@ -14,9 +14,10 @@ import logging
 import random
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from mhf_dist.export import export_model, load_exported
 from mhf_dist.models.checkpointing import checkpoint_layers
 from mhf_dist.plugins import register_missing
 from mhf_dist.signatures import SignatureTable, load_table
+from mhf_dist.storage import Location, local_copy
 from mhf_dist.train.callbacks import (
     Checkpoints,
     History,
@@ -43,6 +45,7 @@ from mhf_dist.train.checkpoints import (
     MODEL_DIR,
     STATE_TAG,
     checkpoint_name,
+    download_for_rank,
     newest_checkpoint,
     read_history,
     write_history,
@@ -118,8 +121,8 @@ class WorkerSpec:
     `callbacks` run first on every worker, before the built-in ones (tests pass fault injection here).
     """
 
-    config: Config  # data.path and topology.storage absolute: workers run in their own directories
-    run_dir: str
+    config: Config  # data.path and topology.storage absolute or URIs: workers run in their own directories
+    run_dir: str  # a local path or a URI (`storage.Location`)
     tracking_uri: str
     run_id: str
     init_from: str | None = None  # an exported model whose weights training starts from
@@ -145,7 +148,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
     torch.manual_seed(cfg.train.seed)
-    table = load_table(Path(cfg.data.path) / SIGNATURES_FILE)
+    table = load_table(Location.of(cfg.data.path) / SIGNATURES_FILE)
     stepper, lineage = _build_stepper(spec, table, world_size)
     start_step, history = _restore(stepper, spec, rank)
     last_step = min(cfg.train.steps, spec.stop_at_step or cfg.train.steps)
@@ -158,7 +161,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         "trainable": cfg.train.trainable,  # a resume must freeze the same parameters (no optimizer state)
         "document_format": read_manifest(cfg.data.path).document_format,  # exports carry the shards'
     }
-    saver = CheckpointSaver(stepper, cfg, table, run_info, Path(spec.run_dir), rank, world_size, history)
+    saver = CheckpointSaver(
+        stepper, cfg, table, run_info, Location.of(spec.run_dir), rank, world_size, history
+    )
     callbacks = [
         *spec.callbacks,
         *_built_in_callbacks(spec, stepper, saver, start_step, last_step, rank, world_size),
@@ -213,22 +218,32 @@ def _restore(stepper: DeepSpeedStepper, spec: WorkerSpec, rank: int) -> tuple[in
     """
     import ray.train
 
-    checkpoint = ray.train.get_checkpoint()
-    newest = newest_checkpoint(Path(spec.run_dir))
-    if checkpoint is None and newest is not None:
-        checkpoint = ray.train.Checkpoint.from_directory(str(newest))
+    run_dir = Location.of(spec.run_dir)
+    registered = ray.train.get_checkpoint()
+    checkpoint = run_dir / PurePosixPath(registered.path).name if registered else newest_checkpoint(run_dir)
     if checkpoint is None and spec.resume_from:
-        checkpoint = ray.train.Checkpoint.from_directory(spec.resume_from)
+        checkpoint = Location.of(spec.resume_from)
     if checkpoint is None:
         return 0, []
-    with checkpoint.as_directory() as directory:
-        _, client_state = stepper.engine.load_checkpoint(directory, tag=STATE_TAG)
+    with _files_of_rank(checkpoint, rank) as directory:
+        _, client_state = stepper.engine.load_checkpoint(str(directory), tag=STATE_TAG)
         history = read_history(directory)
     saved_rng = client_state["rng"]  # one per rank of the saving run (a ZeRO-0 run may resize)
     _set_rng_state(saved_rng[rank % len(saved_rng)])
     if rank == 0:
-        print(f"resumed from {checkpoint.path} at step {client_state['step']}", flush=True)
+        print(f"resumed from {checkpoint} at step {client_state['step']}", flush=True)
     return client_state["step"], history
+
+
+@contextmanager
+def _files_of_rank(checkpoint: Location, rank: int) -> Iterator[Path]:
+    """A local directory with what this rank loads of `checkpoint`: the checkpoint itself on a local
+    disk, else a temporary download of its share (`download_for_rank`)."""
+    if not checkpoint.remote:
+        yield checkpoint.local
+        return
+    with tempfile.TemporaryDirectory(prefix="mhf-restore-") as tmp:
+        yield download_for_rank(checkpoint, rank, Path(tmp))
 
 
 def _throughput(spec: WorkerSpec, stepper: DeepSpeedStepper, world_size: int) -> Throughput:
@@ -281,7 +296,7 @@ def _built_in_callbacks(
             MLflowSteps(
                 spec.tracking_uri,
                 spec.run_id,
-                Path(spec.run_dir),
+                Location.of(spec.run_dir),
                 history,
                 start_step,
                 last_step,
@@ -316,7 +331,7 @@ class CheckpointSaver:
         cfg: Config,
         table: SignatureTable,
         run_info: dict[str, Any],
-        run_dir: Path,
+        run_dir: Location,
         rank: int,
         world_size: int,
         history: list[dict[str, float]],
@@ -329,8 +344,10 @@ class CheckpointSaver:
 
         rng_states = [None] * self.world_size
         torch.distributed.all_gather_object(rng_states, _rng_state())
-        # Staged inside the run's own directory, where an interrupted run's driver can remove what is left.
-        with tempfile.TemporaryDirectory(dir=self.run_dir, prefix=STAGING_PREFIX) as tmp:
+        # Staged inside the run's own directory (on a local disk), where an interrupted run's driver can
+        # remove what is left; for a run in a bucket, in a local temporary directory Ray Train uploads.
+        local_run_dir = None if self.run_dir.remote else self.run_dir.local
+        with tempfile.TemporaryDirectory(dir=local_run_dir, prefix=STAGING_PREFIX) as tmp:
             directory = Path(tmp)
             client_state = {"step": step, "rng": rng_states}
             self.stepper.engine.save_checkpoint(tmp, tag=STATE_TAG, client_state=client_state)
@@ -340,7 +357,7 @@ class CheckpointSaver:
                         self.stepper.engine.module,
                         self.cfg.model,
                         self.table,
-                        Path(self.cfg.data.path) / TOKENIZER_FILE,
+                        local_copy(Location.of(self.cfg.data.path) / TOKENIZER_FILE),
                         directory / MODEL_DIR,
                         self.run_info["lineage"],
                         document_format=self.run_info["document_format"],
