@@ -285,13 +285,16 @@ def local_copy(location: str | Path | Location, marker: str | None = None) -> Pa
         raise StorageError(f"{where} has no {marker}: it is incomplete or not what was asked for")
     key = hashlib.sha256(repr((redact(where.uri), listing)).encode()).hexdigest()[:16]
     cache = Path(os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "mhf-dist") / "remote"
-    target = cache / f"{where.name}-{key}"
+    target = cache / key / where.name  # the copy keeps its name (MLflow names artifacts after it)
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=cache, prefix=f".{where.name}-"))
+        staging = Path(tempfile.mkdtemp(dir=cache, prefix=f".{key}-"))
         try:
             where.download(staging / where.name)
-            os.replace(staging / where.name, target)
+            os.replace(staging, cache / key)
+        except OSError:
+            if not target.exists():  # another process published the same copy first: use theirs
+                raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -48,9 +48,10 @@ def submit(cluster, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
 
-    def run(*extra: str) -> tuple[int, str, str]:
+    def run(*extra: str, storage: str = str(tmp_path), env: tuple[str, ...] = ()) -> tuple[int, str, str]:
         argv = ["submit", "jobs/pretrain.job.yaml", "--address", cluster.dashboard_url, "--wait"]
-        status = main([*argv, "--env", f"MHF_STORAGE={tmp_path}", "--", *extra])
+        environment = [arg for assignment in env for arg in ("--env", assignment)]
+        status = main([*argv, "--env", f"MHF_STORAGE={storage}", *environment, "--", *extra])
         out, err = capsys.readouterr()
         return status, out, err
 
@@ -83,6 +84,22 @@ def test_a_pretrain_job_succeeds_with_its_mlflow_run_and_metrics(submit, tmp_pat
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(1, 7))
     assert {"val_nll", "tokens_per_s", "loss"} <= set(run.data.metrics)
     assert (tmp_path / "train" / "pretrain" / "checkpoint-0000006" / "model" / "model.safetensors").is_file()
+
+
+def test_a_pretrain_job_with_its_storage_only_in_a_bucket(submit, bucket, tmp_path):
+    """Shards, checkpoints and the model in the bucket; MLflow where MLFLOW_TRACKING_URI says (both nodes
+    are on this machine, so a SQLite file works; a real cluster points it at a tracking server)."""
+    from mhf_dist.storage import Location
+
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    status, out, err = submit(*TINY_JOB, storage=bucket, env=(f"MLFLOW_TRACKING_URI={tracking}",))
+    assert status == 0, err[-2000:]
+    client = MlflowClient(tracking)
+    (run,) = client.search_runs([client.get_experiment_by_name("pretrain").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(1, 7))
+    assert (Location.of(bucket) / "data/tiny/manifest.json").is_file()
+    assert (Location.of(bucket) / "train/pretrain/checkpoint-0000006/model/model.safetensors").is_file()
+    assert not list(tmp_path.glob("**/checkpoint-*"))
 
 
 def test_an_unreachable_cluster_is_a_one_line_error(monkeypatch, capsys):

@@ -39,8 +39,11 @@ def local_shards(ray_session, tmp_path_factory):
 
 
 def test_a_run_stored_only_in_a_bucket_survives_a_killed_worker_with_the_local_loss_curve(
-    local_shards, bucket, tmp_path
+    local_shards, bucket, tmp_path, monkeypatch
 ):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     data = Location.of(f"{bucket}/data")
     data.upload(local_shards, last="manifest.json")
     storage = f"{bucket}/runs"
@@ -67,6 +70,8 @@ def test_a_run_stored_only_in_a_bucket_survives_a_killed_worker_with_the_local_l
 
     record = (Location.of(f"{storage}/cut") / "mlflow-run.json").read_text()
     assert "testing" not in record  # no credentials stored with the run
+    artifacts = MlflowClient(result.tracking_uri).list_artifacts(result.run_id)
+    assert sorted(artifact.path for artifact in artifacts) == ["model", "run.json"]
     exported = result.checkpoint / MODEL_DIR
     assert exported.is_dir() and json.loads((result.checkpoint / "run.json").read_text())["workers"] == 2
 

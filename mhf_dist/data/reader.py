@@ -65,8 +65,9 @@ class RowReader:
         return [self.directory / shard.file for shard in self.shards]
 
     def check_all(self) -> None:
-        for shard in self.shards:
-            check_shard(self.directory, shard)
+        """Every shard's footer, 16 requests at a time (a bucket answers each in tens of milliseconds)."""
+        with ThreadPoolExecutor(max_workers=16, thread_name_prefix="check-shards") as pool:
+            list(pool.map(functools.partial(check_shard, self.directory), self.shards))
 
     @property
     def num_rows(self) -> int:
