@@ -13,6 +13,7 @@ from mhf_dist.train.callbacks import (
     MemoryMetrics,
     MLflowSteps,
     ProgressLines,
+    SourceTokens,
     Validation,
 )
 from mhf_dist.train.loop import Throughput, run_training
@@ -140,3 +141,33 @@ def test_a_non_finite_loss_stops_training_before_any_callback_sees_the_step():
     with pytest.raises(TrainingError, match="loss is nan at step 3"):
         run([seen], stepper=FakeStepper(losses={3: float("nan")}))
     assert [int(h["step"]) for h in seen.entries] == [1, 2]
+
+
+def test_tokens_per_source_are_summed_over_workers_cumulatively_and_continue_after_a_resume():
+    """Each step a worker takes 3 tokens of `web` and 1 of `code`; `total` stands for an all-reduce over
+    2 workers. Counts are added up at log steps (4, 8) and the last (10), and a resumed run at step 4
+    starts from the history's counts, not from zero."""
+    cfg = train_cfg()
+    taken = []  # what each pending() call handed over (the steps since the last call)
+
+    def pending():
+        steps = len(history.entries) + 1 - sum(taken)
+        taken.append(steps)
+        return [3 * steps, 1 * steps]
+
+    history = History()
+    tokens = SourceTokens(["web", "code"], pending, lambda counts: [2 * c for c in counts], [], 10, cfg)
+    run([tokens, history])
+    assert steps_with(history.entries, "tokens_seen.web") == [4, 8, 10]
+    assert [h["tokens_seen.web"] for h in history.entries if "tokens_seen.web" in h] == [24, 48, 60]
+    assert history.entries[-1]["tokens_seen.code"] == 20  # 10 steps x 1 token x 2 workers
+
+    resumed = History(history.entries[:4])
+    taken.clear()
+    taken.append(4)  # the batches of steps 1-4 were counted before the checkpoint
+    again = SourceTokens(
+        ["web", "code"], pending, lambda counts: [2 * c for c in counts], resumed.entries, 10, cfg
+    )
+    history = resumed
+    run([again, resumed], start_step=4)
+    assert resumed.entries[-1]["tokens_seen.web"] == 60 and resumed.entries[-1]["tokens_seen.code"] == 20

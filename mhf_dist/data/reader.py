@@ -45,10 +45,16 @@ class RowReader:
     """
 
     def __init__(
-        self, path: str | Path | Location, split: str, signatures: bool = True, open_files: int = 64
+        self,
+        path: str | Path | Location,
+        split: str,
+        signatures: bool = True,
+        open_files: int = 64,
+        source_tokens: bool = False,
     ) -> None:
         self.directory = Location.of(path)  # local, or a bucket: row groups are read with ranged requests
         manifest = read_manifest(self.directory)
+        self.sources = [source.name for source in manifest.sources]
         self.shards = split_shards(path, manifest, split)
         rows = [shard.rows for shard in self.shards]
         self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
@@ -56,6 +62,8 @@ class RowReader:
         self.num_hashes = manifest.signatures.num_hashes
         self.signature_dtype = np.dtype(manifest.signatures.dtype)
         self.columns = ["input_ids", "signatures"] if signatures else ["input_ids"]
+        if source_tokens and len(self.sources) > 1:  # shards of several sources carry the column
+            self.columns.append("source_tokens")
         self.open_files = open_files
         self._handles: OrderedDict[int, pq.ParquetFile] = OrderedDict()
         self.rows_decoded = 0
@@ -78,7 +86,8 @@ class RowReader:
         return np.diff(self.offsets)
 
     def read(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """`tokens` [n, T+1] int64 and, if asked for, `signatures` [n, T+1, H] of the given rows."""
+        """`tokens` [n, T+1] int64 and, if asked for, `signatures` [n, T+1, H] and `source_tokens`
+        [n, sources] of the given rows."""
         rows = np.asarray(rows, dtype=np.int64)
         if len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows):
             raise IndexError(f"row index out of range 0..{self.num_rows - 1}")
@@ -86,6 +95,8 @@ class RowReader:
         if "signatures" in self.columns:
             shape = (len(rows), self.width, self.num_hashes)
             batch["signatures"] = np.empty(shape, dtype=self.signature_dtype)
+        if "source_tokens" in self.columns:
+            batch["source_tokens"] = np.empty((len(rows), len(self.sources)), dtype=np.int32)
         shards = np.searchsorted(self.offsets, rows, side="right") - 1
         for shard in np.unique(shards):
             at = np.flatnonzero(shards == shard)

@@ -103,6 +103,33 @@ class History(StepCallback):
         self.entries.append(metrics)
 
 
+class SourceTokens(StepCallback):
+    """Training tokens seen from each source of a mixture (`data.sources`), cumulative over the run:
+    `tokens_seen.<name>` at every log step and the last. `pending()` returns this worker's counts
+    since the last call and `total(counts)` sums them over the workers (an all-reduce: every rank runs
+    this callback). A resumed run continues from its history's last counts."""
+
+    def __init__(
+        self,
+        names: list[str],
+        pending: Callable[[], list[int]],
+        total: Callable[[list[int]], list[int]],
+        history: list[Metrics],
+        last_step: int,
+        cfg: TrainConfig,
+    ) -> None:
+        self.keys = [f"tokens_seen.{name}" for name in names]
+        self.pending, self.total, self.last_step, self.cfg = pending, total, last_step, cfg
+        counted = [entry for entry in history if self.keys[0] in entry]
+        self.seen = [int(counted[-1][key]) for key in self.keys] if counted else [0] * len(self.keys)
+
+    def on_step_end(self, metrics: Metrics) -> None:
+        step = int(metrics["step"])
+        if is_log_step(step, self.cfg) or step == self.last_step:
+            self.seen = [a + b for a, b in zip(self.seen, self.total(self.pending()), strict=True)]
+            metrics.update(zip(self.keys, map(float, self.seen), strict=True))
+
+
 class ProgressLines(StepCallback):
     """One `format_progress` line per log step."""
 

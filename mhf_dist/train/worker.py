@@ -38,6 +38,7 @@ from mhf_dist.train.callbacks import (
     MemoryMetrics,
     MLflowSteps,
     ProgressLines,
+    SourceTokens,
     StepCallback,
     Validation,
 )
@@ -61,12 +62,34 @@ STAGING_PREFIX = ".staging-"  # each rank's checkpoint files before Ray Train co
 GIB = 2**30
 
 
+class SourceCounter:
+    """Tokens per source (`data.sources`) of the batches handed to training since the last `take()`."""
+
+    def __init__(self, sources: int) -> None:
+        self.counts = np.zeros(sources, dtype=np.int64)
+
+    def add(self, source_tokens: np.ndarray) -> None:
+        self.counts += source_tokens.sum(axis=0)
+
+    def take(self) -> list[int]:
+        counts, self.counts = self.counts.tolist(), np.zeros_like(self.counts)
+        return counts
+
+
 def training_batches(
-    cfg: Config, rank: int, world_size: int, start_step: int, signatures: bool
+    cfg: Config,
+    rank: int,
+    world_size: int,
+    start_step: int,
+    signatures: bool,
+    counter: SourceCounter | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """This worker's rows of every global batch after `start_step`, as tensors."""
-    reader = RowReader(cfg.data.path, "train", signatures=signatures)
+    """This worker's rows of every global batch after `start_step`, as tensors; with `counter`, each
+    batch's tokens per source are counted as training takes it."""
+    reader = RowReader(cfg.data.path, "train", signatures=signatures, source_tokens=counter is not None)
     for batch in step_batches(reader, training_plan(reader, cfg), start_step, rank, world_size):
+        if counter is not None:
+            counter.add(batch.pop("source_tokens"))
         yield {key: torch.from_numpy(value.astype(np.int64, copy=False)) for key, value in batch.items()}
 
 
@@ -96,6 +119,12 @@ class Validator:
         totals = torch.tensor([total, count], dtype=torch.float64)
         torch.distributed.all_reduce(totals)
         return nll_summary(float(totals[0]), int(totals[1]))
+
+
+def sum_over_workers(values: list[int]) -> list[int]:
+    tensor = torch.tensor(values, dtype=torch.int64)
+    torch.distributed.all_reduce(tensor)
+    return tensor.tolist()
 
 
 def max_over_workers(values: dict[str, float]) -> dict[str, float]:
@@ -152,6 +181,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     stepper, lineage = _build_stepper(spec, table, world_size)
     start_step, history = _restore(stepper, spec, rank)
     last_step = min(cfg.train.steps, spec.stop_at_step or cfg.train.steps)
+    manifest = read_manifest(cfg.data.path)
+    sources = [source.name for source in manifest.sources] if len(manifest.sources) > 1 else []
+    counter = SourceCounter(len(sources)) if sources else None
     run_info = {
         "model": cfg.model.model_dump(mode="json"),
         "workers": world_size,
@@ -159,16 +191,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         "fingerprint": table.fingerprint,
         "lineage": lineage,
         "trainable": cfg.train.trainable,  # a resume must freeze the same parameters (no optimizer state)
-        "document_format": read_manifest(cfg.data.path).document_format,  # exports carry the shards'
+        "document_format": manifest.document_format,  # exports carry the shards'
     }
     saver = CheckpointSaver(
         stepper, cfg, table, run_info, Location.of(spec.run_dir), rank, world_size, history
     )
     callbacks = [
         *spec.callbacks,
-        *_built_in_callbacks(spec, stepper, saver, start_step, last_step, rank, world_size),
+        *_built_in_callbacks(spec, stepper, saver, start_step, last_step, rank, world_size, sources, counter),
     ]
-    batches = training_batches(cfg, rank, world_size, start_step, signatures=cfg.model.family == "mhf")
+    signatures = cfg.model.family == "mhf"
+    batches = training_batches(cfg, rank, world_size, start_step, signatures, counter)
     run_training(
         stepper,
         batches,
@@ -266,9 +299,11 @@ def _built_in_callbacks(
     last_step: int,
     rank: int,
     world_size: int,
+    sources: list[str],
+    counter: SourceCounter | None,
 ) -> list[StepCallback]:
-    """Validation and memory (all ranks: they all-reduce), the history, rank 0's progress lines and
-    MLflow steps, then checkpoints (all ranks save their shards)."""
+    """Validation, memory and tokens per source (all ranks: they all-reduce), the history, rank 0's
+    progress lines and MLflow steps, then checkpoints (all ranks save their shards)."""
     import ray.train
 
     cfg = spec.config
@@ -280,16 +315,13 @@ def _built_in_callbacks(
     callbacks: list[StepCallback] = []
     if validator:
         callbacks.append(Validation(partial(validator, stepper), cfg.train.eval_every, last_step))
-    callbacks += [
-        MemoryMetrics(
-            partial(_model_state, stepper),
-            partial(_peak_memory, device),
-            start_step + 1,
-            last_step,
-            cfg.train,
-        ),
-        history,
-    ]
+    memory = partial(_model_state, stepper), partial(_peak_memory, device)
+    callbacks.append(MemoryMetrics(*memory, start_step + 1, last_step, cfg.train))
+    if counter is not None:
+        callbacks.append(
+            SourceTokens(sources, counter.take, sum_over_workers, saver.history, last_step, cfg.train)
+        )
+    callbacks.append(history)
     if rank == 0:
         callbacks += [
             ProgressLines(cfg.train, partial(print, flush=True)),
