@@ -22,16 +22,16 @@ from typing import Any
 import torch
 
 from mhf_dist.config import Config, ModelConfig, ReplayConfig
-from mhf_dist.data.shards import read_manifest
+from mhf_dist.data.shards import MANIFEST, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import TrainingError
 from mhf_dist.export import ExportedModel, export_model, load_exported
-from mhf_dist.files import read_json, write_json_atomic
+from mhf_dist.files import read_json, staged_file, write_json_atomic
 from mhf_dist.models import build_model, param_count
 from mhf_dist.models.base import CausalLM
 from mhf_dist.models.registry import resolved_config
 from mhf_dist.signatures import SignatureTable
-from mhf_dist.storage import Location
+from mhf_dist.storage import Location, local_copy
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 from mhf_dist.train.trainable import AUTHORS_VE, authors_ve_trainable, trainable_split
 
@@ -173,7 +173,7 @@ def expanded_tokenizer(
 @dataclass(frozen=True)
 class CptResult:
     expansion: Expansion
-    init_dir: Path
+    init_dir: Location
     train_result: Any  # TrainResult
 
 
@@ -221,11 +221,12 @@ def run_cpt(
     trainable, recipe = cpt_trainable(cfg, expansion.config)
     split = trainable_split(expansion.model, trainable)  # a bad pattern fails here, before prepare
     log(f"train.trainable ({recipe}): {trainable if trainable else 'every parameter'}; {split.summary()}")
-    workdir = Path(cfg.topology.storage).resolve() / options.name
+    workdir = Location.of(cfg.topology.storage) / options.name  # a local directory or a bucket
     init_dir = workdir / INIT_DIR
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir.make_dirs()
     tokenizer_file = workdir / "tokenizer.json"
-    tokenizer.save(tokenizer_file)
+    with staged_file(tokenizer_file) as staging:
+        tokenizer.save(staging)
     init_record = workdir / "init.json"  # how init/ was made: a rerun must not train from other rows
     if init_dir.exists():
         fix = "remove the run directory or pick another --name"
@@ -245,8 +246,8 @@ def run_cpt(
             expansion.model,
             expansion.config,
             expansion.table,
-            tokenizer_file,
-            init_dir,
+            local_copy(tokenizer_file),
+            init_dir.uri,
             lineage,
             document_format=parent.document_format,  # the new data is framed as the parent's was
         )
@@ -255,15 +256,15 @@ def run_cpt(
     # The shards carry the expanded table itself: an imported parent's rows need not follow our rule.
     data = cfg.data.model_copy(
         update={
-            "tokenizer": str(tokenizer_file),
-            "path": str(workdir / "data"),
-            "signatures": str(init_dir),
+            "tokenizer": str(local_copy(tokenizer_file)),
+            "path": (workdir / "data").uri,
+            "signatures": init_dir.uri,
             "document_format": parent.document_format,
         }
     )
     train_cfg = cfg.train.model_copy(update={"trainable": trainable})
     run_cfg = cfg.model_copy(update={"model": expansion.config, "data": data, "train": train_cfg})
-    if not (workdir / "data" / "manifest.json").is_file():
+    if not (workdir / "data" / MANIFEST).is_file():
         prepare(run_cfg, data.path, log=log)
     manifest = read_manifest(data.path)
     prepared_replay = manifest.config.data.get("replay", ReplayConfig().model_dump())
@@ -295,5 +296,5 @@ def run_cpt(
         "cpt_trainable": recipe,
         "cpt_replay_fraction": mixture.realised_fraction if mixture else 0.0,
     }
-    result = train(run_cfg, dataclasses.replace(options, init_from=str(init_dir)), tags=tags)
+    result = train(run_cfg, dataclasses.replace(options, init_from=init_dir.uri), tags=tags)
     return CptResult(expansion, init_dir, result)

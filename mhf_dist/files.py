@@ -30,14 +30,14 @@ def staged_file(path: str | Path | Location, suffix: str = ".tmp") -> Iterator[P
     (or interrupt) it is removed and `path` is left as it was. `suffix` keeps the extension that
     writers such as matplotlib choose a format by. For an object-store URI the staging file is local
     and uploaded in one request on success."""
-    if isinstance(path, Location) or is_uri(path):
+    if _remote(path):
         with tempfile.TemporaryDirectory(prefix="mhf-staged-") as tmp:
             staging = Path(tmp) / f"file{suffix}"
             staging.touch()
             yield staging
             Location.of(path).write_bytes(staging.read_bytes())
         return
-    path = Path(path)
+    path = Location.of(path).local
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging_name(path, suffix)
     os.close(os.open(staging, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask applies
@@ -57,7 +57,7 @@ def staged_directory(
     place (callers decide whether what is there may be replaced). For an object-store URI the staging
     directory is local; on success an existing `path` (with `replace`) loses its `marker` first, then
     everything, and the new files are uploaded with `marker` last."""
-    if isinstance(path, Location) or is_uri(path):
+    if _remote(path):
         where = Location.of(path)
         with tempfile.TemporaryDirectory(prefix="mhf-staged-") as tmp:
             yield Path(tmp)
@@ -69,21 +69,31 @@ def staged_directory(
                 where.remove()
             where.upload(Path(tmp), last=marker)
         return
-    path = Path(path)
+    path = Location.of(path).local
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging_name(path, "")
     staging.mkdir()  # mode 0777 less the umask, as any new directory (mkdtemp's would be 0700)
     try:
         yield staging
-        if path.exists() and replace:
-            retired = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            path.rename(retired)
-            _publish(staging, path)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            _publish(staging, path)
+        publish_directory(staging, path, replace)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish_directory(staging: Path, path: Path, replace: bool = False) -> None:
+    """Make the complete local directory `staging` visible as `path` by a rename; with `replace`, an
+    existing `path` is swapped out and deleted only once the new one is in place."""
+    if path.exists() and replace:
+        retired = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        path.rename(retired)
+        _publish(staging, path)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        _publish(staging, path)
+
+
+def _remote(path: str | Path | Location) -> bool:
+    return path.remote if isinstance(path, Location) else is_uri(path)
 
 
 def _staging_name(path: Path, suffix: str) -> Path:

@@ -105,6 +105,7 @@ def import_hf(source: str | Path | Location, out: str | Path | Location) -> Expo
 def _read_hf_config(source: Location) -> Qwen3Config:
     path = source / CONFIG_FILE
     if not path.is_file():
+        source.check_bucket()
         raise LayoutError(
             f"{str(source)!r} is not a Hugging Face checkpoint directory (no {CONFIG_FILE}); pass the "
             "directory save_pretrained wrote"

@@ -65,3 +65,11 @@ def test_damaged_export_files_are_one_line_errors_naming_the_file(small_cfg, tok
     (tmp_path / "model" / CONFIG_FILE).write_text('{"format": "mhf-model", "model": ')
     with pytest.raises(ExportError, match=r"config.json' is damaged \(invalid JSON at line 1\)"):
         load_exported(tmp_path / "model")
+
+
+def test_an_export_where_nothing_can_be_written_is_a_one_line_error(small_cfg, tokenizer_file):
+    """/proc refuses new entries even to root, whom os.access tells it may write there."""
+    cfg = small_cfg.model.model_copy(update={"vocab_size": 259})
+    table = SignatureTable.build(TextTokenizer.bytes().vocabulary(), 2, 64)
+    with pytest.raises(ExportError, match=r"cannot write in '/proc' \(.*\); pick another directory"):
+        export_model(build_model(cfg, table), cfg, table, tokenizer_file, "/proc/mhf-model")

@@ -15,7 +15,6 @@ import json
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mhf_dist.config import Config, load_config
@@ -74,7 +73,7 @@ def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
     shards exist and every file `evaluate` names exists (each trial's config, its batch split over its
     workers included, was validated when the sweep was parsed)."""
     for task in spec.evaluate:
-        if task.data is not None and not Path(task.data).exists():
+        if task.data is not None and not Location.of(task.data).exists():
             raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")
     for cfg in configs.values():
         read_manifest(cfg.data.path)
@@ -202,7 +201,7 @@ def evaluate_trial(spec: SweepConfig, cfg: Config, model_dir: str, uri: str, run
     exported = load_exported(model_dir)
     metrics: dict[str, float] = {}
     for task in spec.evaluate:
-        data = Path(task.data) if task.data else None
+        data = task.data
         recall = (cfg.data.recall, cfg.train.seq_len)
         results = run_task(exported, task.task, data, limit=task.limit, seq_len=task.seq_len, recall=recall)
         metrics |= {f"eval.{task.task}.{name}": value for name, value in results.items()}
