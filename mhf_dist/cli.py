@@ -131,20 +131,23 @@ def cmd_count(args: argparse.Namespace) -> None:
 
 def add_prepare_parser(commands: argparse._SubParsersAction) -> None:
     prep = commands.add_parser(
-        "prepare", help="tokenize, pack and sign a corpus into parquet shards on Ray Data"
+        "prepare", help="tokenize, pack and sign a corpus into parquet shards on Ray (resumable)"
     )
     _add_config_args(prep)
     _add_key_flag(
         prep,
         "--corpus",
         "data.corpus",
-        "builtin | file, directory or glob of .txt/.raw/.jsonl/.parquet | hf:NAME",
+        "builtin | hf:NAME | a file, directory or glob, local or s3:// / gs://, of .txt/.raw/.jsonl/.json "
+        "(optionally .gz/.zst/.bz2), .parquet or .arrow (optionally .zst)",
     )
     _add_key_flag(
         prep, "--tokenizer", "data.tokenizer", "bpe | bytes | mistral-v0.3 | path to tokenizer.json"
     )
-    _add_key_flag(prep, "--out", "data.path", "output directory")
-    prep.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    _add_key_flag(prep, "--out", "data.path", "output directory, local or s3:// / gs://")
+    prep.add_argument(
+        "--overwrite", action="store_true", help="replace an existing output (in a bucket: only an mhf one)"
+    )
     prep.add_argument("--num-cpus", type=int, help="CPUs of a local Ray instance (default: all)")
     prep.set_defaults(func=cmd_prepare)
 
@@ -160,14 +163,15 @@ def add_verify_data_parser(commands: argparse._SubParsersAction) -> None:
     verify = commands.add_parser(
         "verify-data", help="check every prepared shard against its manifest's sha256 (reads all the data)"
     )
-    verify.add_argument("path", help="a prepared shard directory (mhf prepare --out)")
+    verify.add_argument("path", help="a prepared shard directory, local or s3:// / gs:// (mhf prepare --out)")
     verify.set_defaults(func=cmd_verify_data)
 
 
 def cmd_verify_data(args: argparse.Namespace) -> None:
     from mhf_dist.data.shards import verify_shards
+    from mhf_dist.storage import redact
 
-    print(f"{verify_shards(args.path)} shards in {args.path} match their manifest's sha256")
+    print(f"{verify_shards(args.path)} shards in {redact(args.path)} match their manifest's sha256")
 
 
 def _add_run_options(parser: argparse.ArgumentParser, name: str) -> None:
@@ -195,6 +199,7 @@ def _train_options(args: argparse.Namespace) -> TrainOptions:
 
 
 def _print_result(result: TrainResult) -> None:
+    from mhf_dist.storage import redact
     from mhf_dist.tables import markdown_table
     from mhf_dist.train.checkpoints import MODEL_DIR, read_history
 
@@ -202,7 +207,7 @@ def _print_result(result: TrainResult) -> None:
     columns = ["step", "loss", "val_nll", "val_ppl", "tokens_per_s", "peak_mem_gb"]
     print(markdown_table(last, [column for column in columns if column in last[0]]))
     print(f"last checkpoint: {result.checkpoint} (exported model: {result.checkpoint / MODEL_DIR})")
-    print(f"MLflow run {result.run_id} at {result.tracking_uri}")
+    print(f"MLflow run {result.run_id} at {redact(result.tracking_uri)}")
 
 
 def add_train_parser(commands: argparse._SubParsersAction) -> None:
@@ -479,7 +484,9 @@ def add_compare_parser(commands: argparse._SubParsersAction) -> None:
         default="runs/sweeps",
         help="where the embedded MLflow lives, unless MLFLOW_TRACKING_URI is set",
     )
-    compare.add_argument("--out", help="output directory (default: <storage>/compare/<sweep or experiment>)")
+    compare.add_argument(
+        "--out", help="output directory or bucket URI (default: <storage>/compare/<sweep or experiment>)"
+    )
     compare.add_argument(
         "--unstable-cv", type=float, default=0.05, help="coefficient of variation flagged unstable"
     )
@@ -488,10 +495,11 @@ def add_compare_parser(commands: argparse._SubParsersAction) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> None:
     from mhf_dist.compare import compare_runs
+    from mhf_dist.storage import Location
     from mhf_dist.tracking import tracking_uri
 
     uri = tracking_uri(args.storage)
-    out = Path(args.out or Path(args.storage) / "compare" / (args.sweep or args.experiment))
+    out = args.out or Location.of(args.storage) / "compare" / (args.sweep or args.experiment)
     comparison = compare_runs(
         uri, args.experiment, out, args.metric, args.sweep, args.unstable_cv, args.group_by or ()
     )

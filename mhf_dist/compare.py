@@ -5,7 +5,7 @@ sweep) or, for runs outside a sweep, the family; `group_by` (`--group-by`) group
 tags instead (`topology.zero_stage=2,model.family=mhf`: every config key is a param). Per group: the
 final value of the metric over the seeds (mean, std, min, max, max - min, coefficient of variation),
 parameters and tokens seen; a group is `unstable` when its coefficient of variation passes the
-threshold.
+threshold. The report (Markdown, CSV, PNG plots) goes to a local directory or a bucket (`s3://...`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from mhf_dist.errors import MhfError
-from mhf_dist.files import staged_file, write_text_atomic
+from mhf_dist.storage import Location, redact
 from mhf_dist.tables import markdown_table
+from mhf_dist.tracking import connect, log_files, set_tags, tracking_errors
 
 COLUMNS = (
     "group",
@@ -67,21 +68,22 @@ def read_runs(
 ) -> list[RunCurve]:
     """Finished training runs of `experiment` (only the sweep's children with `sweep_run_id`), grouped
     by `group_by`'s params or tags, else as the module's docstring says."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
-    found = client.get_experiment_by_name(experiment)
-    if found is None:
-        raise CompareError(f"no MLflow experiment {experiment!r} at {uri!r}; check --experiment and the URI")
-    query = "attributes.status = 'FINISHED'"
-    if sweep_run_id:
-        query += f" and tags.mlflow.parentRunId = '{sweep_run_id}'"
-    runs = client.search_runs([found.experiment_id], filter_string=query, max_results=10_000)
+    with tracking_errors(uri):
+        client = connect(uri)
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            raise CompareError(
+                f"no MLflow experiment {experiment!r} at {redact(uri)!r}; check --experiment and the URI"
+            )
+        query = "attributes.status = 'FINISHED'"
+        if sweep_run_id:
+            query += f" and tags.mlflow.parentRunId = '{sweep_run_id}'"
+        runs = client.search_runs([found.experiment_id], filter_string=query, max_results=10_000)
+        runs = [run for run in runs if "family" in run.data.tags]  # not a sweep's parent run
+        histories = [client.get_metric_history(run.info.run_id, metric) for run in runs]
     curves = []
-    for run in runs:
-        if "family" not in run.data.tags:  # a sweep's parent run
-            continue
-        history = sorted(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step)
+    for run, unsorted in zip(runs, histories, strict=True):
+        history = sorted(unsorted, key=lambda m: m.step)
         if not history:
             continue
         tags, params = run.data.tags, run.data.params
@@ -163,7 +165,7 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
     return buffer.getvalue()
 
 
-def plot_curves(curves: list[RunCurve], metric: str, path: Path) -> None:
+def curves_png(curves: list[RunCurve], metric: str) -> bytes:
     """The metric over steps per group: the mean line with a min-max band over seeds."""
     figure, axes = _new_figure()
     for group, members in by_group(curves).items():
@@ -177,11 +179,10 @@ def plot_curves(curves: list[RunCurve], metric: str, path: Path) -> None:
     axes.set_ylabel(metric)
     axes.set_title(f"{metric}: mean over seeds, band = min..max")
     axes.legend()
-    figure.tight_layout()
-    _save_figure(figure, path)
+    return _png(figure)
 
 
-def plot_finals(curves: list[RunCurve], metric: str, path: Path) -> None:
+def finals_png(curves: list[RunCurve], metric: str) -> bytes:
     """The final metric of every seed as a point, one column per group."""
     figure, axes = _new_figure()
     groups = by_group(curves)
@@ -194,8 +195,7 @@ def plot_finals(curves: list[RunCurve], metric: str, path: Path) -> None:
     axes.set_xticks(range(len(groups)), list(groups), rotation=20)
     axes.set_ylabel(f"final {metric}")
     axes.set_title(f"final {metric} per seed")
-    figure.tight_layout()
-    _save_figure(figure, path)
+    return _png(figure)
 
 
 def _new_figure() -> tuple[Any, Any]:
@@ -207,56 +207,77 @@ def _new_figure() -> tuple[Any, Any]:
     return plt.subplots(figsize=(7, 4.5))
 
 
-def _save_figure(figure: Any, path: Path) -> None:
+def _png(figure: Any) -> bytes:
     import matplotlib.pyplot as plt
 
-    with staged_file(path, suffix=".png") as staging:  # the suffix tells matplotlib the format
-        figure.savefig(staging, dpi=110)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
     plt.close(figure)
+    return buffer.getvalue()
 
 
 @dataclass(frozen=True)
 class Comparison:
     rows: list[dict[str, Any]]
     table: str
-    files: list[Path]  # compare.md, compare.csv, curves.png, finals.png (and loss.png)
+    # compare.md, compare.csv, curves.png, finals.png (and loss.png): Paths, Locations in a bucket
+    files: list[Path | Location]
 
 
 def compare_runs(
     uri: str,
     experiment: str,
-    out_dir: Path,
+    out_dir: str | Path | Location,
     metric: str = "val_nll",
     sweep_run_id: str | None = None,
     unstable_cv: float = 0.05,
     group_by: Sequence[str] = (),
 ) -> Comparison:
-    """Read, summarize, write Markdown/CSV/PNG to `out_dir`; with a sweep, log them to its parent run."""
+    """Read, summarize, write Markdown/CSV/PNG to `out_dir` (a local directory or a bucket URI); with a
+    sweep, log them to its parent run too."""
+    out = report_directory(out_dir)
     curves = read_runs(uri, experiment, metric, sweep_run_id, group_by)
     rows = summarize(curves, unstable_cv)
     table = markdown_table(rows, COLUMNS)
-    out_dir.mkdir(parents=True, exist_ok=True)
     heading = f"# {metric} by group ({experiment}{f', sweep {sweep_run_id}' if sweep_run_id else ''})\n\n"
-    files = [
-        write_text_atomic(out_dir / "compare.md", heading + table + "\n"),
-        write_text_atomic(out_dir / "compare.csv", csv_text(rows)),
-    ]
-    plot_curves(curves, metric, out_dir / "curves.png")
-    plot_finals(curves, metric, out_dir / "finals.png")
-    files += [out_dir / "curves.png", out_dir / "finals.png"]
+    report = {
+        "compare.md": (heading + table + "\n").encode(),
+        "compare.csv": csv_text(rows).encode(),
+        "curves.png": curves_png(curves, metric),
+        "finals.png": finals_png(curves, metric),
+    }
     if metric != "loss":  # the training loss beside it, logged every train.log_every steps
         # Each family's own objective: mhf's coordinates loss is not a per-token NLL over V.
         loss = read_runs(uri, experiment, "loss", sweep_run_id, group_by)
-        plot_curves(loss, "training loss (each family's objective)", out_dir / "loss.png")
-        files.append(out_dir / "loss.png")
+        report["loss.png"] = curves_png(loss, "training loss (each family's objective)")
+    files = [_write(out / name, data) for name, data in report.items()]
     if sweep_run_id:
-        from mhf_dist.tracking import log_artifact, set_tags
-
-        for path in files:
-            log_artifact(uri, sweep_run_id, path)
-        tags = {}
-        for row in rows:
-            group = re.sub(r"[^A-Za-z0-9_.\- /]", "_", row["group"])  # MLflow's allowed key characters
-            tags |= {f"cv.{group}": f"{row['cv']:.4g}", f"unstable.{group}": str(row["unstable"]).lower()}
-        set_tags(uri, sweep_run_id, tags)
+        log_files(uri, sweep_run_id, report)
+        set_tags(uri, sweep_run_id, stability_tags(rows))
     return Comparison(rows, table, files)
+
+
+def report_directory(out_dir: str | Path | Location) -> Location:
+    """Where the report goes: refused in one line, before anything is read, when it names a file."""
+    out = Location.of(out_dir)
+    if out.is_file():
+        raise CompareError(
+            f"the report directory {str(out)!r} is a file; give --out a directory (it gets compare.md, "
+            "compare.csv and the plots)"
+        )
+    return out
+
+
+def _write(where: Location, data: bytes) -> Path | Location:
+    where.write_bytes(data)  # the whole file in one step: local staged and renamed, remote one upload
+    return where if where.remote else where.local
+
+
+def stability_tags(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """`cv.<group>` and `unstable.<group>` for the sweep's parent run."""
+    tags = {}
+    for row in rows:
+        group = re.sub(r"[^A-Za-z0-9_.\- /]", "_", row["group"])  # MLflow's allowed key characters
+        tags |= {f"cv.{group}": f"{row['cv']:.4g}", f"unstable.{group}": str(row["unstable"]).lower()}
+    return tags

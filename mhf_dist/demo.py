@@ -20,6 +20,7 @@ from mhf_dist.models.generation import Sampling, generate
 from mhf_dist.models.registry import resolved_config
 from mhf_dist.sweep.runner import TRIALS_DIR, compare_sweep, run_sweep
 from mhf_dist.sweep.spec import parse_sweep
+from mhf_dist.tracking import browse_hint
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 
 DEMO_FAMILIES = ("mhf", "qwen3", "qwen3_matched")
@@ -90,8 +91,7 @@ def run_demo(
     )
     log(f"tables and plots: {out_dir} (curves.png: {spec.metric}; loss.png: training loss)")
     stage("done")
-    db = result.tracking_uri.removeprefix("sqlite:///")
-    log(f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{db}  (experiment {spec.experiment!r})")
+    log(f"MLflow UI: {browse_hint(result.tracking_uri)}  (experiment {spec.experiment!r})")
     return comparison
 
 

@@ -1,6 +1,6 @@
 """Real servers for tests, bound to 127.0.0.1 and stopped after: an S3-protocol server (moto in server
-mode, as Ray's own storage tests use) and PostgreSQL (a throw-away cluster in a temporary directory,
-run as a non-root user).
+mode, as Ray's own storage tests use), PostgreSQL (a throw-away cluster in a temporary directory,
+run as a non-root user) and an MLflow tracking server on them (cluster/README.md's set-up).
 
 The S3 endpoint and dummy credentials are put in the environment when this module is imported (by
 conftest), before any Ray instance starts, so every Ray worker inherits them; the server itself starts
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 
 def free_port() -> int:
@@ -42,6 +44,19 @@ def install_s3_environment() -> None:
     os.environ.update(S3_ENVIRONMENT)
 
 
+def wait_until_answering(url: str, process: subprocess.Popen, log: Path, seconds: float) -> None:
+    """Return once `url` answers; a server that exits or stays silent for `seconds` is an error."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer; see {log}:\n{log.read_text()[-3000:]}") from None
+            time.sleep(0.2)
+
+
 class S3Server:
     """moto_server on 127.0.0.1:S3_PORT."""
 
@@ -55,15 +70,7 @@ class S3Server:
         self.process = subprocess.Popen(
             [moto, "-H", "127.0.0.1", "-p", str(S3_PORT)], stdout=self.log, stderr=subprocess.STDOUT
         )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{S3_ENDPOINT}/moto-api/", timeout=1)
-                break
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start; see {log}") from None
-                time.sleep(0.2)
+        wait_until_answering(f"{S3_ENDPOINT}/moto-api/", self.process, log, 30)
 
     def make_bucket(self, name: str) -> str:
         import pyarrow.fs as pafs
@@ -116,3 +123,41 @@ class Postgres:
 
 def postgres_available() -> bool:
     return bool(os.environ.get("MHF_TEST_POSTGRES_URL")) or shutil.which("initdb") is not None
+
+
+class MlflowServer:
+    """`mlflow server` on 127.0.0.1 as cluster/ runs it: runs in `backend` (a SQLAlchemy URI), artifacts
+    proxied into `artifacts` (a bucket URI); `url` for MLFLOW_TRACKING_URI."""
+
+    def __init__(self, backend: str, artifacts: str, log: Path) -> None:
+        port = free_port()
+        command = [
+            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+            "--backend-store-uri", backend, "--artifacts-destination", artifacts, "--serve-artifacts",
+            "--workers", "1",  # one process to import: a busy machine starts it sooner
+        ]  # fmt: skip
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        with open(log, "w") as output:  # its own process group: stop() ends its workers too
+            self.process = subprocess.Popen(
+                command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.url = f"http://127.0.0.1:{port}"
+        wait_until_answering(f"{self.url}/health", self.process, log, 180)
+
+    def stop(self) -> None:
+        os.killpg(self.process.pid, signal.SIGTERM)
+        self.process.wait(timeout=30)
+
+
+def new_database(postgres_url: str) -> str:
+    """A fresh database on the PostgreSQL at `postgres_url`: its SQLAlchemy URI, with the psycopg2 driver
+    named (SQLAlchemy 2.1 reads `postgresql://` as psycopg 3)."""
+    import psycopg2
+
+    name = f"mlflow_{os.urandom(4).hex()}"
+    connection = psycopg2.connect(postgres_url)
+    connection.autocommit = True  # CREATE DATABASE cannot run in a transaction
+    with connection.cursor() as cursor:
+        cursor.execute(f"CREATE DATABASE {name}")
+    connection.close()
+    return urlsplit(postgres_url)._replace(scheme="postgresql+psycopg2", path=f"/{name}").geturl()

@@ -71,3 +71,33 @@ def test_the_cli_passes_group_by_through(store, tmp_path, monkeypatch, capsys):
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "| topology.zero_stage=0 |" in table and "| topology.zero_stage=2 |" in table
+
+
+def test_the_report_goes_to_a_bucket_with_out_a_bucket_uri(store, bucket, monkeypatch, capsys):
+    from mhf_dist.cli import main
+    from mhf_dist.storage import Location
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    out = f"{bucket}/reports/stages"
+    assert main(["compare", "--experiment", "stages", "--out", out, "--metric", "val_nll"]) == 0
+    written = dict(Location.of(out).files())
+    assert set(written) == {"compare.md", "compare.csv", "curves.png", "finals.png", "loss.png"}
+    csv_rows = (Location.of(out) / "compare.csv").read_text().splitlines()
+    assert csv_rows[0].startswith("group,family,n_seeds,mean") and csv_rows[1].startswith("mhf,mhf,4,")
+    assert (Location.of(out) / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"written: {out}/compare.md" in capsys.readouterr().out
+
+
+def test_out_naming_a_file_is_a_one_line_error_before_anything_is_read(tmp_path, monkeypatch, capsys):
+    from mhf_dist.cli import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # never asked: the check comes first
+    taken = tmp_path / "report.md"
+    taken.write_text("mine\n")
+    assert main(["compare", "--experiment", "stages", "--out", str(taken)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"error: the report directory '{taken}' is a file; give --out a directory (it gets compare.md, "
+        "compare.csv and the plots)"
+    )
+    assert taken.read_text() == "mine\n"

@@ -1,0 +1,150 @@
+"""MLflow as a service: a real `mlflow server` on 127.0.0.1 with its runs in PostgreSQL and its artifacts
+proxied into a bucket of the S3 server (the set-up of cluster/README.md), a sweep of concurrent trials
+logging through it, `mhf compare` reading it back; where the embedded store lives otherwise; and an
+unreachable server as one line."""
+
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import servers
+from conftest import RAY_INIT
+
+from mhf_dist.config import load_config
+from mhf_dist.storage import Location
+from mhf_dist.tracking import tracking_uri
+
+BYTES = {"data.tokenizer": "bytes", "model.vocab_size": 259, "model.hash.spec": "H2B64", "train.seq_len": 32}
+STEPS = 4
+TRIALS = 4
+
+
+def test_bucket_storage_keeps_the_embedded_store_in_the_working_directorys_runs(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert tracking_uri("s3://some-bucket/train") == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    assert tracking_uri("local/train") == f"sqlite:///{tmp_path / 'local' / 'train' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
+    assert tracking_uri("s3://some-bucket/train") == "http://mlflow.internal:5000"
+
+
+def test_an_unreachable_tracking_server_is_one_line_and_exit_2_within_30_s(tmp_path):
+    closed = f"http://127.0.0.1:{servers.free_port()}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": closed}
+    mhf = Path(sys.executable).parent / "mhf"
+    start = time.monotonic()
+    done = subprocess.run(
+        [mhf, "compare", "--experiment", "anything", "--out", tmp_path / "report"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    assert (done.returncode, done.stderr.splitlines()) == (
+        2,
+        [
+            f"error: cannot use MLflow tracking at '{closed}' (MLFLOW_TRACKING_URI): connection refused; "
+            "start the server (cluster/README.md), fix MLFLOW_TRACKING_URI, or unset it for the "
+            "embedded store"
+        ],
+    )
+    assert elapsed < 30, elapsed
+    assert not (tmp_path / "report").exists()
+
+
+@pytest.fixture
+def tracking_server(postgres_url, bucket, tmp_path):
+    """The tracking server of cluster/README.md on 127.0.0.1: runs in a new PostgreSQL database,
+    artifacts proxied into `<bucket>/mlflow`; its URL."""
+    server = servers.MlflowServer(
+        servers.new_database(postgres_url), f"{bucket}/mlflow", tmp_path / "mlflow-server.log"
+    )
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def ray_for_four_trials(ray_session):
+    """Four trials at once need 4 x (1 worker + 0.25 for the trial's own process) = 5 logical CPUs; the
+    session's instance has 4. A 5-CPU instance for this test, the session's again after."""
+    ray_session.shutdown()
+    ray_session.init(**{**RAY_INIT, "num_cpus": 5})
+    yield
+    ray_session.shutdown()
+    ray_session.init(**RAY_INIT)
+
+
+def test_a_sweep_of_four_concurrent_trials_logs_through_the_server_and_compare_reads_it_back(
+    ray_for_four_trials, tracking_server, bucket, tmp_path, monkeypatch, capsys
+):
+    from mlflow.tracking import MlflowClient
+
+    from mhf_dist.cli import main
+    from mhf_dist.data.prepare import prepare
+    from mhf_dist.sweep.runner import run_sweep
+    from mhf_dist.sweep.spec import parse_sweep
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_server)
+    monkeypatch.chdir(tmp_path)
+    prepare(load_config("tiny", BYTES), "data", log=lambda _: None)
+    settings = {
+        **BYTES,
+        "data.path": "data",
+        "train.steps": STEPS,
+        "train.log_every": 1,
+        "train.eval_rows": 8,
+    }
+    spec = parse_sweep(
+        {
+            "name": "served",
+            "kind": "seeds",
+            "seeds": list(range(TRIALS)),
+            "set": {**settings, "topology.workers": 1},
+            "storage": "sweeps",
+            "max_concurrent": TRIALS,
+        }
+    )
+    result = run_sweep(spec, log=lambda _: None)
+    assert result.tracking_uri == tracking_server
+
+    client = MlflowClient(tracking_uri=tracking_server)
+    experiment = client.get_experiment_by_name(spec.experiment)
+    children = client.search_runs(
+        [experiment.experiment_id], f"tags.mlflow.parentRunId = '{result.parent_run_id}'"
+    )
+    assert len(children) == TRIALS and {run.info.status for run in children} == {"FINISHED"}
+    # Concurrent: every trial's run started before any of them ended.
+    assert max(run.info.start_time for run in children) < min(run.info.end_time for run in children)
+    finals = []
+    for run in children:
+        for key in run.data.metrics:  # no metric at any step twice; the loss at every step
+            steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+            assert len(steps) == len(set(steps)), (key, steps)
+        loss = sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)
+        assert [m.step for m in loss] == list(range(1, STEPS + 1))
+        finals.append(loss[-1].value)
+        assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # proxied: clients hold no keys
+
+    stored = {name for name, _ in Location.of(f"{bucket}/mlflow").files()}
+    for run in children:  # each trial's run.json and exported model, in the bucket
+        artifacts = f"{experiment.experiment_id}/{run.info.run_id}/artifacts"
+        assert f"{artifacts}/run.json" in stored
+        assert any(name.startswith(f"{artifacts}/model/") for name in stored)
+
+    report = f"{bucket}/report"
+    argv = ["compare", "--experiment", spec.experiment, "--sweep", result.parent_run_id, "--metric", "loss"]
+    assert main([*argv, "--out", report]) == 0
+    assert re.search(rf"^\| mhf +\| mhf +\| {TRIALS} +\|", capsys.readouterr().out, re.MULTILINE)
+    header, row = (Location.of(report) / "compare.csv").read_text().splitlines()
+    mean = dict(zip(header.split(","), row.split(","), strict=True))["mean"]
+    assert float(mean) == pytest.approx(statistics.fmean(finals), rel=1e-9)
+    parent = f"{experiment.experiment_id}/{result.parent_run_id}/artifacts"
+    stored = {name for name, _ in Location.of(f"{bucket}/mlflow").files()}
+    assert {f"{parent}/compare.md", f"{parent}/curves.png"} <= stored  # logged to the sweep's parent
+    assert "cv.mhf" in client.get_run(result.parent_run_id).data.tags
