@@ -11,7 +11,7 @@ import datetime
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_origin
 
 import yaml
 from pydantic import (
@@ -334,14 +334,38 @@ class ReplayConfig(StrictModel):
         return self
 
 
+class SourceConfig(StrictModel):
+    """One source of a mixture (`data.sources`): a corpus and its share of the training tokens."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="the source's name in the manifest, the logs and the MLflow metric tokens_seen.<name>",
+    )
+    corpus: str = Field(description="the same forms as data.corpus (not recall)")
+    weight: float = Field(gt=0, description="its share of the training tokens, relative to the others'")
+    text_field: str | None = Field(None, description="default: data.text_field")
+
+
 class DataConfig(StrictModel):
     """Where text comes from, how it is tokenized and split, and where prepared shards live."""
 
     corpus: str = Field(
         "builtin",
-        description="builtin | recall | file, directory or glob of .txt/.raw/.jsonl/.parquet | hf:NAME",
+        description="builtin | recall | hf:NAME | a file, directory or glob, local or s3:// / gs://, of "
+        ".txt/.raw/.jsonl/.json (each optionally .gz/.zst/.bz2), .parquet, .arrow (optionally .zst)",
     )
-    text_field: str = Field("text", description="the .jsonl field or .parquet column holding the text")
+    sources: list[SourceConfig] = Field(
+        default_factory=list,
+        description="a mixture instead of data.corpus: [{name, corpus, weight, text_field?}]; weights are "
+        "shares of the training tokens (no upsampling: the source that runs out first sets the total)",
+    )
+    mixture_seed: int = Field(
+        0,
+        ge=0,
+        lt=2**32,
+        description="data.sources: documents are taken in the order of MurmurHash3(text, seed)",
+    )
+    text_field: str = Field("text", description="the JSON field, parquet or Arrow column holding the text")
     tokenizer: str = Field(
         "bpe",
         description="bpe (trained to model.vocab_size) | bytes | mistral-v0.3 (Mistral-7B-v0.3's, 32768 "
@@ -373,6 +397,26 @@ class DataConfig(StrictModel):
     path: str = Field("runs/data", description="the prepared shard directory (prepare output, train input)")
     recall: RecallDataConfig = RecallDataConfig()
     replay: ReplayConfig = ReplayConfig()
+
+    @model_validator(mode="after")
+    def _one_kind_of_source(self) -> DataConfig:
+        if not self.sources:
+            return self
+        if self.corpus != DataConfig.model_fields["corpus"].default:
+            raise ValueError(
+                f"corpus={self.corpus!r} and sources name the text twice; drop data.corpus or make it one "
+                "of data.sources"
+            )
+        if self.replay.corpus is not None:
+            raise ValueError(
+                "replay and sources together: add the replayed corpus as one more source instead"
+            )
+        names = [source.name for source in self.sources]
+        if len(set(names)) < len(names):
+            raise ValueError(f"sources have repeated names ({', '.join(names)}); give each its own")
+        if any(source.corpus == "recall" for source in self.sources):
+            raise ValueError("recall generates its rows and mixes with nothing; use it as data.corpus alone")
+        return self
 
 
 class TopologyConfig(StrictModel):
@@ -616,6 +660,8 @@ def _section_keys(section: type[BaseModel], value: Any, path: str) -> dict[str, 
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:
+    if get_origin(annotation) is list:  # a list of sections (`data.sources`) is set as one value
+        return None
     candidates = getattr(annotation, "__args__", (annotation,))
     for candidate in candidates:
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):

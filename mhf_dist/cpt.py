@@ -198,7 +198,7 @@ def run_cpt(
     `cfg` supplies the training and data settings; the model config comes from the parent.
     `train.trainable` unset trains the authors' split (`authors_ve_trainable`); `[]` trains everything.
     """
-    from mhf_dist.data.prepare import prepare
+    from mhf_dist.data.prepare import prepare, recorded_data
     from mhf_dist.train.ray_trainer import train
 
     parent_dir = resolve_parent(parent_source)
@@ -268,7 +268,7 @@ def run_cpt(
         prepare(run_cfg, data.path, log=log)
     manifest = read_manifest(data.path)
     prepared_replay = manifest.config.data.get("replay", ReplayConfig().model_dump())
-    if prepared_replay != data.replay.model_dump():
+    if prepared_replay != recorded_data(data)["replay"]:
         raise TrainingError(
             f"shards in {data.path!r} were prepared with data.replay {prepared_replay}, not "
             f"{data.replay.model_dump()}; remove the directory or pick another --name"

@@ -1,6 +1,6 @@
 """`mhf demo`: the whole flow, small, on the built-in corpus and local Ray.
 
-Prepares the corpus on Ray Data (BPE, packing, signatures, parquet shards), runs a `matched` sweep on
+Prepares the corpus in Ray tasks (BPE, packing, signatures, parquet shards), runs a `matched` sweep on
 Ray Tune (`mhf`, `qwen3`, `qwen3_matched` x seeds, each trial an `mhf train` run on 2 Ray Train
 workers with DeepSpeed), compares the runs from MLflow (table, CSV, plots), and samples a few tokens
 from each family's exported model.
@@ -51,7 +51,7 @@ def run_demo(
         elapsed = int(time.monotonic() - started)
         log(f"{text} ({elapsed // 60}:{elapsed % 60:02d} so far)")
 
-    stage(f"[1/3] preparing corpus {cfg.data.corpus!r} on Ray Data -> {data_dir}")
+    stage(f"[1/3] preparing corpus {cfg.data.corpus!r} on Ray -> {data_dir}")
     prepare(cfg, data_dir, overwrite=True, log=log)
 
     spec = parse_sweep(

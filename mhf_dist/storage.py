@@ -59,6 +59,8 @@ def redact(location: str | Path) -> str:
     if not _SCHEME.match(text):
         return text
     parts = urlsplit(text)
+    if "@" not in parts.netloc and not parts.query:
+        return text  # nothing to remove (and urlunsplit would drop a slash of `sqlite:////abs/path`)
     netloc = parts.netloc.rsplit("@", 1)[-1]
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
@@ -190,7 +192,7 @@ class Location:
         return self.info().size
 
     def read_bytes(self) -> bytes:
-        with storage_errors(self), self.fs.open_input_stream(self.path) as stream:
+        with storage_errors(self), self.fs.open_input_stream(self.path, compression=None) as stream:
             return stream.read()
 
     def read_text(self) -> str:
@@ -204,7 +206,7 @@ class Location:
             with staged_file(self.local) as staging:
                 staging.write_bytes(data)
             return
-        with storage_errors(self), self.fs.open_output_stream(self.path) as stream:
+        with storage_errors(self), self.fs.open_output_stream(self.path, compression=None) as stream:
             stream.write(data)
 
     def write_text(self, text: str) -> None:
@@ -334,3 +336,13 @@ def describe_failure(location: str, message: str) -> str:
         )
     first = text.strip().splitlines()[0] if text.strip() else "unknown error"
     return f"cannot use {where!r} ({first[:200]})"
+
+
+def require_bucket(location: Location) -> None:
+    """A location in a bucket that does not exist is a StorageError (a path inside a missing bucket
+    only reads as not found)."""
+    if not location.remote:
+        return
+    parts = urlsplit(location.uri)
+    if not Location.of(urlunsplit(parts._replace(path=""))).exists():
+        raise StorageError(describe_failure(str(location), "NO_SUCH_BUCKET"))

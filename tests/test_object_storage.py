@@ -9,45 +9,70 @@ import time
 
 import pytest
 from faults import KillLastWorker
+from test_sources import mixture_cfg, write_corpora
 
+from mhf_dist.cli import main
 from mhf_dist.config import load_config
-from mhf_dist.data.prepare import prepare
 from mhf_dist.storage import Location, StorageError
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint, read_history
 from mhf_dist.train.ray_trainer import TrainOptions, train
 
-FEW_ROWS = [
-    "data.corpus=recall",
-    "model.vocab_size=40",
-    "train.seq_len=32",
-    "data.recall.examples=60",
-    "data.rows_per_shard=16",
+TRAIN = [
     "train.batch_size=8",
     "train.micro_batch_size=4",
     "train.lr=3e-3",
     "train.steps=8",
+    "train.log_every=4",
     "train.checkpoint_every=2",
     "train.keep_checkpoints=2",
+    "train.eval_rows=8",
 ]
 
 
 @pytest.fixture(scope="module")
-def local_shards(ray_session, tmp_path_factory):
-    path = tmp_path_factory.mktemp("shards") / "data"
-    prepare(load_config("tiny", [*FEW_ROWS, f"data.path={path}"]), path, log=lambda _: None)
-    return path
+def mixed_in_bucket(ray_session, s3_server):
+    """A .jsonl.gz and a parquet corpus in a bucket, mixed 3:1 by `mhf prepare` into shards in the same
+    bucket (tests/test_sources.py checks the mixture itself)."""
+    bucket = s3_server.make_bucket("storage-chain")
+    write_corpora(Location.of(f"{bucket}/corpora"))
+    cfg = mixture_cfg(f"{bucket}/corpora", f"{bucket}/data")
+    sources = [source.model_dump(exclude_none=True) for source in cfg.data.sources]
+    argv = [
+        "prepare",
+        "--config",
+        "tiny",
+        "--out",
+        cfg.data.path,
+        "--set",
+        f"data.sources={json.dumps(sources)}",
+    ]
+    keys = (
+        "data.tokenizer",
+        "model.vocab_size",
+        "model.hash.spec",
+        "data.rows_per_shard",
+        "data.val_percent",
+    )
+    flat = cfg.flat()
+    argv += [arg for key in keys for arg in ("--set", f"{key}={flat[key]}")]
+    assert main([*argv, "--set", f"train.seq_len={cfg.train.seq_len}"]) == 0
+    return bucket, cfg
 
 
-def test_a_run_stored_only_in_a_bucket_survives_a_killed_worker_with_the_local_loss_curve(
-    local_shards, bucket, tmp_path, monkeypatch
+def test_mixed_corpora_in_a_bucket_train_with_a_killed_worker_to_the_uninterrupted_curve(
+    mixed_in_bucket, tmp_path, monkeypatch, capsys
 ):
+    """The issue's chain: shards prepared into the bucket -> a 2-worker run stored only in the bucket,
+    one worker killed after step 5 and the run restarted from the bucket's checkpoint, its loss curve the
+    uninterrupted run's -> `mhf eval` and `mhf generate` on the exported model in the bucket."""
     from mlflow.tracking import MlflowClient
 
+    bucket, cfg = mixed_in_bucket
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    data = Location.of(f"{bucket}/data")
-    data.upload(local_shards, last="manifest.json")
     storage = f"{bucket}/runs"
-    remote = load_config("tiny", [*FEW_ROWS, f"data.path={data.uri}", f"topology.storage={storage}"])
+    remote = load_config(
+        "tiny", [*TRAIN, *(f"{k}={v}" for k, v in flat_data(cfg)), f"topology.storage={storage}"]
+    )
     fault = KillLastWorker(step=5, marker=tmp_path / "fault-injected")
     result = train(remote, TrainOptions(name="cut", max_failures=1), worker_callbacks=[fault])
     assert fault.marker.is_file()  # the worker did die, after the step-4 checkpoint
@@ -62,18 +87,42 @@ def test_a_run_stored_only_in_a_bucket_survives_a_killed_worker_with_the_local_l
     assert newest_checkpoint(Location.of(f"{storage}/cut")) == result.checkpoint
     assert not list(tmp_path.glob("**/checkpoint-*"))  # nothing of the run on the local disk
 
-    local = load_config("tiny", [*FEW_ROWS, f"data.path={local_shards}", f"topology.storage={tmp_path}"])
+    local = remote.model_copy(
+        update={"topology": remote.topology.model_copy(update={"storage": str(tmp_path)})}
+    )
     whole = read_history(train(local, TrainOptions(name="whole")).checkpoint)
     resumed = read_history(result.checkpoint)
     assert [h["step"] for h in resumed] == list(range(1, 9))
     assert [h["loss"] for h in resumed] == pytest.approx([h["loss"] for h in whole], abs=1e-6)
+    # Tokens per source: every training token of the 8 global batches, counted once across the restart.
+    seen = {key: value for key, value in resumed[-1].items() if key.startswith("tokens_seen.")}
+    assert set(seen) == {"tokens_seen.web", "tokens_seen.code"} and min(seen.values()) > 0
+    assert sum(seen.values()) == 8 * 8 * (cfg.train.seq_len + 1)
+    assert seen == {key: whole[-1][key] for key in seen}
 
+    client = MlflowClient(result.tracking_uri)
+    artifacts = client.list_artifacts(result.run_id)
+    assert sorted(artifact.path for artifact in artifacts) == ["model", "run.json"]
+    logged = client.get_metric_history(result.run_id, "tokens_seen.code")
+    assert [m.step for m in logged] == [4, 8] and logged[-1].value == seen["tokens_seen.code"]
     record = (Location.of(f"{storage}/cut") / "mlflow-run.json").read_text()
     assert "testing" not in record  # no credentials stored with the run
-    artifacts = MlflowClient(result.tracking_uri).list_artifacts(result.run_id)
-    assert sorted(artifact.path for artifact in artifacts) == ["model", "run.json"]
-    exported = result.checkpoint / MODEL_DIR
-    assert exported.is_dir() and json.loads((result.checkpoint / "run.json").read_text())["workers"] == 2
+
+    model = (result.checkpoint / MODEL_DIR).uri
+    capsys.readouterr()
+    assert main(["eval", "--model", model, "--task", "ppl", "--data", cfg.data.path]) == 0
+    assert "ppl" in capsys.readouterr().out
+    assert (
+        main(["generate", "--model", model, "--prompt", "abc", "--max-new-tokens", "8", "--seed", "1"]) == 0
+    )
+    assert capsys.readouterr().out.strip()
+
+
+def flat_data(cfg):
+    """The prepared data's settings, as `--set` pairs for a training config."""
+    flat = cfg.flat()
+    keys = ["data.path", "data.tokenizer", "model.vocab_size", "model.hash.spec", "train.seq_len"]
+    return [(key, flat[key]) for key in keys]
 
 
 @pytest.mark.parametrize(
@@ -83,12 +132,11 @@ def test_a_run_stored_only_in_a_bucket_survives_a_killed_worker_with_the_local_l
         ("nosuchscheme://bucket/runs", "pyarrow knows no filesystem for nosuchscheme://"),
     ],
 )
-def test_unusable_storage_is_one_line_and_exit_2_within_30_s(s3_server, local_shards, storage, says):
+def test_unusable_storage_is_one_line_and_exit_2_within_30_s(mixed_in_bucket, storage, says):
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "mhf_dist.cli", "train", "--config", "tiny", "--storage", storage]
-        + [arg for key in FEW_ROWS for arg in ("--set", key)]
-        + ["--set", f"data.path={local_shards}"],
+        + [arg for key, value in flat_data(mixed_in_bucket[1]) for arg in ("--set", f"{key}={value}")],
         capture_output=True,
         text=True,
         timeout=60,

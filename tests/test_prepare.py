@@ -1,4 +1,4 @@
-"""`mhf prepare` on Ray Data: packing, signatures, split stability, determinism, bad input."""
+"""`mhf prepare` on Ray: packing, signatures, split stability, determinism, resuming, bad input."""
 
 import json
 from pathlib import Path
@@ -9,13 +9,14 @@ import pytest
 
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
-from mhf_dist.data.corpus import read_corpus
-from mhf_dist.data.prepare import prepare
+from mhf_dist.data.corpus import corpus_files
+from mhf_dist.data.prepare import plan_parts, prepare, prepare_if_missing
 from mhf_dist.data.reader import RowReader
 from mhf_dist.data.shards import check_compatible, is_validation, read_manifest, verify_shards
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
 from mhf_dist.signatures import load_table
+from mhf_dist.storage import Location
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent on this machine")
@@ -99,26 +100,63 @@ def test_split_is_disjoint_by_document_and_matches_the_stable_hash(prepared):
     assert 0 < validation_docs < len(PARAGRAPHS)
 
 
-@pytest.mark.parametrize(("cpus", "files"), [(1, 1), (3, 7)])
-def test_same_inputs_give_byte_identical_shards_whatever_the_parallelism(prepared, tmp_path, cpus, files):
-    """The fixture ran 2 CPUs on 2 files (2 blocks); here the same documents in 1 or 7 files (blocks and
-    tokenize tasks), on 1 or 3 CPUs (a Ray Data limit): shards cut across other block boundaries."""
-    import ray.data
+@pytest.mark.parametrize(("cpus", "files", "part_bytes"), [(1, 1, 1 << 30), (3, 7, 1), (2, 7, 2500)])
+def test_same_inputs_give_byte_identical_shards_whatever_the_parallelism(
+    prepared, tmp_path, monkeypatch, cpus, files, part_bytes
+):
+    """The fixture ran 2 files as one part on 2 CPUs; here the same documents in 1 or 7 files, cut into
+    1, 7 or 4 parts (tokenize tasks, each a part file of its own), with 1 to 3 tasks at a time: shards
+    cut across other part and batch boundaries."""
+    import mhf_dist.data.prepare as prepare_module
 
     _, _, manifest = prepared
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for index, part in enumerate(np.array_split(np.array(PARAGRAPHS, dtype=object), files)):
         (corpus / f"{index}.txt").write_text("\n\n".join(part) + "\n")
-    options = ray.data.DataContext.get_current().execution_options
-    previous = options.resource_limits
-    options.resource_limits = ray.data.ExecutionResources(cpu=cpus)
-    try:
-        again = prepare(byte_cfg(corpus, tmp_path / "again"), tmp_path / "again", log=lambda _: None)
-    finally:
-        options.resource_limits = previous
+    monkeypatch.setattr(prepare_module, "PART_BYTES", part_bytes)
+    again = prepare(
+        byte_cfg(corpus, tmp_path / "again"), tmp_path / "again", num_cpus=cpus, log=lambda _: None
+    )
     assert again.content_sha256 == manifest.content_sha256
     assert again.splits == manifest.splits
+    parts = len(plan_parts([corpus_files(str(corpus))], ["text"]))
+    assert parts == {1 << 30: 1, 1: 7, 2500: 4}[part_bytes]
+
+
+def test_a_bucket_output_holds_the_local_outputs_bytes_and_verify_data_reads_it(prepared, bucket, capsys):
+    cfg, local, manifest = prepared
+    out = f"{bucket}/shards"
+    remote = prepare(byte_cfg(cfg.data.corpus, out), out, log=lambda _: None)
+    assert remote.content_sha256 == manifest.content_sha256
+    stored = dict(Location.of(out).files())
+    assert sorted(stored) == sorted(path.name for path in local.iterdir())  # no parts, no progress left
+    assert {"manifest.json", "tokenizer.json", "signatures.safetensors"} < set(stored)
+    for name in set(stored) - {"signatures.safetensors"}:  # (safetensors orders its header freely)
+        assert Location.of(f"{out}/{name}").read_bytes() == (local / name).read_bytes(), name
+    assert load_table(f"{out}/signatures.safetensors").fingerprint == manifest.signatures.fingerprint
+    assert main(["verify-data", out]) == 0
+    shards = sum(len(info.shards) for info in manifest.splits.values())
+    assert f"{shards} shards in {out} match" in capsys.readouterr().out
+    lines = []
+    prepare_if_missing(byte_cfg(cfg.data.corpus, out), log=lines.append)
+    assert lines == [f"prepared shards found in {out}; not preparing again"]
+
+
+def test_overwrite_in_a_bucket_replaces_only_an_mhf_dataset(prepared, bucket):
+    cfg = byte_cfg(prepared[0].data.corpus, "unused")
+    out = Location.of(f"{bucket}/data")
+    prepare(cfg, out, log=lambda _: None)
+    (out / "stale.txt").write_text("from before")
+    with pytest.raises(DataError, match=r"exists and is not empty; pass --overwrite"):
+        prepare(cfg, out, log=lambda _: None)
+    prepare(cfg, out, overwrite=True, log=lambda _: None)
+    assert (out / "manifest.json").is_file() and not (out / "stale.txt").exists()
+    foreign = Location.of(f"{bucket}/foreign")
+    (foreign / "keep.txt").write_text("someone else's")
+    with pytest.raises(DataError, match=r"holds files that are not an mhf dataset .*; choose another --out"):
+        prepare(cfg, foreign, overwrite=True, log=lambda _: None)
+    assert [name for name, _ in foreign.files()] == ["keep.txt"]
 
 
 def test_the_shards_are_checked_against_the_model_config(prepared):
@@ -188,7 +226,7 @@ def test_invalid_utf8_is_replaced_counted_and_warned(ray_session, tmp_path, caps
     [
         ("{tmp}/missing-dir/*.txt", [], "matches no file"),
         ("{tmp}/empty.txt", [], "holds no text"),
-        ("{tmp}/notes.md", [], "is not .jsonl, .parquet, .raw, .txt"),
+        ("{tmp}/notes.md", [], r"is not \.arrow, \.json, \.jsonl, \.parquet, \.raw, \.txt \(\.txt/"),
         ("{tmp}/docs.jsonl", ["data.text_field=body"], "has no field 'body'"),
         ("{tmp}/docs.jsonl", ["data.tokenizer={tmp}/broken.json"], "cannot read tokenizer"),
         ("{tmp}/docs.jsonl", ["data.tokenizer=bpe", "model.vocab_size=100"], "model.vocab_size"),
@@ -221,7 +259,7 @@ def test_a_hugging_face_name_without_network_says_to_pass_a_local_path(ray_sessi
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DataError, match="pass a local path"):
-        read_corpus("hf:Salesforce/wikitext")
+        corpus_files("hf:Salesforce/wikitext")
 
 
 def test_cli_prepare_reports_errors_in_one_line(ray_session, tmp_path, capsys):
@@ -424,11 +462,16 @@ def test_an_unwritable_output_or_zero_cpus_fails_before_any_work(tmp_path, capsy
     assert main(["prepare", *recall, "--out", str(tmp_path / "a-file" / "data")]) == 2
     assert "cannot write under" in capsys.readouterr().err
     assert main(["prepare", *recall, "--out", str(tmp_path / "data"), "--num-cpus", "0"]) == 2
-    assert "--num-cpus 0: Ray Data needs at least one CPU" in capsys.readouterr().err
+    assert "--num-cpus 0: Ray needs at least one CPU" in capsys.readouterr().err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]  # nothing staged or written
 
 
-def test_sigterm_stops_prepare_with_one_line_and_leaves_no_staging(tmp_path):
+def test_an_interrupted_prepare_leaves_no_manifest_and_a_rerun_resumes_to_the_same_shards(
+    ray_session, tmp_path
+):
+    """SIGTERM once some shards are written: one line, exit 143, no manifest anywhere; the rerun skips
+    the tokenized part and the shards already written (its log says how many) and writes the shards an
+    uninterrupted run writes."""
     import signal
     import subprocess
     import sys
@@ -436,17 +479,32 @@ def test_sigterm_stops_prepare_with_one_line_and_leaves_no_staging(tmp_path):
 
     from mhf_dist.data.corpus import builtin_documents
 
-    (tmp_path / "big.txt").write_text("\n\n".join(builtin_documents() * 40))  # ~19M characters
-    out = tmp_path / "out"
+    (tmp_path / "big.txt").write_text("\n\n".join(builtin_documents() * 3))  # ~1.4M characters
+    out, work = tmp_path / "out", tmp_path / ".out.partial"
+    settings = ["--tokenizer", "bytes", "--set", "model.vocab_size=259", "--set", "data.rows_per_shard=128"]
     command = [sys.executable, "-m", "mhf_dist.cli", "prepare", "--corpus", str(tmp_path / "big.txt"),
-               "--tokenizer", "bytes", "--set", "model.vocab_size=259", "--out", str(out)]  # fmt: skip
+               *settings, "--out", str(out)]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".out.*")) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    deadline = time.monotonic() + 240
+    while len(list(work.glob("progress/shards/*.json"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert process.poll() is None, "prepare ended before it could be stopped: give it more text"
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 143, stderr
     assert stderr.strip().splitlines()[-1].startswith("interrupted: SIGTERM")
-    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+    assert not out.exists() and not list(tmp_path.glob("**/manifest.json"))
+    written = len(list(work.glob("progress/shards/*.json")))
+
+    cfg = load_config("tiny", ["data.tokenizer=bytes", "model.vocab_size=259", "data.rows_per_shard=128",
+                               f"data.corpus={tmp_path / 'big.txt'}"])  # fmt: skip
+    lines = []
+    resumed = prepare(cfg, out, log=lines.append)
+    assert "resumed: 1 of 1 tokenized parts were already written and checked" in lines
+    skipped = next(line for line in lines if line.startswith("resumed:") and line.endswith("shards were "
+                   "already written and checked"))  # fmt: skip
+    assert int(skipped.split()[1]) == written < resumed.splits["train"].rows // 128
+    assert not work.exists() and verify_shards(out) == sum(len(s.shards) for s in resumed.splits.values())
+    uninterrupted = prepare(cfg, tmp_path / "whole", log=lambda _: None)
+    assert resumed.content_sha256 == uninterrupted.content_sha256
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "whole").iterdir())

@@ -84,6 +84,9 @@ def test_the_training_split_holds_the_asked_share_of_replayed_tokens_determinist
         replay_record.tokens + main_record.tokens
         == sum(getattr(manifest.splits["train"], key) for key in ("target_tokens", "dropped_tokens")) + 1
     )  # the stream's first token is no target
+    corpus, replayed = manifest.sources  # the same counts, as the mixture's two sources
+    assert (corpus.name, replayed.name, replayed.tokens) == ("corpus", "replay", replay_record.tokens)
+    assert replayed.share == pytest.approx(mixture.realised_fraction) and replayed.validation_documents == 0
     # Validation is data.corpus alone; the replay never uses what the split rule holds out.
     assert byte_counts(cfg.data.path, "validation")[0] == 0
     candidates = [doc for doc in corpora[2] if not is_validation(doc, VAL_PERCENT)]

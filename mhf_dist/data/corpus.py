@@ -1,31 +1,74 @@
-"""Corpus readers: every source becomes a Ray Dataset of documents {"text", "replaced"} in a fixed order.
+"""Corpus readers: a corpus is a sorted list of files, each read as a stream of bounded batches of
+documents {"text", "replaced"}, in a fixed order.
 
-Sources: `builtin`; a directory, file or glob of `.txt`/`.raw` (documents separated by blank lines),
-`.jsonl` (one document per line, field `text_field`) or `.parquet` (column `text_field`); or `hf:NAME`,
-a Hugging Face dataset (needs the network and `pip install mhf-dist[hf]`). `replaced` counts invalid
-UTF-8 sequences replaced by U+FFFD in that document.
+Where (`data.corpus`): `builtin`; a file, a directory (every corpus file below it) or a glob, on the
+local disk or in a bucket (`s3://`, `gs://`: a directory is a prefix; a glob lists the prefix before its
+first wildcard and keeps the names that match it by `fnmatch` rules, where `*` also matches `/`; `?`
+would start the URI's query there); or `hf:NAME`, a Hugging Face dataset (needs the network and
+`pip install mhf-dist[hf]`), read from the `.arrow` files of its local cache.
+
+What, by suffix: `.txt`/`.raw` (documents separated by blank lines), `.jsonl`/`.json` (JSON lines, the
+document in field `text_field`), each optionally compressed (`.gz`, `.zst`, `.bz2`); `.parquet` with any
+codec (column `text_field`); Arrow IPC `.arrow`, stream format (Hugging Face datasets' files) or file
+format, optionally compressed as a whole (`.arrow.zst`). Every reader streams: a batch holds at most
+about `BATCH_BYTES` of text (or one longer document), so a file of any size is never loaded whole.
+`replaced` counts invalid UTF-8 sequences replaced by U+FFFD in a document (text files only: the other
+kinds hold UTF-8 strings by construction).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
+import json
 import pydoc_data.topics
 import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.ipc as ipc
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
 
 from mhf_dist.errors import DataError
-
-if TYPE_CHECKING:
-    import ray.data
+from mhf_dist.storage import Location, StorageError, describe_failure, is_uri, require_bucket
 
 BUILTIN_NAME = "builtin"
-TEXT_SUFFIXES = {".txt", ".raw"}
-SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".parquet"}
+KINDS = {
+    ".txt": "text",
+    ".raw": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".bz2": "bz2"}  # pyarrow codec names
+SUFFIXES_TEXT = (
+    f"{', '.join(sorted(KINDS))} (.txt/.raw/.json/.jsonl/.arrow optionally {', '.join(COMPRESSIONS)})"
+)
+BATCH_BYTES = 4 << 20  # text per batch of documents
+JSON_BLOCK_BYTES = 32 << 20  # pyarrow's JSON reader needs every line inside one block
 REPLACEMENT = "\ufffd"
 _BLANK_LINES = re.compile(r"\n[ \t\r]*\n")
+_BLANK_LINE_BYTES = re.compile(rb"\n[ \t\r]*\n")
+_WILDCARD = re.compile(r"[*?\[]")
+_ARROW_FILE_MAGIC = b"ARROW1\0\0"  # the file format: this, then the stream format, then a footer
+GENERIC_FAILURE = "cannot use "  # how `describe_failure` begins a failure it cannot name
+
+
+@dataclass(frozen=True)
+class CorpusFile:
+    """One file of a corpus: `uri` (a local absolute path or the URI as given), its size in bytes, its
+    kind (text, json, parquet, arrow or builtin) and whole-file compression (a pyarrow codec name)."""
+
+    uri: str
+    size: int
+    kind: str
+    compression: str | None = None
 
 
 def builtin_documents() -> list[str]:
@@ -37,34 +80,109 @@ def builtin_documents() -> list[str]:
     return [topics[name].strip() for name in sorted(topics) if topics[name].strip()]
 
 
-def corpus_files(spec: str) -> list[Path]:
-    """The sorted files a path, directory or glob names; errors for none or mixed kinds."""
-    path = Path(spec)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
-    elif path.is_file():
-        files = [path]
+def file_kind(name: str) -> tuple[str, str | None] | None:
+    """(kind, compression) that a file's name says, or None for a name that is no corpus file."""
+    suffix = Path(name).suffix.lower()
+    compression = COMPRESSIONS.get(suffix)
+    if compression is not None:
+        suffix = Path(name[: -len(suffix)]).suffix.lower()
+    kind = KINDS.get(suffix)
+    if kind is None or (kind == "parquet" and compression is not None):  # parquet compresses inside
+        return None
+    return kind, compression
+
+
+def corpus_files(spec: str) -> list[CorpusFile]:
+    """The sorted files that `spec` names; a one-line error for none or an unknown kind, and a
+    `StorageError` for a bucket that is missing or cannot be reached."""
+    if spec == BUILTIN_NAME:
+        return [CorpusFile(BUILTIN_NAME, sum(map(len, builtin_documents())), "builtin")]  # size: for the key
+    if spec.startswith("hf:"):
+        return _huggingface_files(spec[3:])
+    where = Location.of(spec)
+    if where.is_dir():
+        found = [(where / name, size) for name, size in where.files() if file_kind(name)]
+        if not found:
+            raise DataError(f"corpus directory {str(where)!r} holds no {SUFFIXES_TEXT} files")
+    elif where.is_file():
+        found = [(where, where.size())]
     else:
-        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
-        if not files:
-            raise DataError(f"corpus {spec!r} matches no file; pass 'builtin', a directory, a file or a glob")
-    if not files:
-        raise DataError(f"corpus directory {spec!r} holds no {', '.join(sorted(SUFFIXES))} files")
-    kinds = {".txt" if f.suffix in TEXT_SUFFIXES else f.suffix for f in files}
-    unknown = [f for f in files if f.suffix not in SUFFIXES]
-    if unknown:
-        raise DataError(f"corpus file {str(unknown[0])!r} is not {', '.join(sorted(SUFFIXES))}; convert it")
-    if len(kinds) > 1:
-        raise DataError(f"corpus {spec!r} mixes {', '.join(sorted(kinds))} files; prepare one kind at a time")
+        found = _glob(spec) if _WILDCARD.search(where.path) else []
+        if not found:
+            raise _nothing_at(where)
+    files = []
+    for location, size in found:
+        kind = file_kind(location.name)
+        if kind is None:
+            raise DataError(f"corpus file {str(location)!r} is not {SUFFIXES_TEXT}; convert it")
+        files.append(CorpusFile(location.uri, size, *kind))
     return files
 
 
-def split_text_file(raw: bytes) -> tuple[list[str], list[int]]:
-    """One raw text file -> its documents (blank-line separated) and the invalid UTF-8 sequences
-    replaced in each.
+def _nothing_at(where: Location) -> DataError:
+    """No file at `where` (unless its bucket is missing: that is a StorageError)."""
+    require_bucket(where)
+    return DataError(f"corpus {str(where)!r} matches no file; pass 'builtin', a directory, a file or a glob")
 
-    In a file that is not valid UTF-8, every U+FFFD after decoding counts as replaced (one written in
-    the file on purpose cannot be told apart from a decoding error there).
+
+def _glob(spec: str) -> list[tuple[Location, int]]:
+    """Local: `glob.glob` (recursive `**`); in a bucket: the listing below the glob's first wildcard,
+    matched by fnmatch."""
+    if not is_uri(spec):
+        paths = sorted(Path(p).absolute() for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        return [(Location.of(path), path.stat().st_size) for path in paths]
+    first = _WILDCARD.search(spec)
+    assert first is not None
+    base = Location.of(spec[: spec.rfind("/", 0, first.start())])
+    pattern = Location.of(spec).path
+    return [
+        (base / name, size)
+        for name, size in base.files()
+        if fnmatch.fnmatchcase(f"{base.path.rstrip('/')}/{name}", pattern)
+    ]
+
+
+def read_documents(
+    file: CorpusFile, text_field: str = "text", row_groups: tuple[int, int] | None = None
+) -> Iterator[pa.Table]:
+    """The documents of one corpus file as tables {"text": string, "replaced": int64} of at most about
+    BATCH_BYTES of text each, in file order (`row_groups`: only parquet row groups [first, end))."""
+    if file.kind == "builtin":
+        yield _documents(pa.array(builtin_documents(), pa.string()))
+        return
+    where = Location.of(file.uri)
+    try:
+        if file.kind == "parquet":
+            yield from _parquet_documents(where, text_field, row_groups)
+        else:
+            readers = {"text": _text_documents, "json": _json_documents, "arrow": _arrow_documents}
+            yield from readers[file.kind](where, file.compression, text_field)
+    except (OSError, pa.ArrowInvalid) as err:
+        # A store that cannot be reached says so in its message; any other failure is the file's content.
+        line = describe_failure(str(where), str(err))
+        if isinstance(err, OSError) and not line.startswith(GENERIC_FAILURE):
+            raise StorageError(line) from None
+        problem = str(err).strip().splitlines()[0][:200]
+        raise DataError(
+            f"cannot read corpus file {str(where)!r} as {file.kind} ({problem}); fix or remove it"
+        ) from None
+
+
+def corpus_texts(spec: str, text_field: str = "text") -> list[str]:
+    """Every document of a (small) corpus, read in this process, e.g. to learn new tokens from."""
+    return [
+        text
+        for file in corpus_files(spec)
+        for batch in read_documents(file, text_field)
+        for text in batch["text"].to_pylist()
+    ]
+
+
+def split_text_file(raw: bytes) -> tuple[list[str], list[int]]:
+    """Raw text -> its documents (blank-line separated) and the invalid UTF-8 sequences replaced in each.
+
+    In text that is not valid UTF-8, every U+FFFD after decoding counts as replaced (one written in the
+    text on purpose cannot be told apart from a decoding error there).
     """
     try:
         text, invalid = raw.decode("utf-8"), False
@@ -74,60 +192,133 @@ def split_text_file(raw: bytes) -> tuple[list[str], list[int]]:
     return documents, [doc.count(REPLACEMENT) if invalid else 0 for doc in documents]
 
 
-def split_text_files(batch: pa.Table) -> pa.Table:
-    """Ray Data task: files (a `bytes` column) -> documents as one Arrow table (a row-wise flat_map
-    spent 6 s of Ray Data's per-row overhead on WikiText-2 x 16 where the splitting takes 0.3 s)."""
-    texts: list[str] = []
-    replaced: list[int] = []
-    for raw in batch["bytes"].to_pylist():
-        documents, counts = split_text_file(raw)
-        texts += documents
-        replaced += counts
-    return pa.table({"text": pa.array(texts, type=pa.string()), "replaced": pa.array(replaced, pa.int64())})
-
-
 def split_documents(text: str) -> list[str]:
     """The documents of a plain text: separated by blank (or whitespace-only) lines."""
     documents = (doc.strip() for doc in _BLANK_LINES.split(text.replace("\r\n", "\n")))
     return [doc for doc in documents if doc]
 
 
-def read_corpus(spec: str, text_field: str = "text") -> ray.data.Dataset:
-    """The documents of `spec` as a Ray Dataset with columns `text` and `replaced`."""
-    import ray.data
+def _documents(texts: pa.Array, replaced: list[int] | None = None) -> pa.Table:
+    """A batch of documents; a missing (null) text is an empty document, as it was read."""
+    texts = pc.fill_null(pc.cast(texts, pa.string()), "")
+    counts = pa.array(replaced if replaced is not None else [0] * len(texts), pa.int64())
+    return pa.table({"text": texts, "replaced": counts})
 
-    if spec == BUILTIN_NAME:
-        return ray.data.from_items([{"text": doc, "replaced": 0} for doc in builtin_documents()])
-    if spec.startswith("hf:"):
-        return _read_huggingface(spec[3:], text_field)
-    files = [str(f) for f in corpus_files(spec)]
-    suffix = Path(files[0]).suffix
-    if suffix in TEXT_SUFFIXES:
-        return ray.data.read_binary_files(files).map_batches(
-            split_text_files, batch_format="pyarrow", batch_size=None
-        )
-    dataset = ray.data.read_json(files, lines=True) if suffix == ".jsonl" else ray.data.read_parquet(files)
-    if text_field not in dataset.columns():
-        raise DataError(
-            f"corpus {spec!r} has no field {text_field!r} (fields: {', '.join(dataset.columns())}); "
-            "set data.text_field"
-        )
-    return dataset.select_columns([text_field]).map(
-        lambda row: {"text": row[text_field] or "", "replaced": 0}
+
+def bounded_ranges(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive [start, stop) ranges of the items whose sizes sum to at most `limit` (an item larger
+    than `limit` is a range alone)."""
+    ranges, start, total = [], 0, 0
+    for index, size in enumerate(sizes):
+        if total and total + size > limit:
+            ranges.append((start, index))
+            start, total = index, 0
+        total += size
+    return [*ranges, (start, len(sizes))] if len(sizes) else []
+
+
+def _bounded(texts: pa.Array) -> Iterator[pa.Table]:
+    """`texts` cut into batches of at most about BATCH_BYTES (a longer document is a batch alone)."""
+    sizes = pc.fill_null(pc.binary_length(texts), 0).to_numpy(zero_copy_only=False).tolist()
+    for start, stop in bounded_ranges(sizes, BATCH_BYTES):
+        yield _documents(texts[start:stop])
+
+
+def _input_stream(where: Location, compression: str | None) -> Any:
+    """The file's bytes, decompressed by the codec its name says (pyarrow's default, "detect", would
+    guess too, but only for names it knows)."""
+    return where.fs.open_input_stream(where.path, compression=compression)
+
+
+def _text_documents(where: Location, compression: str | None, _field: str) -> Iterator[pa.Table]:
+    """Read in chunks cut after a blank line: every document lies whole in one chunk, and the chunks'
+    documents are the file's (a cut inside the whitespace between documents moves none of them).
+    A chunk is decoded alone, so `replaced` follows `split_text_file`'s rule per chunk."""
+    with _input_stream(where, compression) as stream:
+        carry = b""
+        while True:
+            chunk = stream.read(BATCH_BYTES)
+            data = carry + chunk
+            cut = _last_blank_line_end(data, max(0, carry.rfind(b"\n"))) if chunk else len(data)
+            if cut:
+                documents, replaced = split_text_file(data[:cut])
+                if documents:
+                    yield _documents(pa.array(documents, pa.string()), replaced)
+            carry = data[cut:]
+            if not chunk:
+                return
+
+
+def _last_blank_line_end(data: bytes, start: int) -> int:
+    """The end of the last blank line in data[start:] (0: none). A blank line that begins before
+    `start` in `data` is one that begins at its last newline, which `start` is."""
+    end = 0
+    for match in _BLANK_LINE_BYTES.finditer(data, start):
+        end = match.end()
+    return end
+
+
+def _json_documents(where: Location, compression: str | None, field: str) -> Iterator[pa.Table]:
+    options = pajson.ParseOptions(
+        explicit_schema=pa.schema([pa.field(field, pa.string())]), unexpected_field_behavior="ignore"
     )
+    with _input_stream(where, compression) as stream:
+        reader = pajson.open_json(
+            stream, read_options=pajson.ReadOptions(block_size=JSON_BLOCK_BYTES), parse_options=options
+        )
+        for index, batch in enumerate(reader):
+            column = batch.column(field)
+            if index == 0 and len(column) and column.null_count == len(column):
+                raise DataError(_no_field(where, field, _json_fields(where, compression)))
+            yield from _bounded(column)
 
 
-def corpus_texts(spec: str, text_field: str = "text") -> list[str]:
-    """Every document of a (small) corpus in this process, e.g. to learn new tokens from."""
-    from mhf_dist.ray_utils import ensure_ray
+def _json_fields(where: Location, compression: str | None) -> list[str]:
+    """The fields of the file's first JSON line (for the error message)."""
+    with _input_stream(where, compression) as stream:
+        first = stream.read(1 << 20).split(b"\n", 1)[0]
+    try:
+        record = json.loads(first)
+    except ValueError:
+        return []
+    return sorted(record) if isinstance(record, dict) else []
 
-    ensure_ray()
-    return [row["text"] for row in read_corpus(spec, text_field).iter_rows()]
+
+def _parquet_documents(where: Location, field: str, row_groups: tuple[int, int] | None) -> Iterator[pa.Table]:
+    with where.fs.open_input_file(where.path) as handle:
+        parquet = pq.ParquetFile(handle)
+        names = parquet.schema_arrow.names
+        if field not in names:
+            raise DataError(_no_field(where, field, names))
+        groups = range(*row_groups) if row_groups else range(parquet.num_row_groups)
+        for group in groups:
+            for batch in parquet.iter_batches(batch_size=4096, row_groups=[group], columns=[field]):
+                yield from _bounded(batch.column(0))
 
 
-def _read_huggingface(name: str, text_field: str) -> ray.data.Dataset:
-    import ray.data
+def _arrow_documents(where: Location, compression: str | None, field: str) -> Iterator[pa.Table]:
+    with _arrow_stream(where, compression) as stream, ipc.open_stream(stream) as reader:
+        if field not in reader.schema.names:
+            raise DataError(_no_field(where, field, reader.schema.names))
+        for batch in reader:
+            yield from _bounded(batch.column(field))
 
+
+def _arrow_stream(where: Location, compression: str | None) -> Any:
+    """An IPC stream: the stream format from its first byte, or the file format after its 8-byte magic
+    (the stream it holds; so a compressed file, which cannot seek to its footer, streams too)."""
+    stream = _input_stream(where, compression)
+    if stream.read(len(_ARROW_FILE_MAGIC)) == _ARROW_FILE_MAGIC:
+        return stream
+    stream.close()
+    return _input_stream(where, compression)
+
+
+def _no_field(where: Location, field: str, names: list[str]) -> str:
+    return f"corpus {str(where)!r} has no field {field!r} (fields: {', '.join(names)}); set data.text_field"
+
+
+def _huggingface_files(name: str) -> list[CorpusFile]:
     try:
         import datasets
     except ImportError:
@@ -140,8 +331,7 @@ def _read_huggingface(name: str, text_field: str) -> ray.data.Dataset:
         raise DataError(
             f"cannot load Hugging Face dataset {name!r} ({type(err).__name__}); offline? pass a local path"
         ) from None
-    if text_field not in dataset.column_names:
-        raise DataError(f"hf:{name} has no field {text_field!r}; set data.text_field")
-    return ray.data.from_huggingface(dataset.select_columns([text_field])).map(
-        lambda row: {"text": row[text_field] or "", "replaced": 0}
-    )
+    files = [Path(entry["filename"]) for entry in dataset.cache_files]
+    if not files:
+        raise DataError(f"hf:{name} has no cache files to read; save it with save_to_disk and pass the path")
+    return [CorpusFile(str(path), path.stat().st_size, "arrow") for path in files]

@@ -1,98 +1,106 @@
-"""Training text from two sources: `data.corpus` whole, plus a replayed share of `data.replay.corpus`.
+"""Training text from several sources, each a share of the training tokens.
 
-Every document carries `source` (0: data.corpus, 1: the replayed corpus) and `key`, a stable content
-hash. data.corpus is split into train and validation as always (`shards.is_validation`). The replayed
-corpus adds training documents only: those the same split rule puts in validation are never used (they
-may be the parent's own held-out text), so the validation split stays data.corpus alone. Of the rest,
-documents are taken in the order of `key` = MurmurHash3(text, data.replay.seed) until about
-`fraction` of the training tokens (boundary tokens included, counted before packing) come from the
-replay: a document is in iff its key is below a threshold the driver computes from the per-document
-token counts. Membership depends only on the text, the seed and the counts, never on how Ray cut the
-data into blocks, so the shards are the same on any cluster. Replayed documents follow data.corpus's in
-the token stream; the reader's shuffle (`data.shuffle`) mixes the rows.
+Three settings name the sources (`sources`):
+- `data.corpus`: one source, used whole.
+- `data.sources: [{name, corpus, weight}]`: the weights (normalised to sum 1) are shares of the
+  training tokens. Each source's training documents are taken in the order of a stable content key,
+  MurmurHash3(text, data.mixture_seed), until its share is reached. Nothing is repeated (no
+  upsampling): the source that runs out first is used whole and sets the total, so a heavy weight on a
+  small source shrinks the whole mixture rather than replaying that source. Validation: every source's
+  held-out documents (`shards.is_validation`), all of them.
+- `data.replay` (`mhf cpt --replay`): data.corpus whole (train and validation, as always) plus a
+  replayed share `fraction` of the training tokens from replay.corpus, keyed by data.replay.seed. The
+  replayed corpus adds training documents only: those the split rule holds out are never used (they may
+  be the parent's own held-out text), so the validation split stays data.corpus alone. A replay corpus
+  with too little text is used whole (a warning says so).
 
-A further weighted source would be one more `source` value with a threshold of its own (no such setting yet).
+A keyed source's training document is in iff its key is below the source's threshold, which the driver
+computes from every candidate's key and token count (`choose_threshold`: whole documents in key order,
+the cut closest to the target). Tokens are those of the documents with their boundary tokens, before
+packing. Membership depends only on the text, the seed and the counts, never on how the work was cut
+into tasks, so the shards are the same on any cluster. In the token stream the sources follow one
+another in their order, each in corpus order; the reader's shuffle (`data.shuffle`) mixes the rows, and
+each row's `source_tokens` (shards.py) says how many of its tokens came from each source.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mmh3
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from mhf_dist.config import DataConfig
-from mhf_dist.data.shards import is_validation
+from mhf_dist.storage import redact
 
-MAIN, REPLAY = 0, 1
-NONE_SELECTED = 0  # a threshold that takes no replayed document
-
-
-def label_main(batch: pa.Table) -> pa.Table:
-    """data.corpus's documents: source 0, key 0 (all of them are used)."""
-    return batch.append_column("source", pa.array(np.full(batch.num_rows, MAIN, np.int8))).append_column(
-        "key", pa.array(np.zeros(batch.num_rows, np.int64))
-    )
+NONE_SELECTED = 0  # a threshold that takes no document
+ALL_SELECTED = 2**32  # above every 32-bit key
 
 
-def label_replay(batch: pa.Table, val_percent: float, seed: int) -> pa.Table:
-    """The replayed corpus's candidates: training documents only, keyed by their content hash."""
-    texts = batch["text"].to_pylist()
-    keep = pa.array([not is_validation(text, val_percent) for text in texts])
-    kept = batch.filter(keep)
-    keys = [mmh3.hash(text.encode(), seed, signed=False) for text in kept["text"].to_pylist()]
-    return pa.table(
-        {
-            "text": kept["text"],
-            "replaced": kept["replaced"],
-            "split": pa.array(["train"] * kept.num_rows, pa.string()),
-            "source": pa.array(np.full(kept.num_rows, REPLAY, np.int8)),
-            "key": pa.array(keys, pa.int64()),
-        }
-    )
+@dataclass(frozen=True)
+class Source:
+    """One source of training text. `keyed`: its training documents are chosen by key (else all are
+    used); `validation`: its held-out documents are part of the validation split."""
+
+    name: str
+    corpus: str
+    text_field: str
+    weight: float  # its share of the training tokens; the sources' weights sum to 1
+    seed: int = 0
+    keyed: bool = False
+    validation: bool = True
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """A keyed source's training documents: key and token count of each (any order)."""
+
+    keys: np.ndarray
+    tokens: np.ndarray
+
+
+def sources(data: DataConfig) -> list[Source]:
+    """The sources `data` names, in stream order."""
+    if len(data.sources) > 1:
+        total = sum(source.weight for source in data.sources)
+        return [
+            Source(
+                source.name,
+                source.corpus,
+                source.text_field or data.text_field,
+                source.weight / total,
+                data.mixture_seed,
+                keyed=True,
+            )
+            for source in data.sources
+        ]
+    if data.sources:
+        (only,) = data.sources
+        return [Source(only.name, only.corpus, only.text_field or data.text_field, 1.0)]
+    if replays(data):
+        fraction = data.replay.fraction
+        return [
+            Source("corpus", data.corpus, data.text_field, 1 - fraction),
+            Source(
+                "replay",
+                str(data.replay.corpus),
+                data.text_field,
+                fraction,
+                data.replay.seed,
+                keyed=True,
+                validation=False,
+            ),
+        ]
+    return [Source("corpus", data.corpus, data.text_field, 1.0)]
 
 
 def replays(data: DataConfig) -> bool:
     return data.replay.corpus is not None and data.replay.fraction > 0
 
 
-def with_replay(documents: Any, data: DataConfig) -> Any:
-    """`documents` (data.corpus, with its split) labelled, followed by the replayed corpus's candidates."""
-    from mhf_dist.data.corpus import read_corpus
-
-    main = documents.map_batches(label_main, batch_format="pyarrow")
-    if not replays(data):
-        return main
-    replay = read_corpus(data.replay.corpus, data.text_field).map_batches(
-        label_replay,
-        batch_format="pyarrow",
-        fn_kwargs={"val_percent": data.val_percent, "seed": data.replay.seed},
-    )
-    return main.union(replay)
-
-
-def in_split(block: pa.Table, split: str, threshold: int) -> pa.Array:
-    """The documents of `block` that `split` holds: data.corpus's, and replayed ones below `threshold`."""
-    chosen = pc.or_(pc.equal(block["source"], MAIN), pc.less(block["key"], threshold))
-    return pc.and_(pc.equal(block["split"], split), chosen)
-
-
-def candidates(block: pa.Table) -> dict[str, np.ndarray]:
-    """Key, tokens and replaced count of each replayed candidate in a tokenized block."""
-    if block.num_rows == 0:
-        return {
-            "key": np.zeros(0, np.int64),
-            "tokens": np.zeros(0, np.int64),
-            "replaced": np.zeros(0, np.int64),
-        }
-    rows = block.filter(pc.equal(block["source"], REPLAY))
-    return {
-        "key": rows["key"].to_numpy(),
-        "tokens": pc.list_value_length(rows["ids"]).to_numpy().astype(np.int64),
-        "replaced": rows["replaced"].to_numpy().astype(np.int64),
-    }
+def content_key(text: str, seed: int) -> int:
+    return mmh3.hash(text.encode(), seed, signed=False)
 
 
 def choose_threshold(keys: np.ndarray, tokens: np.ndarray, target: float) -> int:
@@ -108,43 +116,87 @@ def choose_threshold(keys: np.ndarray, tokens: np.ndarray, target: float) -> int
     return NONE_SELECTED if best == 0 else int(sorted_keys[ends[best - 1]]) + 1
 
 
-def select(counts: list[dict[str, Any]], data: DataConfig) -> tuple[int, dict[str, Any] | None]:
-    """Adds each block's chosen replayed documents to its `train` counts (in place); returns the threshold
-    and the manifest's `mixture` record (None without replay)."""
-    if not replays(data):
-        return NONE_SELECTED, None
-    fraction = data.replay.fraction
-    main_tokens = sum(block["train"]["tokens"] for block in counts)
-    main_documents = sum(block["train"]["documents"] for block in counts)
-    keys = np.concatenate([block["candidates"]["key"] for block in counts])
-    tokens = np.concatenate([block["candidates"]["tokens"] for block in counts])
-    target = fraction / (1 - fraction) * main_tokens
-    threshold = choose_threshold(keys, tokens, target)
-    replay_tokens = replay_documents = 0
-    for block in counts:
-        chosen = block["candidates"]["key"] < threshold
-        added = int(block["candidates"]["tokens"][chosen].sum())
-        block["train"]["tokens"] += added
-        block["train"]["documents"] += int(chosen.sum())
-        block["train"]["replaced"] += int(block["candidates"]["replaced"][chosen].sum())
-        replay_tokens += added
-        replay_documents += int(chosen.sum())
-    total = main_tokens + replay_tokens
-    record = {
-        "requested_fraction": fraction,
-        "realised_fraction": replay_tokens / total if total else 0.0,
+def thresholds(
+    mixed: list[Source], whole_tokens: list[int], candidates: list[Candidates | None]
+) -> list[int | None]:
+    """Each keyed source's key threshold (None for a source used whole).
+
+    The total is set by a source used whole (data.corpus beside a replay), else by the keyed source that
+    runs out first (its available tokens over its weight); each keyed source's target is its weight of
+    that total.
+    """
+    available = [
+        int(pool.tokens.sum()) if pool is not None else tokens
+        for pool, tokens in zip(candidates, whole_tokens, strict=True)
+    ]
+    whole = [index for index, source in enumerate(mixed) if not source.keyed]
+    ratios = {index: available[index] / mixed[index].weight for index in whole or range(len(mixed))}
+    limiting = min(ratios, key=ratios.__getitem__)
+    chosen: list[int | None] = []
+    for index, (source, pool) in enumerate(zip(mixed, candidates, strict=True)):
+        target = source.weight * ratios[limiting]
+        if pool is None:
+            chosen.append(None)
+        elif index == limiting or available[index] <= target:
+            chosen.append(ALL_SELECTED)
+        else:
+            chosen.append(choose_threshold(pool.keys, pool.tokens, target))
+    return chosen
+
+
+def source_records(mixed: list[Source], taken: list[dict[str, int]]) -> list[dict[str, Any]]:
+    """The manifest's `sources`: what each source gave (`taken`: documents, tokens and validation
+    counts per source)."""
+    total = sum(counts["tokens"] for counts in taken)
+    return [
+        {
+            "name": source.name,
+            "corpus": redact(source.corpus),
+            "weight": source.weight,
+            "documents": counts["documents"],
+            "tokens": counts["tokens"],
+            "share": counts["tokens"] / total if total else 0.0,
+            "validation_documents": counts["validation_documents"],
+            "validation_tokens": counts["validation_tokens"],
+        }
+        for source, counts in zip(mixed, taken, strict=True)
+    ]
+
+
+def describe(mixed: list[Source], records: list[dict[str, Any]], limits: list[int | None]) -> str:
+    """One log line: each source's realised share against its weight, and which source ran out first."""
+    parts = [
+        f"{record['name']} {record['share']:.2%} (asked {record['weight']:.2%}; {record['tokens']:,} tokens, "
+        f"{record['documents']:,} documents)"
+        for record in records
+    ]
+    ran_out = [source.name for source, limit in zip(mixed, limits, strict=True) if limit == ALL_SELECTED]
+    whole = f"{', '.join(ran_out)} ran out first and is used whole" if ran_out else "none ran out"
+    return (
+        f"mixture of the training tokens (seed {mixed[0].seed}; no upsampling: {whole}): {', '.join(parts)}"
+    )
+
+
+def replay_record(
+    data: DataConfig, records: list[dict[str, Any]], threshold: int, candidates: Candidates
+) -> dict[str, Any]:
+    """The manifest's train-split `mixture` record of a replay (`shards.Mixture`)."""
+    main, replay = records
+    total = main["tokens"] + replay["tokens"]
+    return {
+        "requested_fraction": data.replay.fraction,
+        "realised_fraction": replay["tokens"] / total if total else 0.0,
         "threshold": threshold,
         "sources": [
-            {"corpus": data.corpus, "documents": main_documents, "tokens": main_tokens},
+            {"corpus": main["corpus"], "documents": main["documents"], "tokens": main["tokens"]},
             {
-                "corpus": data.replay.corpus,
+                "corpus": replay["corpus"],
                 "seed": data.replay.seed,
-                "documents": replay_documents,
-                "tokens": replay_tokens,
-                "candidate_documents": len(keys),
-                "candidate_tokens": int(tokens.sum()),
+                "documents": replay["documents"],
+                "tokens": replay["tokens"],
+                "candidate_documents": len(candidates.keys),
+                "candidate_tokens": int(candidates.tokens.sum()),
             },
         ],
         "tokens": "train-split document tokens with their boundary tokens, before packing",
     }
-    return threshold, record

@@ -1,10 +1,14 @@
 """Prepared shards on disk: parquet files of packed rows with their signatures, and the manifest.
 
 A prepared directory holds `manifest.json` (written last: its presence means the directory is
-complete), `tokenizer.json`, `signatures.safetensors` and `{split}-{index:05d}.parquet` shards with two
-columns: `input_ids` (fixed-size list of seq_len+1 int32) and `signatures` (fixed-size list of
+complete), `tokenizer.json`, `signatures.safetensors` and `{split}-{index:05d}.parquet` shards with the
+columns `input_ids` (fixed-size list of seq_len+1 int32) and `signatures` (fixed-size list of
 (seq_len+1)*H unsigned ints, row-major [T+1, H], in the smallest type that holds B), one row per row
 group (`rows_per_group` in the manifest; `mhf_dist.data.reader` reads rows by index through it).
+Shards of text from more than one source (`data.sources`, `data.replay`) have a third column,
+`source_tokens`: a fixed-size list of int32, one count per source in the order of the manifest's
+`sources`, the tokens of that row (all seq_len+1 of them) that came from each source; the counts of a
+row sum to seq_len+1. A dataset of one source has no such column: every token is from `sources[0]`.
 
 `Manifest` is the manifest's typed form: `read_manifest` validates the file against it (strict: a
 missing, extra or mistyped field, or shard digests that no longer hash to `content_sha256`, is a
@@ -50,7 +54,7 @@ def is_validation(text: str, val_percent: float) -> bool:
 
 def file_sha256(path: Path | Location) -> str:
     where = Location.of(path)
-    with storage_errors(where), where.fs.open_input_stream(where.path) as handle:
+    with storage_errors(where), where.fs.open_input_stream(where.path, compression=None) as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
@@ -81,6 +85,20 @@ class Mixture(_Record):
     threshold: int
     sources: list[MixtureSource]
     tokens: str  # what the token counts count
+
+
+class SourceInfo(_Record):
+    """One source of the text (`mhf_dist.data.mixture`), in the order of the shards' `source_tokens`.
+    Tokens are document tokens with their boundary tokens, before packing."""
+
+    name: str
+    corpus: str  # redacted: no credentials
+    weight: float  # the share of the training tokens asked for (the weights sum to 1)
+    documents: int  # training documents taken
+    tokens: int  # their tokens
+    share: float  # the realised share: tokens over every source's training tokens
+    validation_documents: int
+    validation_tokens: int
 
 
 class SplitInfo(_Record):
@@ -141,6 +159,8 @@ class Manifest(_Record):
     tokenizer: TokenizerInfo
     signatures: SignaturesInfo
     config: PreparedWith
+    # The text's sources (none for generated rows); more than one: the shards have `source_tokens`.
+    sources: list[SourceInfo] = Field(default_factory=list, exclude_if=lambda value: not value)
 
     @model_validator(mode="after")
     def _shards_are_the_ones_prepared(self) -> Manifest:
@@ -152,9 +172,15 @@ class Manifest(_Record):
         return self
 
 
-def write_shard(rows: np.ndarray, table: SignatureTable, directory: Path | Location, name: str) -> ShardEntry:
-    """Write packed rows [n, T+1] with their signatures as `directory/name` (local or in a bucket);
-    returns its manifest entry.
+def write_shard(
+    rows: np.ndarray,
+    table: SignatureTable,
+    directory: Path | Location,
+    name: str,
+    source_tokens: np.ndarray | None = None,
+) -> ShardEntry:
+    """Write packed rows [n, T+1] with their signatures (and, from several sources, each row's tokens per
+    source, [n, sources]) as `directory/name` (local or in a bucket); returns its manifest entry.
 
     One row per row group: the training reader decodes single rows (`mhf_dist.data.reader` says why).
     """
@@ -166,6 +192,10 @@ def write_shard(rows: np.ndarray, table: SignatureTable, directory: Path | Locat
             pa.array(signatures.reshape(-1)), width * table.num_hashes
         ),
     }
+    if source_tokens is not None:
+        columns["source_tokens"] = pa.FixedSizeListArray.from_arrays(
+            pa.array(source_tokens.reshape(-1).astype(np.int32)), source_tokens.shape[1]
+        )
     path = Location.of(directory) / name
     sink = pa.BufferOutputStream()  # whole in memory (one shard), then one upload: no partial object
     pq.write_table(
