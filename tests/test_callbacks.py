@@ -145,9 +145,9 @@ def test_a_non_finite_loss_stops_training_before_any_callback_sees_the_step():
 
 def test_tokens_per_source_are_summed_over_workers_cumulatively_and_continue_after_a_resume():
     """Each step a worker takes 3 tokens of `web` and 1 of `code`; `total` stands for an all-reduce over
-    2 workers. Counts are added up at log steps (4, 8) and the last (10), and a resumed run at step 4
-    starts from the history's counts, not from zero."""
-    cfg = train_cfg()
+    2 workers. Counts are added up at log steps (4, 8), checkpoint steps (3, 6, 9) and the last (10), and
+    a run resumed from the step-3 checkpoint starts from the history's counts there, not from zero."""
+    cfg = train_cfg("train.checkpoint_every=3")
     taken = []  # what each pending() call handed over (the steps since the last call)
 
     def pending():
@@ -158,16 +158,23 @@ def test_tokens_per_source_are_summed_over_workers_cumulatively_and_continue_aft
     history = History()
     tokens = SourceTokens(["web", "code"], pending, lambda counts: [2 * c for c in counts], [], 10, cfg)
     run([tokens, history])
-    assert steps_with(history.entries, "tokens_seen.web") == [4, 8, 10]
-    assert [h["tokens_seen.web"] for h in history.entries if "tokens_seen.web" in h] == [24, 48, 60]
+    assert steps_with(history.entries, "tokens_seen.web") == [3, 4, 6, 8, 9, 10]
+    assert [h["tokens_seen.web"] for h in history.entries if "tokens_seen.web" in h] == [
+        18,
+        24,
+        36,
+        48,
+        54,
+        60,
+    ]
     assert history.entries[-1]["tokens_seen.code"] == 20  # 10 steps x 1 token x 2 workers
 
-    resumed = History(history.entries[:4])
+    resumed = History(history.entries[:3])
     taken.clear()
-    taken.append(4)  # the batches of steps 1-4 were counted before the checkpoint
+    taken.append(3)  # the batches of steps 1-3 were counted before the checkpoint
     again = SourceTokens(
         ["web", "code"], pending, lambda counts: [2 * c for c in counts], resumed.entries, 10, cfg
     )
     history = resumed
-    run([again, resumed], start_step=4)
+    run([again, resumed], start_step=3)
     assert resumed.entries[-1]["tokens_seen.web"] == 60 and resumed.entries[-1]["tokens_seen.code"] == 20

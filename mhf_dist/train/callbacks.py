@@ -105,9 +105,10 @@ class History(StepCallback):
 
 class SourceTokens(StepCallback):
     """Training tokens seen from each source of a mixture (`data.sources`), cumulative over the run:
-    `tokens_seen.<name>` at every log step and the last. `pending()` returns this worker's counts
-    since the last call and `total(counts)` sums them over the workers (an all-reduce: every rank runs
-    this callback). A resumed run continues from its history's last counts."""
+    `tokens_seen.<name>` at every log step, every checkpoint step and the last. `pending()` returns this
+    worker's counts since the last call and `total(counts)` sums them over the workers (an all-reduce:
+    every rank runs this callback). A resumed run continues from its history's last counts, which are
+    those of the checkpoint it resumes from."""
 
     def __init__(
         self,
@@ -125,7 +126,7 @@ class SourceTokens(StepCallback):
 
     def on_step_end(self, metrics: Metrics) -> None:
         step = int(metrics["step"])
-        if is_log_step(step, self.cfg) or step == self.last_step:
+        if is_log_step(step, self.cfg) or due(step, self.cfg.checkpoint_every, self.last_step):
             self.seen = [a + b for a, b in zip(self.seen, self.total(self.pending()), strict=True)]
             metrics.update(zip(self.keys, map(float, self.seen), strict=True))
 

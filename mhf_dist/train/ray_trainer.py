@@ -233,6 +233,8 @@ def train(
     if result.checkpoint is None:
         end_run(uri, run_id, "FAILED")
         raise TrainingError(f"run {options.name!r} ended without a checkpoint; see the worker errors above")
+    # A checkpoint a restart resumed from before Ray Train registered it is not Ray's to delete.
+    prune_checkpoints(run_dir, cfg.train.keep_checkpoints)
     checkpoint = run_dir / PurePosixPath(result.checkpoint.path).name
     log_artifact(uri, run_id, local_copy(checkpoint / RUN_FILE))
     log_artifact(uri, run_id, local_copy(checkpoint / MODEL_DIR))

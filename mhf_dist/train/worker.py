@@ -46,6 +46,7 @@ from mhf_dist.train.checkpoints import (
     MODEL_DIR,
     STATE_TAG,
     checkpoint_name,
+    checkpoint_step,
     download_for_rank,
     newest_checkpoint,
     read_history,
@@ -247,13 +248,18 @@ def _restore(stepper: DeepSpeedStepper, spec: WorkerSpec, rank: int) -> tuple[in
 
     After a worker failure the run continues from its own newest checkpoint, else from --resume. Ray
     Train registers a checkpoint only when its controller next polls the workers; one that dies in
-    between would otherwise restart from scratch although the files were already stored.
+    between would otherwise restart from an older checkpoint (or from scratch) although the files of a
+    newer one were already stored, so the newer of the two is taken.
     """
     import ray.train
 
     run_dir = Location.of(spec.run_dir)
     registered = ray.train.get_checkpoint()
-    checkpoint = run_dir / PurePosixPath(registered.path).name if registered else newest_checkpoint(run_dir)
+    candidates = [newest_checkpoint(run_dir)]
+    if registered is not None:
+        candidates.append(run_dir / PurePosixPath(registered.path).name)
+    found = [candidate for candidate in candidates if candidate is not None]
+    checkpoint = max(found, key=checkpoint_step) if found else None
     if checkpoint is None and spec.resume_from:
         checkpoint = Location.of(spec.resume_from)
     if checkpoint is None:
