@@ -122,4 +122,6 @@ def read_json(path: str | Path | Location, error: type[MhfError], fix: str) -> A
     try:
         return json.loads(Location.of(path).read_text())
     except json.JSONDecodeError as err:
-        raise error(f"{str(path)!r} is damaged (invalid JSON at line {err.lineno}); {fix}") from None
+        raise error(
+            f"{str(Location.of(path))!r} is damaged (invalid JSON at line {err.lineno}); {fix}"
+        ) from None

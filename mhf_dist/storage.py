@@ -59,10 +59,13 @@ def redact(location: str | Path) -> str:
     if not _SCHEME.match(text):
         return text
     parts = urlsplit(text)
-    if "@" not in parts.netloc and not parts.query:
+    netloc, path = parts.netloc, parts.path
+    if ":" in netloc and "@" in path:  # user:secret whose secret holds an unencoded "/" (AWS keys may)
+        netloc, _, path = path.rsplit("@", 1)[-1].partition("/")
+        path = f"/{path}" if path else ""
+    elif "@" not in netloc and not parts.query:
         return text  # nothing to remove (and urlunsplit would drop a slash of `sqlite:////abs/path`)
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    return urlunsplit((parts.scheme, netloc.rsplit("@", 1)[-1], path, "", ""))
 
 
 def redact_text(text: str) -> str:

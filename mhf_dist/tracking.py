@@ -184,7 +184,7 @@ def set_tags(uri: str, run_id: str, tags: dict[str, Any]) -> None:
     with tracking_errors(uri):
         client = connect(uri)
         for key, value in tags.items():
-            client.set_tag(run_id, key, str(value))
+            client.set_tag(run_id, key, redact_text(str(value)))
 
 
 def end_run(uri: str, run_id: str, status: str) -> None:

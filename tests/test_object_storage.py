@@ -153,3 +153,29 @@ def test_a_closed_port_is_one_line_within_seconds(monkeypatch):
     with pytest.raises(StorageError, match=r"cannot reach the object store at http://127\.0\.0\.1:9"):
         Location.of("s3://some-bucket/x").exists()
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(
+    ("given", "shown"),
+    [
+        ("s3://AKID:se/cret@bucket/runs", "s3://bucket/runs"),  # an AWS secret may hold a "/"
+        ("s3://AKID:secret@bucket/runs", "s3://bucket/runs"),
+        ("s3://bucket/runs?access_key=AKID&secret_key=secret", "s3://bucket/runs"),
+        ("postgresql+psycopg2://mlflow:secret@db:5432/mlflow", "postgresql+psycopg2://db:5432/mlflow"),
+        ("s3://bucket/user@host/file", "s3://bucket/user@host/file"),  # an "@" in a key is not user info
+        ("sqlite:////abs/mlflow.db", "sqlite:////abs/mlflow.db"),
+    ],
+)
+def test_locations_are_shown_without_credentials(given, shown):
+    from mhf_dist.storage import redact
+
+    assert redact(given) == shown
+
+
+def test_a_run_refuses_credentials_in_its_locations_before_anything_starts(tmp_path):
+    from mhf_dist.errors import TrainingError
+
+    cfg = load_config("tiny", [f"data.path={tmp_path}", "topology.storage=s3://AKID:se/cret@bucket/runs"])
+    with pytest.raises(TrainingError, match=r"^'s3://bucket/runs' carries user info") as raised:
+        train(cfg, TrainOptions(name="x"))
+    assert "cret" not in str(raised.value)

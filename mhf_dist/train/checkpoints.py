@@ -31,7 +31,7 @@ RUN_FILE = "run.json"
 STATE_TAG = "state"  # DeepSpeed's checkpoint tag
 MODEL_DIR = "model"  # the exported model inside each checkpoint
 RANK_FILES = "rank-{rank}.json"
-_RANK_SHARD = re.compile(r"(?:^|/)zero_pp_rank_(\d+)_")  # DeepSpeed's per-rank ZeRO partition files
+_RANK_SHARD = re.compile(r"zero_pp_rank_(\d+)_")  # DeepSpeed's per-rank ZeRO partitions (bf16_ too)
 
 
 def checkpoint_name(step: int) -> str:
@@ -48,9 +48,9 @@ def _checkpoints(run_dir: Path | Location) -> list[Location]:
 
 
 def newest_checkpoint(run_dir: Path | Location) -> Location | None:
-    """The run's newest complete checkpoint on storage; incomplete ones are passed over."""
-    complete = [path for path in _checkpoints(run_dir) if is_complete(path)]
-    return complete[-1] if complete else None
+    """The run's newest complete checkpoint on storage; incomplete ones are passed over (newest first:
+    usually one checkpoint is looked at, whatever the number stored)."""
+    return next((path for path in reversed(_checkpoints(run_dir)) if is_complete(path)), None)
 
 
 def prune_checkpoints(run_dir: Path | Location, keep: int) -> None:
@@ -180,14 +180,15 @@ def check_initial_model(path: Path, cfg: Config, fingerprint: str) -> None:
     from mhf_dist.export import read_export_config
 
     description = read_export_config(path)
+    path = redact(str(path))
     if description["signature_fingerprint"] != fingerprint:
         raise TrainingError(
-            f"model {str(path)!r} has signature fingerprint {description['signature_fingerprint'][:12]} but "
+            f"model {path!r} has signature fingerprint {description['signature_fingerprint'][:12]} but "
             f"the data has {fingerprint[:12]}; prepare the data with the model's tokenizer.json and "
             f"--set data.signatures={path}"
         )
     if description["model"] != cfg.model.model_dump(mode="json"):
         raise TrainingError(
-            f"model {str(path)!r} has another model config than the run; start from a matching model "
+            f"model {path!r} has another model config than the run; start from a matching model "
             "or change the run's model settings"
         )

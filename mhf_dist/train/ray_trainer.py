@@ -131,6 +131,12 @@ def train(
     topology = cfg.topology
     check_topology(cfg)
     check_precision_supported(cfg)
+    for given in (topology.storage, cfg.data.path, options.init_from, options.resume):
+        if given is not None and redact(given) != given:  # workers receive the locations as written
+            raise TrainingError(
+                f"{redact(given)!r} carries user info or query options; give credentials and the "
+                "endpoint through the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) instead"
+            )
     manifest = read_manifest(cfg.data.path)
     storage = Location.of(topology.storage)
     storage.make_dirs()  # a missing bucket or an unreachable endpoint fails here, in one line
