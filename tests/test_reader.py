@@ -1,12 +1,23 @@
 """The training reader: which rows make each step's batch, each rank's share, reading only those rows."""
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import wait
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
-from mhf_dist.data.reader import BatchPlan, RowReader, step_batches, training_plan
+from mhf_dist.data.reader import BatchPlan, RowReader, ShardPrefetch, step_batches, training_plan
+from mhf_dist.data.shards import MANIFEST
 from mhf_dist.errors import DataError
+from mhf_dist.storage import Location
 
 # Uneven shards (the last is short) and windows of 3 of the 7 shards: every level of the order is used.
 SHARD_ROWS = [20, 20, 20, 20, 20, 20, 16]  # 136 rows = 17 batches of 8
@@ -97,3 +108,124 @@ def test_a_resumed_reader_starts_at_its_step_and_reads_nothing_before_it(recall_
     assert resumed_reader.rows_decoded <= 11 * 4
     all_rows = reader.read_range()["tokens"]
     assert np.array_equal(first_40[0], all_rows[p.rank_rows(1, 1, 2)])
+
+
+@pytest.fixture
+def bucket_shards(recall_shards, bucket):
+    """The recall shards uploaded to a fresh bucket: its location."""
+    remote = Location.of(bucket) / "data"
+    remote.upload(Path(recall_shards.data.path), last=MANIFEST)
+    return remote
+
+
+@pytest.fixture
+def downloads(tmp_path, monkeypatch):
+    """The directory the shard cache downloads into (TMPDIR, for this test)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def files_held(directory: Path) -> int:
+    """Files on disk below `directory`, or deleted from it but still open in this process (/proc)."""
+    held = set()
+    on_disk = [Path(parent, name) for parent, _, names in os.walk(directory) for name in names]
+    for path in [*on_disk, *Path("/proc/self/fd").iterdir()]:
+        with contextlib.suppress(OSError):  # deleted or closed meanwhile
+            if os.path.realpath(path).startswith(f"{os.path.realpath(directory)}/"):
+                info = path.stat()
+                held.add((info.st_dev, info.st_ino))
+    return len(held)
+
+
+def requests_to(bucket: Location, s3_server) -> int:
+    """Requests the S3 server has answered for `bucket` so far (its access log has a line a request)."""
+    name = bucket.path.split("/")[0]
+    with open(s3_server.log.name) as log:
+        return sum(f"/{name}/" in line for line in log)
+
+
+def test_rows_read_from_a_bucket_through_the_cache_are_the_local_rows(
+    recall_shards, bucket_shards, downloads
+):
+    local = RowReader(recall_shards.data.path, "train")
+    remote = RowReader(bucket_shards, "train", cache_shards=4)  # fewer than the 7 shards: some dropped
+    p = BatchPlan(local.shard_rows, 8, 0, window=2)
+    expected, got = step_batches(local, p, 0, 1, 2), step_batches(remote, p, 0, 1, 2)
+    for _ in range(40):  # more than two epochs
+        want, have = next(expected), next(got)
+        assert want.keys() == have.keys() and all(np.array_equal(want[k], have[k]) for k in want)
+    got.close()
+    wanted = np.array([135, 3, 21, 20, 99, 3])
+    assert np.array_equal(remote.read(wanted)["signatures"], local.read(wanted)["signatures"])
+    assert len(remote.cache.fetched) > 7  # shards were dropped and fetched again
+    assert files_held(downloads) > 0
+    remote.close()
+    assert files_held(downloads) == 0
+
+
+def test_the_cache_holds_at_most_its_bound_of_shards_on_disk_while_the_plan_walks_over_more(
+    bucket_shards, downloads
+):
+    reader = RowReader(bucket_shards, "train", cache_shards=4)
+    p = BatchPlan(reader.shard_rows, 8, 0, window=2)
+    ahead = ShardPrefetch(reader, p, rank=0, world_size=2)
+    on_disk = []
+    for step in range(1, 41):
+        wait(ahead.reading(step))  # measured between downloads: /proc's open files change under them
+        reader.read(p.rank_rows(step, 0, 2))
+        on_disk.append(files_held(downloads))
+    assert sorted(set(reader.cache.fetched)) == list(range(7)) and max(on_disk) == 4
+    reader.close()
+
+
+def test_a_killed_reader_leaves_no_shard_on_disk(bucket_shards, tmp_path):
+    """A copy's name is deleted once it is open: a worker killed (SIGKILL, as Ray kills actors) frees it."""
+    script = (
+        "import os, signal; from mhf_dist.data.reader import RowReader; "
+        f"reader = RowReader({bucket_shards.uri!r}, 'train'); reader.read_range(); "
+        "print(len(reader.cache.fetched), flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    environment = {**os.environ, "TMPDIR": str(tmp_path)}
+    killed = subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=120
+    )
+    assert killed.returncode == -signal.SIGKILL and killed.stdout.split() == ["7"]  # all 7 on disk
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shards_are_fetched_ahead_so_reading_the_next_step_makes_no_request(bucket_shards, s3_server):
+    reader = RowReader(bucket_shards, "train", cache_shards=4)
+    p = BatchPlan(reader.shard_rows, 8, 0, window=2)  # 5 steps a window: 8 window boundaries in 40 steps
+    ahead = ShardPrefetch(reader, p, rank=0, world_size=1)
+    for step in range(1, 41):
+        wait(ahead.reading(step))
+        before, fetched = requests_to(bucket_shards, s3_server), len(reader.cache.fetched)
+        reader.read(p.rank_rows(step, 0, 1))
+        reader.read(p.rank_rows(step + 1, 0, 1))  # fetched ahead, across a window boundary too
+        assert requests_to(bucket_shards, s3_server) == before and len(reader.cache.fetched) == fetched
+    reader.close()
+
+
+def test_a_reader_resumed_from_a_bucket_fetches_nothing_for_the_steps_before_its_resume_point(
+    recall_shards, bucket_shards
+):
+    reader = RowReader(bucket_shards, "train", cache_shards=3)
+    p = BatchPlan(reader.shard_rows, 8, 0, shuffle=False)  # stream order: step 11 reads rows 80..87
+    resumed = step_batches(reader, p, 10, 0, 1)
+    expected = RowReader(recall_shards.data.path, "train").read_range(80, 88)["tokens"]
+    assert np.array_equal(next(resumed)["tokens"], expected)
+    resumed.close()
+    # Steps 11..17 (the end of the epoch) read shards 4..6 (rows 80..135); steps 1..10 read shards 0..3.
+    assert 4 in reader.cache.fetched and set(reader.cache.fetched) <= {4, 5, 6}
+    reader.close()
+
+
+def test_a_shard_missing_from_the_bucket_is_a_one_line_error_naming_it(bucket_shards):
+    (bucket_shards / "train-00002.parquet").remove()
+    reader = RowReader(bucket_shards, "train")
+    batches = step_batches(reader, BatchPlan(reader.shard_rows, 8, 0, window=2), 0, 0, 1)
+    with pytest.raises(DataError, match=r"^shard s3://.*/data/train-00002\.parquet is missing; re-run"):
+        for _ in range(17):
+            next(batches)
+    reader.close()

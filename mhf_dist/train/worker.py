@@ -87,7 +87,13 @@ def training_batches(
 ) -> Iterator[dict[str, torch.Tensor]]:
     """This worker's rows of every global batch after `start_step`, as tensors; with `counter`, each
     batch's tokens per source are counted as training takes it."""
-    reader = RowReader(cfg.data.path, "train", signatures=signatures, source_tokens=counter is not None)
+    reader = RowReader(
+        cfg.data.path,
+        "train",
+        signatures=signatures,
+        source_tokens=counter is not None,
+        cache_shards=2 * cfg.data.shuffle_window,  # a bucket's shards: the window read and the next
+    )
     for batch in step_batches(reader, training_plan(reader, cfg), start_step, rank, world_size):
         if counter is not None:
             counter.add(batch.pop("source_tokens"))
