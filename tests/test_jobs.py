@@ -92,7 +92,7 @@ def test_a_pretrain_job_with_its_storage_only_in_a_bucket(submit, bucket, tmp_pa
     from mhf_dist.storage import Location
 
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    status, out, err = submit(*TINY_JOB, storage=bucket, env=(f"MLFLOW_TRACKING_URI={tracking}",))
+    status, _, err = submit(*TINY_JOB, storage=bucket, env=(f"MLFLOW_TRACKING_URI={tracking}",))
     assert status == 0, err[-2000:]
     client = MlflowClient(tracking)
     (run,) = client.search_runs([client.get_experiment_by_name("pretrain").experiment_id])
