@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -203,11 +204,15 @@ class Location:
 
     def write_bytes(self, data: bytes) -> None:
         """The whole file in one step (local: staged and renamed; object store: one upload)."""
-        if not self.remote:
-            from mhf_dist.files import staged_file
-
-            with staged_file(self.local) as staging:
+        if not self.remote:  # a sibling renamed over the file (`files.staged_file` for writers of paths)
+            path = self.local
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
+            try:
                 staging.write_bytes(data)
+                os.replace(staging, path)
+            finally:
+                staging.unlink(missing_ok=True)
             return
         with storage_errors(self), self.fs.open_output_stream(self.path, compression=None) as stream:
             stream.write(data)
