@@ -344,13 +344,3 @@ def describe_failure(location: str, message: str) -> str:
         )
     first = text.strip().splitlines()[0] if text.strip() else "unknown error"
     return f"cannot use {where!r} ({first[:200]})"
-
-
-def require_bucket(location: Location) -> None:
-    """A location in a bucket that does not exist is a StorageError (a path inside a missing bucket
-    only reads as not found)."""
-    if not location.remote:
-        return
-    parts = urlsplit(location.uri)
-    if not Location.of(urlunsplit(parts._replace(path=""))).exists():
-        raise StorageError(describe_failure(str(location), "NO_SUCH_BUCKET"))

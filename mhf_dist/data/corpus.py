@@ -35,7 +35,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from mhf_dist.errors import DataError
-from mhf_dist.storage import Location, StorageError, describe_failure, is_uri, require_bucket
+from mhf_dist.storage import Location, StorageError, describe_failure, is_uri
 
 BUILTIN_NAME = "builtin"
 KINDS = {
@@ -121,7 +121,7 @@ def corpus_files(spec: str) -> list[CorpusFile]:
 
 def _nothing_at(where: Location) -> DataError:
     """No file at `where` (unless its bucket is missing: that is a StorageError)."""
-    require_bucket(where)
+    where.check_bucket()
     return DataError(f"corpus {str(where)!r} matches no file; pass 'builtin', a directory, a file or a glob")
 
 

@@ -78,7 +78,7 @@ from mhf_dist.errors import DataError, MhfError
 from mhf_dist.files import publish_directory, read_json, staged_directory, staged_file
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.signatures import SignatureTable, build_for_config, load_table, save_table
-from mhf_dist.storage import Location, local_copy, redact, require_bucket, storage_errors
+from mhf_dist.storage import Location, local_copy, redact, storage_errors
 
 PART_BYTES = 16 << 20  # corpus bytes per part (a larger file is a part alone, or cut by row groups)
 CHUNK_TOKENS = 1 << 16  # tokens per record batch of a part: what a shard task reads at least
@@ -168,7 +168,7 @@ def check_output(out: Location, overwrite: bool) -> None:
             raise DataError(exists)
         check_writable(path.parent)
         return
-    require_bucket(out)
+    out.check_bucket()
     if (out / MANIFEST).is_file():
         if not overwrite:
             raise DataError(exists)
