@@ -21,6 +21,7 @@ import yaml
 
 from mhf_dist.config import Config, TopologyConfig, load_config, parse_overrides, split_assignment
 from mhf_dist.errors import ConfigError, Interrupted, MhfError
+from mhf_dist.ray_utils import logs_hint
 from mhf_dist.submit import DEFAULT_ADDRESS
 
 if TYPE_CHECKING:
@@ -29,7 +30,10 @@ if TYPE_CHECKING:
 
 
 PREPARE_HELP = "first prepare data.path from data.corpus unless it holds shards (for jobs)"
-VERBOSE_HELP = "also show Ray Train's and Tune's own progress lines (by default only in Ray's session logs)"
+VERBOSE_HELP = (
+    "also show what Ray, its workers, Ray Train, Tune, DeepSpeed and MLflow print (by default only in "
+    "Ray's session logs)"
+)
 QWEN3_VOCAB = 151_936  # Qwen3's own tokenizer: `mhf plan`'s second vocabulary by default
 
 
@@ -149,6 +153,7 @@ def add_prepare_parser(commands: argparse._SubParsersAction) -> None:
         "--overwrite", action="store_true", help="replace an existing output (in a bucket: only an mhf one)"
     )
     prep.add_argument("--num-cpus", type=int, help="CPUs of a local Ray instance (default: all)")
+    prep.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     prep.set_defaults(func=cmd_prepare)
 
 
@@ -156,7 +161,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     from mhf_dist.data.prepare import prepare
 
     cfg = _config(args)
-    prepare(cfg, cfg.data.path, overwrite=args.overwrite, num_cpus=args.num_cpus)
+    prepare(cfg, cfg.data.path, overwrite=args.overwrite, num_cpus=args.num_cpus, verbose=args.verbose)
 
 
 def add_verify_data_parser(commands: argparse._SubParsersAction) -> None:
@@ -198,9 +203,10 @@ def _train_options(args: argparse.Namespace) -> TrainOptions:
     return TrainOptions(**{name: getattr(args, name) for name in given})
 
 
-def _print_result(result: TrainResult) -> None:
+def _print_result(result: TrainResult, experiment: str) -> None:
     from mhf_dist.storage import redact
     from mhf_dist.tables import markdown_table
+    from mhf_dist.tracking import browse_hint
     from mhf_dist.train.checkpoints import MODEL_DIR, read_history
 
     last = read_history(result.checkpoint)[-1:]
@@ -208,6 +214,7 @@ def _print_result(result: TrainResult) -> None:
     print(markdown_table(last, [column for column in columns if column in last[0]]))
     print(f"last checkpoint: {result.checkpoint} (exported model: {result.checkpoint / MODEL_DIR})")
     print(f"MLflow run {result.run_id} at {redact(result.tracking_uri)}")
+    print(f"MLflow UI: {browse_hint(result.tracking_uri, experiment)}")
 
 
 def add_train_parser(commands: argparse._SubParsersAction) -> None:
@@ -235,9 +242,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     from mhf_dist.train.ray_trainer import train
 
     if args.prepare:
-        prepare_if_missing(cfg)
+        prepare_if_missing(cfg, verbose=args.verbose)
     result = train(cfg, _train_options(args))
-    _print_result(result)
+    _print_result(result, args.experiment)
 
 
 def _init_new_rows(value: str) -> str:
@@ -292,7 +299,13 @@ def cmd_cpt(args: argparse.Namespace) -> None:
 
     options = _train_options(args)
     result = run_cpt(cfg, args.parent, new_tokenizer, options, init_new_rows=args.init_new_rows)
-    _print_result(result.train_result)
+    _print_result(result.train_result, args.experiment)
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: use a whole number of at least 1")
+    return int(value)
 
 
 def add_eval_parser(commands: argparse._SubParsersAction) -> None:
@@ -309,6 +322,12 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--limit", type=int, default=0, help="first N examples only (default: all)")
     evaluate.add_argument("--seq-len", type=int, default=128, help="window length for ppl and bpb")
     evaluate.add_argument("--layer", type=int, default=-2, help="card660: hidden-state layer (default: -2)")
+    evaluate.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=16,
+        help="sequences per forward pass; the results do not depend on it (default: 16)",
+    )
     evaluate.add_argument("--run-id", help="log the results to this MLflow run")
     evaluate.add_argument(
         "--storage",
@@ -324,7 +343,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from mhf_dist.tables import markdown_table
 
     exported = load_exported(args.model)
-    results = run_task(exported, args.task, args.data, args.limit, args.seq_len, args.layer)
+    results = run_task(
+        exported, args.task, args.data, args.limit, args.seq_len, args.layer, batch_size=args.batch_size
+    )
     print(markdown_table([{"task": args.task, **results}], ["task", *results]))
     if args.task in ("ppl", "bpb"):
         print(f"scored in windows of {args.seq_len} tokens, no context carried across windows")
@@ -451,6 +472,7 @@ def add_sweep_parser(commands: argparse._SubParsersAction) -> None:
 def cmd_sweep(args: argparse.Namespace) -> None:
     from mhf_dist.sweep.runner import compare_sweep, run_sweep
     from mhf_dist.sweep.spec import load_sweep, parse_sweep
+    from mhf_dist.tracking import browse_hint
 
     spec = load_sweep(args.config)
     changed = {"set": {**spec.set, **config_overrides(args)}, "storage": args.storage or spec.storage}
@@ -460,11 +482,12 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         from mhf_dist.sweep.spec import trial_configs
 
         for cfg in {cfg.data.path: cfg for cfg in trial_configs(spec).values()}.values():
-            prepare_if_missing(cfg)
+            prepare_if_missing(cfg, verbose=args.verbose)
     result = run_sweep(spec, resume=args.resume, verbose=args.verbose)
     comparison = compare_sweep(spec, result)
     print(comparison.table)
     print(f"tables and plots: {result.directory / 'compare'}; MLflow parent run {result.parent_run_id}")
+    print(f"MLflow UI: {browse_hint(result.tracking_uri, spec.experiment)}")
 
 
 def add_compare_parser(commands: argparse._SubParsersAction) -> None:
@@ -496,7 +519,7 @@ def add_compare_parser(commands: argparse._SubParsersAction) -> None:
 def cmd_compare(args: argparse.Namespace) -> None:
     from mhf_dist.compare import compare_runs
     from mhf_dist.storage import Location
-    from mhf_dist.tracking import tracking_uri
+    from mhf_dist.tracking import browse_hint, tracking_uri
 
     uri = tracking_uri(args.storage)
     out = args.out or Location.of(args.storage) / "compare" / (args.sweep or args.experiment)
@@ -505,6 +528,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     )
     print(comparison.table)
     print(f"written: {', '.join(str(path) for path in comparison.files)}")
+    print(f"MLflow UI: {browse_hint(uri, args.experiment)}")
 
 
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
@@ -692,6 +716,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated)  # unwinds like Ctrl-C: staging removed
     try:
         status = args.func(args) or 0
+        if hint := logs_hint():  # a command that ran Ray: where what it kept off the console is
+            print(hint)
         sys.stdout.flush()  # a reader that left (`mhf count | head -1`) shows here, not at exit
         return status
     except BrokenPipeError:

@@ -24,11 +24,12 @@ from typing import Any
 from mhf_dist.errors import MhfError
 from mhf_dist.storage import Location, redact
 from mhf_dist.tables import markdown_table
-from mhf_dist.tracking import connect, log_files, set_tags, tracking_errors
+from mhf_dist.tracking import connect, log_files, set_tags, show_report, tracking_errors
 
 COLUMNS = (
     "group",
     "family",
+    "objective",
     "n_seeds",
     "mean",
     "std",
@@ -52,6 +53,7 @@ class RunCurve:
     run_id: str
     group: str
     family: str
+    objective: str  # the training objective (tag `objective`; empty for runs logged before it existed)
     seed: int
     params: int
     param_residual: int | None
@@ -93,6 +95,7 @@ def read_runs(
                 run_id=run.info.run_id,
                 group=run_group(run.info.run_id, params, tags, group_by),
                 family=tags["family"],
+                objective=tags.get("objective", ""),
                 seed=int(tags["seed"]),
                 params=int(tags["param_count"]),
                 param_residual=int(tags["param_residual"]) if "param_residual" in tags else None,
@@ -141,6 +144,7 @@ def summarize(curves: list[RunCurve], unstable_cv: float) -> list[dict[str, Any]
             {
                 "group": group,
                 "family": ",".join(sorted({member.family for member in members})),
+                "objective": ",".join(sorted({member.objective for member in members})),
                 "n_seeds": len(members),
                 "mean": mean,
                 "std": std,
@@ -254,6 +258,8 @@ def compare_runs(
     files = [_write(out / name, data) for name, data in report.items()]
     if sweep_run_id:
         log_files(uri, sweep_run_id, report)
+        images = {name.removesuffix(".png"): data for name, data in report.items() if name.endswith(".png")}
+        show_report(uri, sweep_run_id, report["compare.md"].decode(), images)
         set_tags(uri, sweep_run_id, stability_tags(rows))
     return Comparison(rows, table, files)
 

@@ -265,7 +265,7 @@ def run_cpt(
     train_cfg = cfg.train.model_copy(update={"trainable": trainable})
     run_cfg = cfg.model_copy(update={"model": expansion.config, "data": data, "train": train_cfg})
     if not (workdir / "data" / MANIFEST).is_file():
-        prepare(run_cfg, data.path, log=log)
+        prepare(run_cfg, data.path, log=log, verbose=options.verbose)
     manifest = read_manifest(data.path)
     prepared_replay = manifest.config.data.get("replay", ReplayConfig().model_dump())
     if prepared_replay != recorded_data(data)["replay"]:

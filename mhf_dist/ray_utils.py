@@ -7,6 +7,8 @@ import os
 import signal
 import threading
 
+from mhf_dist.console import quiet_driver
+
 # Logical CPUs a local instance adds beyond the physical cores: Ray Train's workers each hold one CPU
 # for the whole run, and whatever runs beside them (a `--prepare` job's Ray Data tasks, a second sweep
 # trial) needs slots of its own, or it waits for the run to end.
@@ -18,38 +20,63 @@ PLACEMENT_GROUP_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.pl
 STATE_API_UNAVAILABLE = "State API may be temporarily unavailable"
 
 
-def ensure_ray(num_cpus: int | None = None) -> None:
-    """Start or join Ray once per process; `num_cpus` sizes a local instance (ignored on a cluster)."""
+_session_dir: str | None = None  # the Ray session this process started or joined (its logs)
+
+
+def ensure_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
+    """Start or join Ray once per process; `num_cpus` sizes a local instance (ignored on a cluster).
+
+    Unless `verbose`, the workers' output stays in Ray's log files (`logs_hint` says where) and the
+    driver's libraries keep their notices to themselves (`console.quiet_driver`); mhf's own lines from
+    the workers reach the console through a `console.ConsoleRelay`. The first call decides.
+    """
     import ray
 
+    quiet_driver(verbose)
     if ray.is_initialized():
         return
     # ray.init replaces a driver's SIGTERM handler with sys.exit(15); the CLI's own (one line, exit 143,
     # the same clean-up as Ctrl-C) is put back.
     handler = signal.getsignal(signal.SIGTERM)
     try:
-        _init(num_cpus)
+        _init(num_cpus, verbose)
     finally:
         if callable(handler) and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, handler)
 
 
-def _init(num_cpus: int | None) -> None:
+def _init(num_cpus: int | None, verbose: bool) -> None:
     import ray
 
+    global _session_dir
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, logging_level=logging.WARNING, runtime_env=_forwarded_environment())
-        return
-    cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1) + LOCAL_CPU_HEADROOM
-    # "local" starts a new instance even where `ray start` left a cluster that ray.init() would join.
-    ray.init(
-        address="local",
-        num_cpus=cpus,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        runtime_env={"worker_process_setup_hook": drop_state_api_warnings},
-    )
+        context = ray.init(
+            address=address,
+            logging_level=logging.WARNING,
+            log_to_driver=verbose,
+            runtime_env=_forwarded_environment(),
+        )
+    else:
+        cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1) + LOCAL_CPU_HEADROOM
+        # "local" starts a new instance even where `ray start` left a cluster that ray.init() would join.
+        context = ray.init(
+            address="local",
+            num_cpus=cpus,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=verbose,
+            runtime_env={"worker_process_setup_hook": drop_state_api_warnings},
+        )
+    _session_dir = context.address_info["session_dir"]
+
+
+def logs_hint() -> str | None:
+    """The console's last line once this process started or joined Ray: where Ray's logs are."""
+    if _session_dir is None:
+        return None
+    where = " on each node" if os.environ.get("RAY_ADDRESS") else ""
+    return f"Ray's logs (what its workers printed among them): {_session_dir}/logs{where}"
 
 
 # Where storage is, for workers on other nodes (a local instance's workers inherit them).

@@ -17,9 +17,11 @@ longer retries, so a tracking server restarted mid-run does not fail the run.
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +36,9 @@ if TYPE_CHECKING:
 EXPERIMENT = "mhf"
 MAX_PARAM_LENGTH = 500  # MLflow's limit for a param value
 URI_VARIABLE = "MLFLOW_TRACKING_URI"
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+RUNS_VIEW = "workflowType=machine_learning"  # MLflow 3's Model-training view of an experiment
+DATASET_DIGEST_LENGTH = 12  # of the manifest's content sha256, as `mhf prepare` prints it (MLflow: <= 36)
 LOCAL_STORE_DIR = "runs"  # the embedded store's directory (in the working directory) for bucket storage
 # A command's requests: 2 attempts of at most 10 s each (MLflow's defaults retry for minutes). A user's own
 # values win.
@@ -63,11 +68,18 @@ def tracking_uri(storage: str | Path | Location) -> str:
     return f"sqlite:///{directory / 'mlflow.db'}"
 
 
-def browse_hint(uri: str) -> str:
-    """How to open the runs of `uri` in MLflow's UI."""
+def browse_hint(uri: str, experiment: str) -> str:
+    """How to open the runs of `experiment` in MLflow's UI: the address of its runs table in the
+    Model-training view (MLflow 3 opens an experiment on its GenAI traces otherwise), after the
+    `mlflow ui` command for an embedded store."""
+    with tracking_errors(uri):
+        found = connect(uri).get_experiment_by_name(experiment)
+    page = f"#/experiments/{found.experiment_id}/runs?{RUNS_VIEW}" if found else f"#/experiments?{RUNS_VIEW}"
     if uri.startswith("sqlite:"):
-        return f"mlflow ui --backend-store-uri {uri}"
-    return f"the tracking server's UI at {redact(uri)}"
+        return f"mlflow ui --backend-store-uri {uri}  then open {LOCAL_UI}/{page}"
+    if uri.startswith(("http://", "https://")):
+        return f"{redact(uri).rstrip('/')}/{page}"
+    return f"the tracking server's UI at {redact(uri)} (experiment {experiment!r})"
 
 
 def connect(uri: str) -> MlflowClient:
@@ -122,6 +134,28 @@ def start_run(uri: str, experiment: str, run_name: str, params: dict[str, Any], 
     return run.info.run_id
 
 
+def log_dataset(
+    uri: str, run_id: str, data_path: str, content_sha256: str, context: str = "training"
+) -> None:
+    """The prepared shards as the run's dataset input (the runs table's Dataset column): named after
+    their directory, the manifest's content hash as digest, their location (redacted) as source."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    where = redact(Location.of(data_path).uri)
+    with warnings.catch_warnings():  # a local path matches two equivalent source kinds: MLflow warns
+        warnings.simplefilter("ignore", UserWarning)
+        source = resolve_dataset_source(where)
+    dataset = MetaDataset(
+        source, name=where.rstrip("/").rsplit("/", 1)[-1], digest=content_sha256[:DATASET_DIGEST_LENGTH]
+    )
+    entry = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
+    with tracking_errors(uri):
+        connect(uri).log_inputs(run_id, datasets=[entry])
+
+
 def log_params(uri: str, run_id: str, params: dict[str, Any]) -> None:
     from mlflow.entities import Param
 
@@ -172,6 +206,19 @@ def log_files(uri: str, run_id: str, files: dict[str, bytes]) -> None:
             (Path(tmp) / name).write_bytes(data)
         with tracking_errors(uri):
             connect(uri).log_artifacts(run_id, tmp)
+
+
+def show_report(uri: str, run_id: str, description: str, images: dict[str, bytes]) -> None:
+    """A report where MLflow's pages show it: `description` (Markdown) as the run's description, and
+    each PNG as an image under its key (the run's page and the runs table's chart view)."""
+    from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
+    from PIL import Image
+
+    with tracking_errors(uri):
+        client = connect(uri)
+        client.set_tag(run_id, MLFLOW_RUN_NOTE, redact_text(description))
+        for key, data in images.items():
+            client.log_image(run_id, Image.open(io.BytesIO(data)), key=key, step=0)
 
 
 def reopen_run(uri: str, run_id: str) -> None:

@@ -23,7 +23,7 @@ def store(tmp_path_factory):
     experiment = client.create_experiment("stages")
     for (stage, seed), values in FINALS.items():
         cfg = load_config("tiny", {"topology.zero_stage": stage, "train.seed": seed})
-        tags = {"family": "mhf", "seed": str(seed), "param_count": "1000"}
+        tags = {"family": "mhf", "seed": str(seed), "param_count": "1000", "objective": "coordinates"}
         run_id = client.create_run(experiment, tags=tags).info.run_id
         params = [Param(key, str(value)) for key, value in cfg.flat().items()]  # what the trainer logs
         metrics = [
@@ -83,7 +83,8 @@ def test_the_report_goes_to_a_bucket_with_out_a_bucket_uri(store, bucket, monkey
     written = dict(Location.of(out).files())
     assert set(written) == {"compare.md", "compare.csv", "curves.png", "finals.png", "loss.png"}
     csv_rows = (Location.of(out) / "compare.csv").read_text().splitlines()
-    assert csv_rows[0].startswith("group,family,n_seeds,mean") and csv_rows[1].startswith("mhf,mhf,4,")
+    assert csv_rows[0].startswith("group,family,objective,n_seeds,mean")
+    assert csv_rows[1].startswith("mhf,mhf,coordinates,4,")
     assert (Location.of(out) / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"written: {out}/compare.md" in capsys.readouterr().out
 

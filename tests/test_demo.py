@@ -1,6 +1,7 @@
 """The demo flow end to end at a few steps: corpus -> shards -> matched sweep on Ray Tune -> comparison."""
 
 import collections
+import json
 import statistics
 
 import numpy as np
@@ -92,8 +93,9 @@ def pixels_of(png, color) -> int:
     return counts.get(tuple(round(255 * channel) for channel in to_rgb(color)), 0)
 
 
-def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_path, drawn):
-    """The README's first command, small: 3 families x 2 seeds on Ray Tune, compared from MLflow."""
+def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_path, drawn, capfd):
+    """The README's first command, small: mhf under both objectives and the two baselines x 2 seeds on
+    Ray Tune, compared from MLflow, browsable from the printed address; a quiet console."""
     from mlflow.tracking import MlflowClient
 
     lines = []
@@ -108,27 +110,32 @@ def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_
     ]
     comparison = run_demo("tiny", overrides, tmp_path, seeds=(0, 1), log=lines.append)
     rows = {row["group"]: row for row in comparison.rows}
-    assert set(rows) == {"mhf", "qwen3", "qwen3_matched"} and all(r["n_seeds"] == 2 for r in rows.values())
+    assert set(rows) == {"mhf_coordinates", "mhf_vocab", "qwen3", "qwen3_matched"}
+    assert all(r["n_seeds"] == 2 for r in rows.values())
+    objectives = {group: row["objective"] for group, row in rows.items()}
+    assert objectives == {"mhf_coordinates": "coordinates", "mhf_vocab": "vocab", "qwen3": "softmax",
+                          "qwen3_matched": "softmax"}  # fmt: skip
 
     # The table's numbers are the runs' own metrics, read straight from MLflow.
     uri = f"sqlite:///{next(tmp_path.glob('sweeps/mlflow.db'))}"
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("mhf-demo")
     (parent,) = client.search_runs([experiment.experiment_id], "tags.role = 'sweep'")
     children = client.search_runs(
         [experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
-    assert len(children) == 6 and parent.info.status == "FINISHED"
+    assert len(children) == 8 and parent.info.status == "FINISHED"
 
     def history(run, metric):
         return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, metric))
 
-    def runs_of(family):
-        return [run for run in children if run.data.tags["family"] == family]
+    def runs_of(group):
+        return [run for run in children if run.data.tags["group"] == group]
 
-    for run in children:  # validation every train.steps / 10 steps (here 1): curves, not single points
+    for run in children:  # validation every train.steps / 8 steps (here 1): curves, not single points
         assert [step for step, _ in history(run, "val_nll")] == list(range(1, 9))
-    finals = {family: [history(run, "val_nll")[-1][1] for run in runs_of(family)] for family in rows}
+    finals = {group: [history(run, "val_nll")[-1][1] for run in runs_of(group)] for group in rows}
     for family, row in rows.items():
         assert row["mean"] == pytest.approx(statistics.fmean(finals[family]), rel=1e-12)
         assert row["std"] == pytest.approx(statistics.stdev(finals[family]), rel=1e-12)
@@ -136,10 +143,23 @@ def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_
     for run in children:
         tags = run.data.tags
         assert tags["sweep"] == parent.data.tags["sweep"] and tags["matched_to"] == "mhf"
-        assert int(tags["param_residual"]) == int(tags["param_count"]) - rows["mhf"]["params"]
+        assert int(tags["param_residual"]) == int(tags["param_count"]) - rows["mhf_vocab"]["params"]
         assert {"seed", "param_count", "family"} <= set(tags)
-    assert "unstable.mhf" in client.get_run(parent.info.run_id).data.tags
-    seed_curves = [[value for _, value in history(run, "loss")] for run in runs_of("mhf")]
+        assert run.data.params["model.hash.loss"] == objectives[tags["group"]] or tags["family"] != "mhf"
+        # the prepared shards are each run's dataset input, digest = the manifest's content hash
+        (entry,) = run.inputs.dataset_inputs
+        assert entry.dataset.digest == manifest["content_sha256"][:12] and entry.dataset.name == "data"
+        assert json.loads(entry.dataset.source)["uri"] == str(tmp_path / "data")
+    (entry,) = parent.inputs.dataset_inputs  # the sweep's row in the runs table shows it too
+    assert entry.dataset.digest == manifest["content_sha256"][:12]
+    parent_tags = client.get_run(parent.info.run_id).data.tags
+    assert "unstable.mhf_vocab" in parent_tags
+    # the comparison table is the parent run's description on its page; the plots are its images
+    assert comparison.table in parent_tags["mlflow.note.content"]
+    images = {entry.path for entry in client.list_artifacts(parent.info.run_id, "images")}
+    for key in ("curves", "finals", "loss"):  # MLflow names them images/<key>+step+0+...png
+        assert any(path.startswith(f"images/{key}+step+0") and path.endswith(".png") for path in images)
+    seed_curves = [[value for _, value in history(run, "loss")] for run in runs_of("mhf_vocab")]
     assert all(abs(a - b) > 1e-4 for a, b in zip(*seed_curves, strict=True))  # another seed, another curve
 
     artifacts = {entry.path for entry in client.list_artifacts(parent.info.run_id)}
@@ -171,22 +191,40 @@ def test_demo_runs_a_matched_sweep_and_compares_it_from_mlflow(ray_session, tmp_
         assert set(points.get_offsets()[:, 0]) == {column}
         assert sorted(points.get_offsets()[:, 1]) == pytest.approx(sorted(finals[family]))
         assert pixels_of(finals_png, points.get_facecolor()[0]) > 20
-    for family in rows:  # one seeded, sampled continuation per family
-        assert sum(line.startswith(f"{family} (seed 0, temperature 0.8) sample:") for line in lines) == 1
-    assert any(line.startswith("MLflow UI: mlflow ui --backend-store-uri sqlite:///") for line in lines)
-    stages = [line for line in lines if line.startswith("[")]
+    for group in rows:  # one seeded, sampled continuation per group
+        assert sum(line.startswith(f"{group} (seed 0, temperature 0.8) sample:") for line in lines) == 1
+    # the printed address opens the experiment's runs in the Model-training view
+    page = f"/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
+    assert f"MLflow UI: mlflow ui --backend-store-uri {uri}  then open http://127.0.0.1:5000{page}" in lines
+    stages = [line for line in lines if line.startswith("[") and "] step " not in line]
     assert [line[:5] for line in stages] == ["[1/3]", "[2/3]", "[3/3]"] and all(
         "so far)" in x for x in stages
     )
+    # The console: one progress line per trial per log step, named by its trial (through mhf's relay),
+    # and nothing of Tune's (its experiment box, its hints) or of Ray's forwarding of worker output.
+    progress = sorted(line.split(" | ")[0] for line in lines if "] step " in line)
+    trials = [f"{group}-seed{seed}" for group in rows for seed in (0, 1)]
+    assert progress == sorted(f"[{trial}] step {step}/8" for trial in trials for step in (4, 8))
+    console = capfd.readouterr()
+    for foreign in ("Configuration for experiment", "View detailed results", "TensorBoard", " pid="):
+        assert foreign not in console.out + console.err
 
 
-def test_the_demo_trains_qwen3_matched_only_where_it_differs_from_qwen3():
+def test_the_demo_trains_both_mhf_objectives_and_qwen3_matched_only_where_it_differs_from_qwen3():
     from mhf_dist.config import load_config
-    from mhf_dist.demo import demo_families
+    from mhf_dist.demo import demo_groups
+
+    def names(groups):
+        return [entry if isinstance(entry, str) else entry["group"] for entry in groups]
 
     lines = []
-    assert demo_families(load_config("tiny"), lines.append) == ["mhf", "qwen3", "qwen3_matched"]
-    assert lines == []
+    groups = demo_groups(load_config("tiny"), lines.append)
+    assert names(groups) == ["mhf_coordinates", "mhf_vocab", "qwen3", "qwen3_matched"] and lines == []
+    assert [entry["set"] for entry in groups[:2]] == [
+        {"model.hash.loss": "coordinates"},
+        {"model.hash.loss": "vocab"},
+    ]
     # At V=2,200 two qwen3 layers already hold mhf's parameters (mhf's do not grow with V).
-    assert demo_families(load_config("tiny", ["model.vocab_size=2200"]), lines.append) == ["mhf", "qwen3"]
+    groups = demo_groups(load_config("tiny", ["model.vocab_size=2200"]), lines.append)
+    assert names(groups) == ["mhf_coordinates", "mhf_vocab", "qwen3"]
     assert lines == ["qwen3_matched skipped: at this size its closest match has qwen3's own 2 layers"]

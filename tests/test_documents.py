@@ -18,7 +18,8 @@ from mhf_dist.data.shards import check_compatible, is_validation, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
 from mhf_dist.eval.perplexity import evaluate_rows
-from mhf_dist.eval.tasks import continuation_logprob, run_task
+from mhf_dist.eval.scoring import score_continuations
+from mhf_dist.eval.tasks import run_task
 from mhf_dist.export import export_model, load_exported
 from mhf_dist.hf_layout import export_hf, import_hf
 from mhf_dist.models import build_model
@@ -130,7 +131,9 @@ def test_text_scoring_frames_each_document_as_the_model_read_its_training_data(s
     bos_model = load_exported(tmp_path / "bos")
     (tmp_path / "l.jsonl").write_text(json.dumps({"text": "the rain falls"}) + "\n")
     encode = bos_model.tokenizer.encode_batch
-    logprob, _ = continuation_logprob(bos_model.model, [BOS, *encode(["the rain"])[0]], encode([" falls"])[0])
+    [(logprob, _)] = score_continuations(
+        bos_model.model, [([BOS, *encode(["the rain"])[0]], encode([" falls"])[0])], 1
+    )
     assert run_task(bos_model, "lambada", tmp_path / "l.jsonl")["ppl"] == pytest.approx(np.exp(-logprob))
 
 
@@ -145,10 +148,11 @@ def test_the_harness_uses_bos_as_the_empty_context_and_context_prefix_of_a_bos_m
         assert lm.prefix_token_id == empty
         encode = model.tokenizer.encode_batch
         requests = [SimpleNamespace(args=("", "rain")), SimpleNamespace(args=("the", " rain"))]
-        expected = [
-            continuation_logprob(model.model, [empty], encode(["rain"])[0]),
-            continuation_logprob(model.model, [*prefix, *encode(["the"])[0]], encode([" rain"])[0]),
-        ]
+        expected = score_continuations(
+            model.model,
+            [([empty], encode(["rain"])[0]), ([*prefix, *encode(["the"])[0]], encode([" rain"])[0])],
+            1,
+        )
         scores = [score for score, _ in lm.loglikelihood(requests)]
         assert scores == pytest.approx([score for score, _ in expected])
 

@@ -1,5 +1,6 @@
 """`mhf eval` tasks and `mhf generate` on small exported models, checked against independent computations."""
 
+import copy
 import itertools
 import json
 import math
@@ -15,10 +16,12 @@ from mhf_dist.config import RecallDataConfig, load_config
 from mhf_dist.data.corpus import builtin_documents
 from mhf_dist.data.recall import EVAL_SEED, make_recall
 from mhf_dist.data.tokenizer import TextTokenizer
-from mhf_dist.eval.tasks import RECALL_SEQ_LEN, EvalDataError, continuation_logprob, run_task, word_vector
+from mhf_dist.eval.scoring import ScoringError, score_continuations
+from mhf_dist.eval.tasks import RECALL_SEQ_LEN, EvalDataError, run_task
 from mhf_dist.export import export_model, load_exported
 from mhf_dist.models import build_model
 from mhf_dist.models.generation import generate
+from mhf_dist.plugins import BUILTIN_FAMILIES
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.train.loop import train_local
 
@@ -54,6 +57,28 @@ def sequence_logprob(model, ids):
     with torch.no_grad():
         nll = model.token_nll(torch.tensor([ids[:-1]]), torch.tensor([ids[1:]]))
     return -nll[0].double()
+
+
+@torch.no_grad()
+def cached_continuation_logprob(model, context, continuation):
+    """One request alone, token by token through the KV cache: (log p(continuation | context), whether
+    greedy decoding reproduces it) -- the reference the batched scoring must equal."""
+    logprobs, cache = model.next_token_logprobs(torch.tensor([context]), model.new_cache())
+    total, greedy = 0.0, True
+    for index, token in enumerate(continuation):
+        if index:
+            logprobs, cache = model.next_token_logprobs(torch.tensor([[continuation[index - 1]]]), cache)
+        total += float(logprobs[0, token])
+        greedy = greedy and int(logprobs[0].argmax()) == token
+    return total, greedy
+
+
+def mean_word_state(exported, word, layer):
+    """A word's vector computed alone: hidden states of `layer` over its tokens, averaged."""
+    prefix = exported.tokenizer.context_prefix(exported.document_format)
+    ids = exported.tokenizer.encode_batch([word.replace("_", " ")])[0]
+    with torch.no_grad():
+        return exported.model.layer_states(torch.tensor([prefix + ids]), layer)[0, len(prefix) :].mean(dim=0)
 
 
 def test_ppl_and_bpb_equal_the_models_own_nll_computed_per_window(exported, tmp_path):
@@ -154,7 +179,7 @@ def test_card660_correlates_scores_with_word_vector_cosines(exported, tmp_path):
     cosines = [
         float(
             torch.nn.functional.cosine_similarity(
-                word_vector(exported, a, -2), word_vector(exported, b, -2), dim=0
+                mean_word_state(exported, a, -2), mean_word_state(exported, b, -2), dim=0
             )
         )
         for a, b, _ in pairs
@@ -238,8 +263,9 @@ def test_the_lm_eval_model_agrees_with_mhf_eval_offline(exported, tmp_path, monk
     sample = min(output["samples"]["mhf_tiny_choice"], key=lambda s: s["doc_id"])
     harness_scores = [resp[0][0] for resp in sample["resps"]]
     ctx = encode([records[0]["ctx"]])[0]
-    ours = [continuation_logprob(exported.model, ctx, encode([" " + e])[0])[0] for e in records[0]["endings"]]
-    assert harness_scores == pytest.approx(ours, abs=1e-6)
+    endings = [encode([" " + ending])[0] for ending in records[0]["endings"]]
+    ours = [cached_continuation_logprob(exported.model, ctx, ending)[0] for ending in endings]
+    assert harness_scores == pytest.approx(ours, rel=1e-6)
 
 
 def test_recall_labels_are_correct_by_construction():
@@ -268,13 +294,17 @@ class RecallOracle:
     def eval(self):
         return self
 
-    def next_token_logprobs(self, tokens, cache):
-        row = tokens[0].tolist()
-        key = row[-1]
-        answer = row[row.index(key) + 1] if self.knows(key) else key
-        logits = torch.zeros(1, self.vocab_size)
-        logits[0, answer] = 20.0
-        return logits.log_softmax(-1), cache
+    def parameters(self):
+        return iter(())
+
+    def score_targets(self, inputs, targets, mask):
+        hits = []
+        for row, position in mask.nonzero().tolist():
+            prefix = inputs[row, : position + 1].tolist()
+            key = prefix[-1]
+            answer = prefix[prefix.index(key) + 1] if self.knows(key) else key
+            hits.append(answer == int(targets[row, position]))
+        return torch.zeros(len(hits)), torch.tensor(hits)
 
 
 def test_recall_accuracy_is_the_share_of_queries_whose_value_scores_highest():
@@ -303,3 +333,239 @@ def test_text_files_split_into_documents_like_mhf_prepare(tmp_path):
         " = Heading = \n \n First paragraph .\r\n\t\nSecond one .\n"
     )  # WikiText's " " blank lines
     assert read_texts(path) == ["= Heading =", "First paragraph .", "Second one ."]
+
+
+# Batched scoring: right-padded batches of mixed lengths must score as one request at a time does.
+# gated_hybrid's memory keeps each query's top-k keys, and a repeated token repeats a key: torch.topk
+# breaks such ties differently at another row length (its KV-cache path already differs from its
+# full pass), so on text it is not exact at any batch size; it is checked on rows without repeated ids.
+EXACTLY_BATCHED = ["mhf", "qwen3", "mhf-over-triple_hybrid"]
+MIXED_TEXTS = [
+    "He opened the door and saw the garden",
+    "A loop",
+    "The function returns a new list of every item that the iterator yields before it stops",
+    "Classes define objects",
+    "Import the module first and then call its main function with the arguments it expects",
+    "for x",
+]
+
+
+def mixed_pairs(exported):
+    """(context, continuation) ids of many lengths; every other continuation is the model's own greedy
+    decoding, so both values of the greedy flag occur."""
+    model, encode = exported.model.eval(), exported.tokenizer.encode_batch
+    pairs = []
+    for number, text in enumerate(MIXED_TEXTS * 3):
+        words = text.split()
+        cut = 1 + number % len(words) if len(words) > 1 else 1
+        context = encode([" ".join(words[:cut])])[0]
+        continuation = encode([" " + " ".join(words[cut:] or ["end"])])[0][: 1 + number % 7]
+        if number % 2:
+            continuation = list(generate(model, context, len(continuation)))
+        pairs.append((context, continuation))
+    return pairs
+
+
+def assert_scores_equal_one_at_a_time(model, pairs):
+    expected = [cached_continuation_logprob(model, *pair) for pair in pairs]
+    for batch_size in (1, 4, 16):
+        scores = score_continuations(model, pairs, batch_size)
+        assert [greedy for _, greedy in scores] == [greedy for _, greedy in expected]
+        assert [logprob for logprob, _ in scores] == pytest.approx([lp for lp, _ in expected], rel=1e-5)
+    return expected
+
+
+@pytest.mark.parametrize("exported", EXACTLY_BATCHED, indirect=True)
+def test_batched_continuation_scores_equal_one_request_at_a_time_through_the_kv_cache(exported):
+    expected = assert_scores_equal_one_at_a_time(exported.model, mixed_pairs(exported))
+    assert {greedy for _, greedy in expected} == {True, False}
+
+
+@pytest.mark.parametrize("exported", ["gated_hybrid"], indirect=True)
+def test_gated_hybrid_scores_alike_at_every_batch_size_where_no_memory_keys_tie(exported):
+    ids = torch.randperm(exported.config.vocab_size, generator=torch.Generator().manual_seed(0)).tolist()
+    lengths = [(1 + n % 13, 1 + n % 5) for n in range(18)]  # up to 17 ids: more pairs than top_k
+    pairs = [(ids[n : n + c], ids[n + c : n + c + t]) for n, (c, t) in enumerate(lengths)]
+    assert_scores_equal_one_at_a_time(exported.model, pairs)
+
+
+def test_scoring_rejects_an_empty_context_and_a_continuation_longer_than_max_length(exported):
+    with pytest.raises(ScoringError, match="context is empty"):
+        score_continuations(exported.model, [([], [5, 6])], 4)
+    with pytest.raises(ScoringError, match="does not fit max_length=2; raise max_length"):
+        score_continuations(exported.model, [([1, 2], [5, 6, 7])], 4, max_length=2)
+    with pytest.raises(ScoringError, match="batch_size=0"):
+        score_continuations(exported.model, [([1, 2], [5])], 0)
+
+
+def mixed_task_data(tmp_path):
+    """Each task's file, with examples of many lengths so that a batch holds padding."""
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n\n".join(MIXED_TEXTS))
+    records = [
+        {"ctx": text.rpartition(" ")[0], "endings": [text.rpartition(" ")[2], *endings], "label": 0}
+        for text, endings in zip(
+            MIXED_TEXTS[::-1],
+            itertools.cycle([["a class", "the door and then the garden"], ["x", "y z"], ["open a file"]]),
+            strict=False,
+        )
+    ]
+    words = ["new_york", "city", "def", "function_definition", "loop", "for", "class", "iterator_protocol"]
+    card = tmp_path / "card.tsv"
+    scored = enumerate(itertools.pairwise(words))
+    card.write_text("".join(f"{a}\t{b}\t{number % 5 + 0.5}\n" for number, (a, b) in scored))
+    return {
+        "ppl": texts,
+        "bpb": texts,
+        "lambada": write_jsonl(tmp_path / "l.jsonl", [{"text": text} for text in MIXED_TEXTS * 3]),
+        "hellaswag": write_jsonl(tmp_path / "h.jsonl", records),
+        "card660": card,
+        "recall": None,
+    }
+
+
+@pytest.mark.parametrize("exported", EXACTLY_BATCHED, indirect=True)
+@pytest.mark.parametrize("task", ["ppl", "bpb", "lambada", "hellaswag", "card660", "recall"])
+def test_every_task_gives_the_same_metrics_at_batch_size_16_as_one_at_a_time(exported, tmp_path, task):
+    data = mixed_task_data(tmp_path)[task]
+    one, batched = (
+        run_task(exported, task, data, limit=20 if task == "recall" else 0, seq_len=8, batch_size=size)
+        for size in (1, 16)
+    )
+    assert batched.keys() == one.keys()
+    for name, value in one.items():
+        if name.startswith("acc") or isinstance(value, int):
+            assert batched[name] == value, name
+        else:
+            assert batched[name] == pytest.approx(value, rel=1e-5), name
+
+
+@pytest.mark.parametrize("family", BUILTIN_FAMILIES)
+def test_every_family_scores_selected_targets_as_its_next_token_logprobs_do(family):
+    cfg = load_config("tiny", ["model.vocab_size=300", "model.hash.spec=H2B64", f"model.family={family}"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, SignatureTable.build([f"t{i}" for i in range(300)], 2, 64)).eval()
+    inputs = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:26].view(2, 13)
+    mask = torch.rand(2, 13, generator=torch.Generator().manual_seed(2)) < 0.6
+    with torch.no_grad():
+        alone = [model.next_token_logprobs(inputs[b : b + 1, : t + 1], None)[0][0] for b, t in mask.nonzero()]
+        targets = torch.randint(0, 300, (2, 13), generator=torch.Generator().manual_seed(3))
+        targets[mask] = torch.stack([lp.argmax() if n % 2 else lp.argmin() for n, lp in enumerate(alone)])
+        logprob, greedy = model.score_targets(inputs, targets, mask)
+    assert greedy.tolist() == [n % 2 == 1 for n in range(len(alone))]
+    expected = [float(lp[target]) for lp, target in zip(alone, targets[mask], strict=True)]
+    assert logprob.tolist() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("exported", ["mhf"], indirect=True)
+def test_mhf_greedy_flags_skip_reserved_rows_as_next_token_logprobs_does(exported):
+    """A reserved row (normaliser only) given the most likely signature at every position would win an
+    argmax over all rows; greedy decoding never picks it, and neither may the batched greedy flag."""
+    model = copy.deepcopy(exported.model).eval()
+    ids = torch.tensor([exported.tokenizer.encode_batch([MIXED_TEXTS[2]])[0]])
+    with torch.no_grad():
+        best_signatures = model.coord_logprobs(ids).argmax(-1)[0]  # [T, H]: per-coordinate best buckets
+        model.vocab_signatures = torch.cat([model.vocab_signatures, best_signatures])
+        expected = [model.next_token_logprobs(ids[:, : t + 1], None)[0][0] for t in range(ids.shape[1])]
+        targets = torch.stack([logprobs.argmax() for logprobs in expected])[None]
+        logprob, greedy = model.score_targets(ids, targets, torch.ones_like(ids, dtype=torch.bool))
+    assert greedy.all()
+    assert logprob.tolist() == pytest.approx([float(e.max()) for e in expected], rel=1e-5)
+    assert all(e.logsumexp(-1) < -1e-3 for e in expected)  # the reserved rows hold real mass
+
+
+@pytest.mark.parametrize("exported", EXACTLY_BATCHED, indirect=True)
+def test_the_harness_scores_alike_at_every_batch_size(exported):
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional extra mhf-dist[eval]")
+    from mhf_dist.eval.harness import MhfHarnessLM
+
+    requests = [SimpleNamespace(args=(t.rpartition(" ")[0], " " + t.rpartition(" ")[2])) for t in MIXED_TEXTS]
+    requests.append(SimpleNamespace(args=("", "A loop")))
+    texts = [SimpleNamespace(args=(text,)) for text in ["", *MIXED_TEXTS]]
+    results = {}
+    for batch_size in (1, "16", "auto:4"):
+        lm = MhfHarnessLM(str(exported.path), max_length=8, batch_size=batch_size)
+        results[batch_size] = (lm.loglikelihood(requests), lm.loglikelihood_rolling(texts))
+    (likelihoods, rolling), *others = results.values()
+    for other_likelihoods, other_rolling in others:
+        assert [greedy for _, greedy in other_likelihoods] == [greedy for _, greedy in likelihoods]
+        assert [lp for lp, _ in other_likelihoods] == pytest.approx([lp for lp, _ in likelihoods], rel=1e-5)
+        assert other_rolling == pytest.approx(rolling, rel=1e-5)
+    # A context longer than max_length loses its oldest ids. A rolling text is scored in windows of
+    # 8 targets, each read with as much context as fits in 8 inputs (lm-eval's disjoint windows).
+    context, continuation = exported.tokenizer.encode_pair(*requests[2].args)
+    kept = (context + continuation)[-9 : -len(continuation)]
+    expected_likelihood = cached_continuation_logprob(exported.model, kept, continuation)[0]
+    assert likelihoods[2][0] == pytest.approx(expected_likelihood, rel=1e-5)
+    ids = [exported.tokenizer.eos_id, *exported.tokenizer.encode_batch([MIXED_TEXTS[2]])[0]]
+    ends = [min(start + 8, len(ids)) for start in range(1, len(ids), 8)]
+    expected_rolling = sum(
+        float(sequence_logprob(exported.model, ids[max(0, end - 9) : end])[-(end - start) :].sum())
+        for start, end in zip(range(1, len(ids), 8), ends, strict=True)
+    )
+    assert len(ends) > 2 and rolling[3] == pytest.approx(expected_rolling, rel=1e-5) and rolling[0] == 0.0
+
+
+def test_harness_batch_sizes_follow_lm_eval():
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional extra mhf-dist[eval]")
+    from mhf_dist.eval.harness import AUTO_BATCH_SIZE, harness_batch_size
+
+    sizes = [harness_batch_size(value) for value in (3, "16", "auto", "auto:4")]
+    assert sizes == [3, 16, AUTO_BATCH_SIZE, AUTO_BATCH_SIZE]
+    for bad in ("0", "x", -2):
+        with pytest.raises(ScoringError, match="use a positive integer or 'auto'"):
+            harness_batch_size(bad)
+
+
+@pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
+def test_mhf_eval_passes_a_batch_size_of_at_least_one_to_the_task(exported, tmp_path, capsys, monkeypatch):
+    import mhf_dist.eval.tasks
+
+    calls = []
+
+    def recording_run_task(*args, **kwargs):
+        calls.append(kwargs["batch_size"])
+        return run_task(*args, **kwargs)
+
+    monkeypatch.setattr(mhf_dist.eval.tasks, "run_task", recording_run_task)
+    path = write_jsonl(tmp_path / "l.jsonl", [{"text": text} for text in MIXED_TEXTS])
+    args = ["eval", "--model", str(exported.path), "--task", "lambada", "--data", str(path)]
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--batch-size", "0"])
+    assert done.value.code == 2
+    assert "--batch-size: '0': use a whole number of at least 1" in capsys.readouterr().err
+    assert main([*args, "--batch-size", "3"]) == main(args) == 0
+    assert calls == [3, 16]
+
+
+@pytest.mark.parametrize("exported", ["mhf", "mhf-over-triple_hybrid"], indirect=True)
+def test_harness_generation_is_alike_at_every_batch_size_and_cut_at_until(exported):
+    """Each continuation equals its prompt's greedy decoding alone, to max_gen_toks, cut at the first
+    `until` string; a prompt keeps its newest max_length - max_gen_toks ids (30 - 10 here)."""
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional extra mhf-dist[eval]")
+    from mhf_dist.eval.harness import MhfHarnessLM
+
+    tokenizer = exported.tokenizer
+    words = MIXED_TEXTS[2].split()
+    contexts = [" ".join(words[:count]) for count in (1, 2, 3, 4, 6, len(words))]  # 2 to 62 ids
+
+    def decoded_alone(context, max_gen_toks):
+        framed = tokenizer.context_prefix(exported.document_format) + tokenizer.encode_batch([context])[0]
+        prompt = framed[-(30 - max_gen_toks) :]
+        ids = list(generate(exported.model, prompt, max_gen_toks, stop_ids=[tokenizer.eos_id]))
+        return tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)) :]
+
+    full = [decoded_alone(context, 10) for context in contexts]
+    # until: two printable characters of one continuation, after its start (a "�" is half a character)
+    pieces = [full[3][start : start + 2] for start in range(2, len(full[3]) - 1)]
+    piece = next(piece for piece in pieces if piece.isprintable() and "\ufffd" not in piece)
+    long_kwargs = {"until": [piece], "max_gen_toks": 10}
+    short_kwargs = {"until": "\n", "max_gen_toks": 4}
+    requests = [SimpleNamespace(args=(context, long_kwargs)) for context in contexts]
+    requests += [SimpleNamespace(args=(context, short_kwargs)) for context in contexts[::5]]
+    expected = [text.split(long_kwargs["until"][0])[0] for text in full]
+    expected += [decoded_alone(context, 4).split("\n")[0] for context in contexts[::5]]
+    assert len(expected[3]) < len(full[3])
+    for batch_size in (1, 4):
+        lm = MhfHarnessLM(str(exported.path), max_length=30, batch_size=batch_size)
+        assert lm.generate_until(requests) == expected

@@ -76,7 +76,9 @@ def test_a_pretrain_job_succeeds_with_its_mlflow_run_and_metrics(submit, tmp_pat
     status, out, err = submit(*TINY_JOB)
     assert status == 0, err[-2000:]
     assert "SUCCEEDED" in err
-    assert "step 6/6" in out  # the workers' progress lines, streamed while the job ran
+    assert "step 6/6" in out  # rank 0's progress lines, relayed to the job's driver while the job ran
+    for foreign in ("(RayTrainWorker pid=", "(TrainController pid=", "Setting accelerator to CPU"):
+        assert foreign not in out  # the workers' own output stays in Ray's logs
     client = MlflowClient(f"sqlite:///{tmp_path / 'train' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("pretrain")
     (run,) = client.search_runs([experiment.experiment_id])

@@ -11,7 +11,7 @@ from mhf_dist.config import load_config
 from mhf_dist.errors import SignatureError, TrainingError
 from mhf_dist.models import FAMILIES, build_model, forward_flops_per_token, hash_io, param_count
 from mhf_dist.models.counting import matched_layers, with_layers
-from mhf_dist.models.generation import Sampling, generate
+from mhf_dist.models.generation import Sampling, generate, generate_batch
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.train.loop import train_local
 
@@ -89,6 +89,40 @@ def test_seeded_sampling_is_reproducible_and_filters_apply(small_cfg, small_tabl
         logprobs, _ = model.next_token_logprobs(torch.tensor([[1, 2, 3]]), None)
     top1 = int(logprobs.argmax())
     assert set(generate(model, [1, 2, 3], 1, Sampling(temperature=1.0, top_k=1, seed=0))) == {top1}
+
+
+RAGGED_PROMPTS = [[7, 41, 3, 99, 250], [12], [5, 5, 180, 64, 2, 77, 31, 9], [201, 8, 140]]
+
+
+def greedy_alone(model, prompt, max_new_tokens):
+    """Greedy ids of one prompt, each from a fresh full pass over the whole sequence (no cache, no batch)."""
+    sequence = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logprobs, _ = model.next_token_logprobs(torch.tensor([sequence]), None)
+            sequence.append(int(logprobs.argmax()))
+    return sequence[len(prompt) :]
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("family", ["mhf", "qwen3", "triple_latent"])
+def test_batched_greedy_of_ragged_prompts_equals_each_prompt_alone(small_cfg, small_table, family, use_cache):
+    model = model_of(small_cfg, small_table, family).eval()
+    expected = [greedy_alone(model, prompt, 6) for prompt in RAGGED_PROMPTS]
+    assert generate_batch(model, RAGGED_PROMPTS, 6, use_cache=use_cache) == expected
+
+
+def test_a_batch_row_stops_at_its_stop_id_or_stop_test_while_the_others_continue(small_cfg, small_table):
+    model = model_of(small_cfg, small_table, "triple_latent").eval()
+    alone = [greedy_alone(model, prompt, 8) for prompt in RAGGED_PROMPTS]
+    stop_id = alone[0][2]
+    assert all(stop_id not in ids for ids in alone[1:])  # only row 0 meets the stop id
+
+    def second_row_has_four(row, ids):
+        return row == 1 and len(ids) == 4
+
+    outputs = generate_batch(model, RAGGED_PROMPTS, 8, stop_ids=[stop_id], should_stop=second_row_has_four)
+    assert outputs == [alone[0][:3], alone[1][:4], alone[2], alone[3]]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

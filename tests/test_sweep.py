@@ -28,6 +28,19 @@ def test_a_matched_sweep_expands_to_families_times_seeds():
     assert {t.group for t in expand_trials(seeds)} == {"mhf"}
 
 
+def test_a_family_variant_is_its_own_group_with_its_own_overrides():
+    vocab = {"group": "mhf_vocab", "family": "mhf", "set": {"model.hash.loss": "vocab"}}
+    spec = parse_sweep({"name": "v", "kind": "matched", "families": ["mhf", vocab], "set": BYTES})
+    trials = expand_trials(spec)
+    assert [(t.name, t.group, t.family) for t in trials] == [
+        ("mhf-seed0", "mhf", "mhf"), ("mhf_vocab-seed0", "mhf_vocab", "mhf"),
+    ]  # fmt: skip
+    losses = {name: cfg.model.hash.loss for name, cfg in trial_configs(spec).items()}
+    assert losses == {"mhf-seed0": "coordinates", "mhf_vocab-seed0": "vocab"}
+    again = parse_sweep(spec.model_dump())  # a sweep's record reads back as the same sweep
+    assert expand_trials(again) == trials
+
+
 def test_a_grid_over_topology_keys_gives_each_trial_its_own_topology():
     grid = {"topology.zero_stage": [0, 2], "topology.workers": [1, 4]}
     spec = parse_sweep({"name": "t", "kind": "grid", "set": {"topology.gpus_per_worker": 1}, "grid": grid})
@@ -71,6 +84,24 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
         (["not", "a", "mapping"], "must be a YAML mapping"),
         ({"name": "x", "kind": "seeds", "evaluate": [{"task": "mmlu"}]}, "unknown task 'mmlu'"),
         ({"name": "x", "kind": "matched", "matched_to": "gpt2"}, "matched_to: unknown family 'gpt2'"),
+        (
+            {"name": "x", "kind": "matched", "families": ["mhf", {"group": "mhf", "family": "mhf"}]},
+            "group 'mhf' appears twice",
+        ),
+        (
+            {"name": "x", "kind": "matched", "families": [{"group": "a b", "family": "mhf"}]},
+            r"entry 0 \(group\): String should match pattern .*write a variant mapping \{group: NAME",
+        ),
+        ({"name": "x", "kind": "matched", "families": [{"group": "v", "family": "gpt2"}]}, "unknown family"),
+        (
+            {
+                "name": "x",
+                "kind": "matched",
+                "families": [{"group": "v", "family": "mhf", "set": {"x.y": 1}}],
+            },
+            "trial v-seed0: unknown key",
+        ),
+        ({"name": "x", "kind": "matched", "families": [3]}, "entry 0 is 3; an entry is a family name or"),
     ],
 )
 def test_bad_sweep_files_are_one_line_errors(raw, message):

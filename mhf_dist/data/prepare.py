@@ -105,12 +105,12 @@ class Part:
         return f"{self.index:05d}"
 
 
-def prepare_if_missing(cfg: Config, log: Callable[[str], None] = print) -> None:
+def prepare_if_missing(cfg: Config, log: Callable[[str], None] = print, verbose: bool = False) -> None:
     """Prepare `data.path` from `data.corpus` unless it already holds a complete dataset (jobs rerun)."""
     if (Location.of(cfg.data.path) / MANIFEST).is_file():
         log(f"prepared shards found in {redact(cfg.data.path)}; not preparing again")
         return
-    prepare(cfg, cfg.data.path, log=log)
+    prepare(cfg, cfg.data.path, log=log, verbose=verbose)
 
 
 def prepare(
@@ -119,9 +119,11 @@ def prepare(
     overwrite: bool = False,
     num_cpus: int | None = None,
     log: Callable[[str], None] = print,
+    verbose: bool = False,
 ) -> Manifest:
     """Prepare the config's corpus (or its sources) into shards at `out` (local or a bucket); returns
-    the manifest. A partial run of the same inputs and settings is resumed."""
+    the manifest. A partial run of the same inputs and settings is resumed. `verbose`: Ray's own lines
+    on the console too (`ensure_ray`)."""
     out = Location.of(out)
     if num_cpus is not None and num_cpus < 1:
         raise DataError(f"--num-cpus {num_cpus}: Ray needs at least one CPU")
@@ -145,7 +147,7 @@ def prepare(
     _check_model_documents(cfg, document_format)
     _log_tables(log, tokenizer, table, document_format)
 
-    ensure_ray(num_cpus)
+    ensure_ray(num_cpus, verbose)
     splits, records = _write_shards(
         cfg, sources, files, tokenizer, table, work, document_format, num_cpus, log
     )

@@ -1,7 +1,10 @@
 """The lm-evaluation-harness model `mhf`: any exported mhf-dist model, scored exactly.
 
-Log-likelihoods come from the same code as `mhf eval` (continuations token by token over the whole
-vocabulary through the KV cache; V_actl-renormalised for `mhf`), so both agree on the same data.
+Log-likelihoods come from the same code as `mhf eval` (`mhf_dist.eval.scoring`: exact over the whole
+vocabulary, V_actl-renormalised for `mhf`), so both agree on the same data. lm-eval's `--batch_size`
+sets the requests scored per forward pass (right-padded, longest first; the same scores as one at a
+time): an integer, or `auto` / `auto:N`, which mean AUTO_BATCH_SIZE (no memory probing). Contexts
+longer than `max_length` lose their oldest tokens, as in lm-eval's Hugging Face model.
 
     mhf-lm-eval --model mhf --model_args path=runs/.../model --tasks hellaswag --include_path my_tasks/
     # or in Python, after `import mhf_dist.eval.harness`:
@@ -19,20 +22,41 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import (
+    Collator,
+    handle_stop_sequences,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from mhf_dist.eval.tasks import continuation_logprob
+from mhf_dist.eval.scoring import ScoringError, score_continuations
 from mhf_dist.export import load_exported
-from mhf_dist.models.generation import generate
+from mhf_dist.models.generation import Sampling, generate_batch
+
+AUTO_BATCH_SIZE = 16  # what `--batch_size auto` (or auto:N) means here
+DEFAULT_MAX_GEN_TOKS = 128  # a generate_until request without max_gen_toks
+
+
+def harness_batch_size(value: int | str) -> int:
+    """lm-eval's batch size (model_args give strings): a positive integer, or `auto` / `auto:N`."""
+    text = str(value)
+    if text.startswith("auto"):
+        return AUTO_BATCH_SIZE
+    if not text.isdigit() or int(text) < 1:
+        raise ScoringError(f"batch_size={value!r}; use a positive integer or 'auto'")
+    return int(text)
 
 
 @register_model("mhf")
 class MhfHarnessLM(LM):
-    def __init__(self, path: str, max_length: int = 1024, **_: Any) -> None:  # batch_size, device: unused
+    def __init__(
+        self, path: str, max_length: int = 1024, batch_size: int | str = 1, **_: Any
+    ) -> None:  # device, max_batch_size: unused
         super().__init__()
+        self.batch_size = harness_batch_size(batch_size)
         exported = load_exported(path)
         self.model = exported.model.eval()
         self.tokenizer = exported.tokenizer
@@ -48,50 +72,79 @@ class MhfHarnessLM(LM):
         framed = self.tokenizer.context_prefix(self.document_format) + ids
         return framed or [self.prefix_token_id]
 
-    def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
-        results = []
-        for request in requests:
-            context, continuation = request.args
-            if context:
-                context_ids, continuation_ids = self.tokenizer.encode_pair(context, continuation)
-            else:
-                context_ids, continuation_ids = [], self._encode(continuation)
-            results.append(continuation_logprob(self.model, self._context(context_ids), continuation_ids))
-        return results
+    def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        if context:
+            context_ids, continuation_ids = self.tokenizer.encode_pair(context, continuation)
+        else:
+            context_ids, continuation_ids = [], self._encode(continuation)
+        return self._context(context_ids), continuation_ids
 
-    @torch.no_grad()
+    def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
+        pairs = [self._pair(*request.args) for request in requests]
+        return score_continuations(self.model, pairs, self.batch_size, self.max_length)
+
     def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
-        results = []
-        for request in requests:
+        """Each text's disjoint windows (lm-eval's), the windows of all texts batched together."""
+        windows, owners = [], []
+        for number, request in enumerate(requests):
             (text,) = request.args
-            windows = get_rolling_token_windows(
+            rolling = get_rolling_token_windows(
                 self._encode(text), self.prefix_token_id, self.max_length, context_len=1
             )
-            total = 0.0
-            for context, targets in map(make_disjoint_window, windows):
-                ids = torch.tensor([context + targets])
-                nll = self.model.token_nll(ids[:, :-1], ids[:, 1:])[0, -len(targets) :]
-                total -= float(nll.double().sum())
-            results.append(total)
-        return results
+            for window in map(make_disjoint_window, rolling):
+                windows.append(window)
+                owners.append(number)
+        totals = [0.0] * len(requests)
+        scores = score_continuations(self.model, windows, self.batch_size)
+        for owner, (logprob, _) in zip(owners, scores, strict=True):
+            totals[owner] += logprob
+        return totals
 
     def generate_until(self, requests: list[Any]) -> list[str]:
+        """Continuations decoded `batch_size` prompts at a time, longest first, grouped by their gen kwargs
+        (lm-eval's Hugging Face model's order), returned in the requests' order."""
+        encoded = [(self._context(self._encode(r.args[0])), r.args[1]) for r in requests]  # (prompt, kwargs)
+        order = Collator(encoded, sort_fn=lambda request: -len(request[0]), group_by="gen_kwargs")
         outputs = []
-        for request in requests:
-            context, kwargs = request.args
-            until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else until
-            prompt = self._context(self._encode(context))
-            ids = list(
-                generate(
-                    self.model, prompt, int(kwargs.get("max_gen_toks", 128)), stop_ids=[self.tokenizer.eos_id]
-                )
+        for chunk in order.get_batched(n=self.batch_size):
+            outputs += self._continuations([prompt for prompt, _ in chunk], chunk[0][1])
+        return order.get_original(outputs)
+
+    def _continuations(self, prompts: list[list[int]], gen_kwargs: dict[str, Any]) -> list[str]:
+        """The prompts' continuations, decoded together; each stops at EOS, max_gen_toks or its first
+        `until` string, which is cut off. A prompt loses its oldest ids to fit max_gen_toks in max_length."""
+        kwargs = normalize_gen_kwargs(gen_kwargs, DEFAULT_MAX_GEN_TOKS)
+        until = handle_stop_sequences(kwargs["until"], eos=self.tokenizer.decode([self.tokenizer.eos_id]))
+        room = self.max_length - kwargs["max_gen_toks"]
+        if room < 1:
+            raise ScoringError(
+                f"max_gen_toks={kwargs['max_gen_toks']} leaves no room for a prompt in "
+                f"max_length={self.max_length}; raise max_length or lower max_gen_toks"
             )
-            text = self.tokenizer.decode(prompt + ids)[len(self.tokenizer.decode(prompt)) :]
-            for stop in until:
-                text = text.split(stop)[0]
-            outputs.append(text)
-        return outputs
+        prompts = [prompt[-room:] for prompt in prompts]
+        prompt_chars = [len(self.tokenizer.decode(prompt)) for prompt in prompts]
+
+        def continuation(row: int, ids: list[int]) -> str:
+            return self.tokenizer.decode(prompts[row] + ids)[prompt_chars[row] :]
+
+        def reached_until(row: int, ids: list[int]) -> bool:
+            text = continuation(row, ids)
+            return any(stop in text for stop in until)
+
+        sampling = Sampling(
+            temperature=float(kwargs.get("temperature", 0.0)),
+            top_k=int(kwargs.get("top_k", 0)),
+            top_p=float(kwargs.get("top_p", 1.0)),
+        )
+        new_ids = generate_batch(
+            self.model,
+            prompts,
+            kwargs["max_gen_toks"],
+            sampling,
+            stop_ids=[self.tokenizer.eos_id],
+            should_stop=reached_until,
+        )
+        return [postprocess_generated_text(continuation(*row), until, None) for row in enumerate(new_ids)]
 
 
 def cli() -> None:

@@ -12,7 +12,8 @@
   vectors (the word alone, hidden states of `layer`, mean over its tokens; underscores become spaces).
 - `recall`: generated multi-query associative recall (`mhf_dist.data.recall`, no file): accuracy of the
   greedy prediction of each queried value.
-Continuations are scored token by token through the KV cache over the full vocabulary (V_actl for mhf).
+Every task scores `batch_size` sequences a forward pass (`mhf_dist.eval.scoring`: right-padded, the
+same answers as one at a time), exactly over the full vocabulary (V_actl for mhf).
 `--data` (and `--model`) may be local or in a bucket (`s3://`, `gs://`).
 Texts follow the model's document format: `bos` models read `<s>` before each document and context
 (lambada, hellaswag, card660 words), `eos` models an EOS after each document.
@@ -34,6 +35,7 @@ from mhf_dist.data.corpus import split_documents
 from mhf_dist.data.recall import EVAL_SEED, make_recall
 from mhf_dist.errors import MhfError
 from mhf_dist.eval.perplexity import text_scores
+from mhf_dist.eval.scoring import mean_layer_states, score_continuations, score_rows
 from mhf_dist.export import ExportedModel
 from mhf_dist.storage import Location
 
@@ -80,31 +82,20 @@ def read_texts(path: str | Path | Location) -> list[str]:
     return split_documents("\n".join(_lines(path)))
 
 
-@torch.no_grad()
-def continuation_logprob(model: Any, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-    """(log p(continuation | context), whether greedy decoding would produce the continuation)."""
-    logprobs, cache = model.next_token_logprobs(torch.tensor([context]), model.new_cache())
-    total, greedy = 0.0, True
-    for index, token in enumerate(continuation):
-        if index:
-            logprobs, cache = model.next_token_logprobs(torch.tensor([[continuation[index - 1]]]), cache)
-        total += float(logprobs[0, token])
-        greedy = greedy and int(logprobs[0].argmax()) == token
-    return total, greedy
-
-
-def eval_text(exported: ExportedModel, path: Location, limit: int, seq_len: int) -> dict[str, float]:
+def eval_text(
+    exported: ExportedModel, path: Location, limit: int, seq_len: int, batch_size: int
+) -> dict[str, float]:
     if path.is_dir():
-        return eval_prepared(exported, path, limit)
+        return eval_prepared(exported, path, limit, batch_size)
     texts = read_texts(path)[: limit or None]
     scores = text_scores(
-        exported.model, exported.tokenizer, texts, seq_len, document_format=exported.document_format
+        exported.model, exported.tokenizer, texts, seq_len, batch_size, exported.document_format
     )
     return {"nll": scores["val_nll"], "ppl": scores["val_ppl"], "bits_per_byte": scores["bits_per_byte"],
             "tokens": scores["val_tokens"], "documents": len(texts)}  # fmt: skip
 
 
-def eval_prepared(exported: ExportedModel, path: Location, limit: int) -> dict[str, float]:
+def eval_prepared(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:
     """`ppl` over the validation rows of a prepared directory (its rows as they are: seq_len + 1 ids)."""
     from mhf_dist.data.reader import RowReader
     from mhf_dist.data.shards import read_manifest
@@ -128,7 +119,7 @@ def eval_prepared(exported: ExportedModel, path: Location, limit: int) -> dict[s
     )
     reader = RowReader(path, "validation", signatures=False)
     rows = reader.read_range(0, min(reader.num_rows, limit) if limit else None)["tokens"]
-    scores = evaluate_rows(exported.model, rows)
+    scores = evaluate_rows(exported.model, rows, batch_size)
     return {"nll": scores["val_nll"], "ppl": scores["val_ppl"], "tokens": scores["val_tokens"],
             "rows": len(rows)}  # fmt: skip
 
@@ -139,34 +130,34 @@ def _framed_pair(exported: ExportedModel, context: str, continuation: str) -> tu
     return exported.tokenizer.context_prefix(exported.document_format) + context_ids, continuation_ids
 
 
-def eval_lambada(exported: ExportedModel, path: Location, limit: int) -> dict[str, float]:
+def eval_lambada(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:
     records = read_jsonl(path, {"text": str})[: limit or None]
-    correct, logprob_sum = 0, 0.0
+    pairs = []
     for number, record in enumerate(records, start=1):
         context, _, word = record["text"].strip().rpartition(" ")
         if not context:
             raise EvalDataError(f"{path}: example {number} has no context before its last word")
-        logprob, greedy = continuation_logprob(exported.model, *_framed_pair(exported, context, " " + word))
-        correct += greedy
-        logprob_sum += logprob
+        pairs.append(_framed_pair(exported, context, " " + word))
+    scores = score_continuations(exported.model, pairs, batch_size)
     return {
-        "acc": correct / len(records),
-        "ppl": math.exp(-logprob_sum / len(records)),
+        "acc": sum(greedy for _, greedy in scores) / len(records),
+        "ppl": math.exp(-math.fsum(logprob for logprob, _ in scores) / len(records)),
         "examples": len(records),
     }
 
 
-def eval_hellaswag(exported: ExportedModel, path: Location, limit: int) -> dict[str, float]:
+def eval_hellaswag(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:
     records = read_jsonl(path, {"ctx": str, "endings": list, "label": int})[: limit or None]
-    correct = correct_norm = 0
     for number, record in enumerate(records, start=1):
         endings, label = record["endings"], record["label"]
         if len(endings) < 2 or not 0 <= label < len(endings):
             raise EvalDataError(f"{path}: example {number} has label {label} for {len(endings)} endings")
-        scores = [
-            continuation_logprob(exported.model, *_framed_pair(exported, record["ctx"], " " + e))[0]
-            for e in endings
-        ]
+    pairs = [_framed_pair(exported, r["ctx"], " " + e) for r in records for e in r["endings"]]
+    logprobs = iter(score_continuations(exported.model, pairs, batch_size))
+    correct = correct_norm = 0
+    for record in records:
+        endings, label = record["endings"], record["label"]
+        scores = [next(logprobs)[0] for _ in endings]
         normed = [
             score / max(1, len((" " + e).encode("utf-8"))) for score, e in zip(scores, endings, strict=True)
         ]
@@ -175,17 +166,22 @@ def eval_hellaswag(exported: ExportedModel, path: Location, limit: int) -> dict[
     return {"acc": correct / len(records), "acc_norm": correct_norm / len(records), "examples": len(records)}
 
 
-@torch.no_grad()
-def word_vector(exported: ExportedModel, word: str, layer: int) -> torch.Tensor | None:
-    ids = exported.tokenizer.encode_batch([word.replace("_", " ")])[0]
-    if not ids:
-        return None
-    prefix = exported.tokenizer.context_prefix(exported.document_format)  # BOS for `bos` models
-    states = exported.model.layer_states(torch.tensor([prefix + ids]), layer)[0]
-    return states[len(prefix) :].float().mean(dim=0)
+def word_vectors(
+    exported: ExportedModel, words: list[str], layer: int, batch_size: int
+) -> dict[str, torch.Tensor]:
+    """The vector of each word that has tokens: hidden states of `layer` over its tokens, read alone
+    after the model's context prefix (BOS for `bos` models), averaged."""
+    tokenized = exported.tokenizer.encode_batch([word.replace("_", " ") for word in words])
+    ids = {word: word_ids for word, word_ids in zip(words, tokenized, strict=True) if word_ids}
+    prefix = exported.tokenizer.context_prefix(exported.document_format)
+    sequences = [prefix + word_ids for word_ids in ids.values()]
+    vectors = mean_layer_states(exported.model, sequences, layer, batch_size, skip=len(prefix))
+    return dict(zip(ids, vectors, strict=True))
 
 
-def eval_card660(exported: ExportedModel, path: Location, limit: int, layer: int) -> dict[str, float]:
+def eval_card660(
+    exported: ExportedModel, path: Location, limit: int, layer: int, batch_size: int
+) -> dict[str, float]:
     from scipy.stats import pearsonr, spearmanr
 
     pairs = []
@@ -198,11 +194,13 @@ def eval_card660(exported: ExportedModel, path: Location, limit: int, layer: int
         except (IndexError, ValueError):
             raise EvalDataError(f"{path}:{number}: expected word1<TAB>word2<TAB>score") from None
     pairs = pairs[: limit or None]
+    words = sorted({word for first, second, _ in pairs for word in (first, second)})
+    vectors = word_vectors(exported, words, layer, batch_size)
     cosines, gold = [], []
     for first, second, score in pairs:
-        a, b = word_vector(exported, first, layer), word_vector(exported, second, layer)
-        if a is not None and b is not None:
-            cosines.append(float(torch.nn.functional.cosine_similarity(a, b, dim=0)))
+        if first in vectors and second in vectors:
+            cosine = torch.nn.functional.cosine_similarity(vectors[first], vectors[second], dim=0)
+            cosines.append(float(cosine))
             gold.append(score)
     if len(gold) < 2:
         raise EvalDataError(f"{path}: fewer than two scorable pairs; check the file")
@@ -214,22 +212,19 @@ def eval_card660(exported: ExportedModel, path: Location, limit: int, layer: int
     }
 
 
-@torch.no_grad()
 def eval_recall(
-    exported: ExportedModel, limit: int, settings: RecallDataConfig, seq_len: int, seed: int = EVAL_SEED
+    exported: ExportedModel,
+    limit: int,
+    settings: RecallDataConfig,
+    seq_len: int,
+    batch_size: int,
+    seed: int = EVAL_SEED,
 ) -> dict[str, float]:
     data = make_recall(
         limit or 32, settings.num_pairs, settings.num_queries, seq_len, exported.config.vocab_size, seed
     )
-    correct = total = 0
-    for row, mask in zip(data.rows, data.query_mask, strict=True):
-        for position in np.flatnonzero(mask):
-            logprobs, _ = exported.model.next_token_logprobs(
-                torch.from_numpy(row[None, : position + 1]), None
-            )
-            correct += int(logprobs[0].argmax()) == int(row[position + 1])
-            total += 1
-    return {"acc": correct / total, "queries": total, "examples": len(data.rows)}
+    _, greedy = score_rows(exported.model, data.rows, data.query_mask, batch_size)
+    return {"acc": float(np.mean(greedy)), "queries": len(greedy), "examples": len(data.rows)}
 
 
 def run_task(
@@ -240,18 +235,20 @@ def run_task(
     seq_len: int = 128,
     layer: int = -2,
     recall: tuple[RecallDataConfig, int] = (RecallDataConfig(), RECALL_SEQ_LEN),
+    batch_size: int = 16,
 ) -> dict[str, float]:
     """`data`: the task's file (ppl: or a prepared directory), local or in a bucket. `recall`: the
     generator settings and row length (a model trained on `data.corpus: recall` is scored on rows like
-    its training rows, from another seed)."""
+    its training rows, from another seed). `batch_size`: sequences per forward pass; the results do
+    not depend on it beyond float rounding."""
     data = Location.of(data) if data is not None else None
     runners: dict[str, Callable[[], dict[str, float]]] = {
-        "ppl": lambda: eval_text(exported, data, limit, seq_len),
-        "bpb": lambda: eval_text(exported, data, limit, seq_len),
-        "lambada": lambda: eval_lambada(exported, data, limit),
-        "hellaswag": lambda: eval_hellaswag(exported, data, limit),
-        "card660": lambda: eval_card660(exported, data, limit, layer),
-        "recall": lambda: eval_recall(exported, limit, *recall),
+        "ppl": lambda: eval_text(exported, data, limit, seq_len, batch_size),
+        "bpb": lambda: eval_text(exported, data, limit, seq_len, batch_size),
+        "lambada": lambda: eval_lambada(exported, data, limit, batch_size),
+        "hellaswag": lambda: eval_hellaswag(exported, data, limit, batch_size),
+        "card660": lambda: eval_card660(exported, data, limit, layer, batch_size),
+        "recall": lambda: eval_recall(exported, limit, *recall, batch_size),
     }
     if task not in runners:
         raise EvalDataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")

@@ -24,7 +24,7 @@ class LMOutput:
 
 
 class CausalLM(nn.Module):
-    """Base class of the families. Subclasses implement the four methods below."""
+    """Base class of the families. Subclasses implement the methods below."""
 
     vocab_size: int
 
@@ -34,6 +34,14 @@ class CausalLM(nn.Module):
 
     def token_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Exact negative log-likelihood (nats) of each target given its prefix, [B, T]."""
+        raise NotImplementedError
+
+    def score_targets(
+        self, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact log p of the targets [B, T] at the positions `mask` [B, T] selects, given their prefixes,
+        and whether each is the most likely next id (what greedy decoding picks): ([N], [N] bool) for
+        the N selected positions in row-major order, from one forward pass over `inputs` [B, T]."""
         raise NotImplementedError
 
     def next_token_logprobs(self, new_ids: torch.Tensor, cache: Any | None) -> tuple[torch.Tensor, Any]:
@@ -71,6 +79,13 @@ class LogitsLM(CausalLM):
     def token_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.logits(inputs).float()
         return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+
+    def score_targets(
+        self, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs = torch.log_softmax(self.logits(inputs)[mask].float(), dim=-1)  # [N, V]
+        chosen = targets[mask]
+        return logprobs.gather(-1, chosen[:, None])[:, 0], logprobs.argmax(-1) == chosen
 
     def next_token_logprobs(self, new_ids: torch.Tensor, cache: Any | None) -> tuple[torch.Tensor, Any]:
         logits = self.logits(new_ids, cache)[:, -1].float()

@@ -189,6 +189,20 @@ def vocab_logprobs(coord_scores: torch.Tensor, vocab_sigs: torch.Tensor) -> torc
     )
 
 
+def vocab_logsumexp_argmax(
+    coord_scores: torch.Tensor, vocab_sigs: torch.Tensor, num_ids: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`vocab_logsumexp` [N] and the id greedy decoding picks [N]: the best of the first `num_ids` rows
+    (the ids; reserved rows only normalise), each block scored once. The argmax is taken after
+    normalising, as over `vocab_logprobs`, so that ties break as in `next_token_logprobs`."""
+    normalisers, best = [], []
+    for block in _score_blocks(coord_scores, vocab_sigs):
+        normaliser = block.logsumexp(-1, keepdim=True)
+        normalisers.append(normaliser[:, 0])
+        best.append((block[:, :num_ids] - normaliser).argmax(-1))
+    return torch.cat(normalisers), torch.cat(best)
+
+
 def target_scores(coord_scores: torch.Tensor, target_sigs: torch.Tensor) -> torch.Tensor:
     """sum_j score_j(target_j) for each position, [N]."""
     return coord_scores.gather(-1, target_sigs.unsqueeze(-1)).squeeze(-1).sum(-1)

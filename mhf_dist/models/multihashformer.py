@@ -32,6 +32,7 @@ from mhf_dist.models.hash_io import (
     target_scores,
     vocab_logprobs,
     vocab_logsumexp,
+    vocab_logsumexp_argmax,
     vocab_loss,
 )
 from mhf_dist.models.reference_io import ReferenceCascadeDecoder, ReferenceHashEncoder
@@ -133,6 +134,17 @@ class MultiHashFormer(CausalLM):
         coord_logp = self.coord_logprobs(inputs).flatten(0, 1)  # [N, H, B]
         target = target_scores(coord_logp, self.signatures_of(targets.flatten()))
         return (vocab_logsumexp(coord_logp, self.vocab_signatures) - target).view_as(targets)
+
+    def score_targets(
+        self, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The decoder reads each position alone: decoding only the selected ones keeps memory at
+        # N x H x B (and n x V per scoring block), whatever the padded batch.
+        hidden = self.hidden_states(self.signatures_of(inputs))[mask]
+        coord_logp = torch.stack(self.decoder(hidden), dim=-2)  # [N, H, B]
+        chosen = targets[mask]
+        normaliser, best = vocab_logsumexp_argmax(coord_logp, self.vocab_signatures, self.vocab_size)
+        return target_scores(coord_logp, self.signatures_of(chosen)) - normaliser, best == chosen
 
     def next_token_logprobs(self, new_ids: torch.Tensor, cache: Any | None) -> tuple[torch.Tensor, Any]:
         coord_logp = self.coord_logprobs(new_ids, cache)[:, -1]

@@ -14,17 +14,19 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mhf_dist.config import Config, load_config
+from mhf_dist.console import ConsoleRelay, WorkerLines
 from mhf_dist.data.shards import read_manifest
 from mhf_dist.errors import MhfError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.storage import Location
 from mhf_dist.sweep.spec import STORAGE_KEY, SweepConfig, Trial, expand_trials, trial_configs
-from mhf_dist.tracking import end_run, log_steps, reopen_run, start_run, tracking_uri
+from mhf_dist.tracking import end_run, log_dataset, log_steps, reopen_run, start_run, tracking_uri
 from mhf_dist.train.callbacks import StepCallback
 
 if TYPE_CHECKING:
@@ -88,19 +90,21 @@ def run_sweep(
 ) -> SweepResult:
     """Run (or with `resume`, finish) every trial of `spec`; finished trials are never rerun.
 
-    The console shows each trial's progress lines; Tune's status tables and Ray Train's internals go to
-    the Ray session's logs unless `verbose`. `worker_callbacks` reach every trial's workers (see
-    `ray_trainer.train`)."""
+    The console (`log`) shows each trial's progress lines, `[trial] step 20/200 | ...`; Tune's boxes
+    and status tables, Ray Train's internals and the workers' own output go to the Ray session's logs
+    unless `verbose`. `worker_callbacks` reach every trial's workers (see `ray_trainer.train`)."""
     trials = expand_trials(spec)
     configs = trial_configs(spec)
     check_before_start(spec, configs)
-    ensure_ray()
+    ensure_ray(verbose=verbose)
     from ray import tune
 
     directory = sweep_dir(spec)
     record = directory / SWEEP_FILE
     uri = tracking_uri(Location.of(spec.storage).uri)
     tune_storage = _tune_storage(directory)
+    relay = None if verbose else ConsoleRelay(log)
+    console = relay.lines if relay else None
     if resume:
         parent_run_id = _check_resume(spec, directory)
         reopen_run(uri, parent_run_id)
@@ -108,7 +112,7 @@ def run_sweep(
         tuner = tune.Tuner.restore(
             (directory / TUNE_DIR).path,
             storage_filesystem=tune_storage["storage_filesystem"],
-            trainable=_trainable(spec, parent_run_id, uri, verbose, worker_callbacks),
+            trainable=_trainable(spec, parent_run_id, uri, verbose, console, worker_callbacks),
             resume_unfinished=True,
             resume_errored=True,
         )
@@ -125,11 +129,13 @@ def run_sweep(
             _flat_spec(spec),
             {"sweep": spec.name, "sweep_kind": spec.kind, "trials": len(trials), "role": "sweep"},
         )
+        for data_path in dict.fromkeys(cfg.data.path for cfg in configs.values()):  # the trials' datasets
+            log_dataset(uri, parent_run_id, data_path, read_manifest(data_path).content_sha256)
         directory.make_dirs()
         write_json_atomic(record, {"spec": spec.model_dump(mode="json"), "parent_run_id": parent_run_id})
         log(f"sweep {spec.name!r}: {len(trials)} trials ({spec.kind}); MLflow parent run {parent_run_id}")
         tuner = tune.Tuner(
-            _trainable(spec, parent_run_id, uri, verbose, worker_callbacks),
+            _trainable(spec, parent_run_id, uri, verbose, console, worker_callbacks),
             param_space={"trial": tune.grid_search([dataclasses.asdict(trial) for trial in trials])},
             tune_config=tune.TuneConfig(
                 max_concurrent_trials=spec.max_concurrent or _concurrency(configs.values()),
@@ -139,7 +145,8 @@ def run_sweep(
             ),
             run_config=tune.RunConfig(name=TUNE_DIR, verbose=int(verbose), **tune_storage),
         )
-    grid = tuner.fit()
+    with relay or nullcontext():
+        grid = tuner.fit()
     outcomes = []
     for result in grid:
         trial = result.config["trial"]
@@ -162,10 +169,11 @@ def run_trial(
     uri: str,
     workdir: str,
     verbose: bool,
+    console: WorkerLines | None,
     worker_callbacks: Sequence[StepCallback],
 ) -> None:
     """One Tune trial: one `mhf train` run, a child of the sweep's MLflow run, stored under the sweep's
-    trials directory.
+    trials directory; its console lines go to the sweep's `console` labelled with the trial's name.
 
     A trial that errored before continues from its own newest checkpoint in the same MLflow run.
     """
@@ -179,7 +187,13 @@ def run_trial(
     trial = Trial(**params["trial"])
     cfg = load_config(spec.config, {**trial.overrides, STORAGE_KEY: (sweep_dir(spec) / TRIALS_DIR).uri})
     os.environ["MLFLOW_TRACKING_URI"] = uri  # every trial logs beside the parent run
-    options = TrainOptions(name=trial.name, experiment=spec.experiment, continue_run=True, verbose=verbose)
+    options = TrainOptions(
+        name=trial.name,
+        experiment=spec.experiment,
+        continue_run=True,
+        verbose=verbose,
+        console=console.labelled(trial.name) if console else None,
+    )
     result = train(
         cfg,
         options,
@@ -228,6 +242,7 @@ def _trainable(
     parent_run_id: str,
     uri: str,
     verbose: bool,
+    console: WorkerLines | None,
     worker_callbacks: Sequence[StepCallback],
 ) -> Any:
     from ray import tune
@@ -239,6 +254,7 @@ def _trainable(
         uri=uri,
         workdir=os.getcwd(),
         verbose=verbose,
+        console=console,
         worker_callbacks=tuple(worker_callbacks),
     )
     return tune.with_resources(trainable, {"CPU": TRIAL_DRIVER_CPUS})

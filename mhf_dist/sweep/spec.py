@@ -5,7 +5,8 @@ name: matched-tiny
 kind: matched                 # matched | seeds | grid
 config: tiny                  # preset name or config YAML every trial starts from
 set: {train.steps: 100, topology.workers: 2}   # config overrides for every trial
-families: [mhf, qwen3, qwen3_matched]   # matched: the families trained on the mhf config
+families: [mhf, qwen3, qwen3_matched]   # matched: the families trained on the mhf config; an entry
+                              # {group: mhf_vocab, family: mhf, set: {model.hash.loss: vocab}} is a variant
 seeds: [0, 1]
 grid: {train.lr: [1.0e-3, 3.0e-3]}      # grid: config keys (topology.* too) over value lists (x seeds)
 asha: {metric: loss, grace_period: 20}  # grid, optional: ASHA early stopping
@@ -32,6 +33,7 @@ from mhf_dist.config import Config, StrictModel, check_topology, load_config
 from mhf_dist.errors import ConfigError
 
 TOPOLOGY_KEYS = ("workers", "gpus_per_worker", "zero_stage")
+VARIANT_FORM = "a variant mapping {group: NAME, family: FAMILY, set: {key: value}} (NAME: [A-Za-z0-9._-])"
 STORAGE_KEY = "topology.storage"  # every trial's: the sweep's trials directory
 
 
@@ -60,12 +62,20 @@ class TrialEval(StrictModel):
         return task
 
 
+class FamilyVariant(StrictModel):
+    """A matched sweep's group that trains `family` with its own overrides (e.g. another objective)."""
+
+    group: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    family: str
+    set: dict[str, Any] = Field(default_factory=dict)
+
+
 class SweepConfig(StrictModel):
     name: str = Field(min_length=1)
     kind: Literal["matched", "seeds", "grid"]
     config: str = "tiny"
     set: dict[str, Any] = Field(default_factory=dict)
-    families: list[str] = Field(default_factory=lambda: ["mhf", "qwen3", "qwen3_matched"])
+    families: list[str | FamilyVariant] = Field(default_factory=lambda: ["mhf", "qwen3", "qwen3_matched"])
     seeds: list[int] = Field([0], min_length=1)
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     asha: AshaConfig | None = None
@@ -84,16 +94,42 @@ class SweepConfig(StrictModel):
             raise ValueError("use letters, digits, '.', '_' and '-' only (it names directories)")
         return name
 
+    @field_validator("families", mode="before")
+    @classmethod
+    def _variants(cls, families: Any) -> Any:
+        """An entry is a family name or a variant mapping; one message for a malformed variant."""
+        if not isinstance(families, list):
+            return families
+        parsed = []
+        for index, entry in enumerate(families):
+            if isinstance(entry, dict):
+                try:
+                    entry = FamilyVariant.model_validate(entry)
+                except ValidationError as err:
+                    error = err.errors()[0]
+                    where = ".".join(str(part) for part in error["loc"])
+                    message = f"entry {index} ({where}): {error['msg']}; write {VARIANT_FORM}"
+                    raise ValueError(message) from None
+            elif not isinstance(entry, str):
+                raise ValueError(f"entry {index} is {entry!r}; an entry is a family name or {VARIANT_FORM}")
+            parsed.append(entry)
+        return parsed
+
     @field_validator("families")
     @classmethod
-    def _known_families(cls, families: list[str]) -> list[str]:
+    def _known_families(cls, families: list[str | FamilyVariant]) -> list[str | FamilyVariant]:
         from mhf_dist.models import FAMILIES
 
-        unknown = [family for family in families if family not in FAMILIES]
+        names = [entry.family if isinstance(entry, FamilyVariant) else entry for entry in families]
+        unknown = [family for family in names if family not in FAMILIES]
         if unknown:
             raise ValueError(f"unknown family {unknown[0]!r}; choose from {', '.join(FAMILIES)}")
         if not families:
             raise ValueError("list at least one family")
+        groups = [group for _, group in family_groups(families)]
+        repeated = sorted({group for group in groups if groups.count(group) > 1})
+        if repeated:
+            raise ValueError(f"group {repeated[0]!r} appears twice; give each variant its own `group`")
         return families
 
     @field_validator("matched_to")
@@ -166,7 +202,7 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
 
 def expand_trials(spec: SweepConfig) -> list[Trial]:
     if spec.kind == "matched":
-        variants = [({"model.family": family}, family) for family in spec.families]
+        variants = family_groups(spec.families)
     elif spec.kind == "seeds":
         variants = [({}, "")]  # one group: named after the family below
     else:
@@ -187,6 +223,16 @@ def expand_trials(spec: SweepConfig) -> list[Trial]:
             name = re.sub(r"[^A-Za-z0-9._=,-]+", "_", f"{group}-seed{seed}")
             trials.append(Trial(name, group, family, seed, trial_overrides))
     return trials
+
+
+def family_groups(families: list[str | FamilyVariant]) -> list[tuple[dict[str, Any], str]]:
+    """A matched sweep's (overrides, group) per entry: a family is its own group."""
+    return [
+        ({**entry.set, "model.family": entry.family}, entry.group)
+        if isinstance(entry, FamilyVariant)
+        else ({"model.family": entry}, entry)
+        for entry in families
+    ]
 
 
 def trial_configs(spec: SweepConfig) -> dict[str, Config]:

@@ -18,11 +18,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-from mhf_dist.config import Config, TopologyConfig, check_topology
+from mhf_dist.config import Config, ModelConfig, TopologyConfig, check_topology
+from mhf_dist.console import ConsoleRelay, WorkerLines
 from mhf_dist.data.reader import RowReader, training_plan
 from mhf_dist.data.shards import SIGNATURES_FILE, Manifest, check_compatible, read_manifest
 from mhf_dist.errors import Interrupted, MhfError, TrainingError
@@ -31,7 +33,7 @@ from mhf_dist.plugins import outside_registrations
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.signatures import load_table
 from mhf_dist.storage import Location, local_copy, redact
-from mhf_dist.tracking import end_run, log_artifact, reopen_run, start_run, tracking_uri
+from mhf_dist.tracking import end_run, log_artifact, log_dataset, reopen_run, start_run, tracking_uri
 from mhf_dist.train.callbacks import StepCallback
 from mhf_dist.train.checkpoints import (
     MODEL_DIR,
@@ -75,7 +77,10 @@ class TrainOptions:
     peak_tflops: float = 0.0  # per worker, for MFU; 0: known GPUs' bf16 peak, none on CPU
     continue_run: bool = False  # continue the run `name` from its newest checkpoint, in its MLflow run
     init_from: str | None = None  # an exported model whose weights training starts from (fresh optimizer)
-    verbose: bool = False  # Ray Train's INFO lines on the console too (else only in the session's logs)
+    verbose: bool = False  # what Ray, Ray Train and the workers print on the console too (else in logs)
+    # Where rank 0's console lines go: a sweep's labelled queue (console.WorkerLines); None: a queue
+    # this run prints from (with `verbose`: the workers print them, Ray forwards them)
+    console: WorkerLines | None = None
 
 
 def check_resources(
@@ -140,12 +145,12 @@ def train(
     manifest = read_manifest(cfg.data.path)
     storage = Location.of(topology.storage)
     storage.make_dirs()  # a missing bucket or an unreachable endpoint fails here, in one line
-    ensure_ray()
+    ensure_ray(verbose=options.verbose)
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    check_resources(topology, ray.cluster_resources)
+    check_resources(topology, ray.cluster_resources, options.console or print)
     fingerprint = manifest.signatures.fingerprint
     run_dir = storage / options.name
     if newest_checkpoint(run_dir) is not None and not options.continue_run:
@@ -177,7 +182,8 @@ def train(
     uri = tracking_uri(storage.uri)
     check_tracking_reaches_workers(uri, ray.nodes())
     run_tags = {**_tags(cfg, manifest), **split.tags(), **(tags or {})}
-    run_id = _tracking_run(uri, run_dir, cfg, options, run_tags)
+    run_id = _tracking_run(uri, run_dir, cfg, options, run_tags, manifest)
+    relay = None if options.console or options.verbose else ConsoleRelay()
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -191,6 +197,7 @@ def train(
                 stop_at_step=options.stop_at_step,
                 peak_tflops=options.peak_tflops,
                 verbose=options.verbose,
+                console=options.console or (relay.lines if relay else None),
                 callbacks=tuple(worker_callbacks),
                 registrations=outside_registrations(),
             )
@@ -220,7 +227,8 @@ def train(
     stopped_by = {"signal": signal.SIGINT}
     restore = _hand_sigterm_to_ray(stopped_by)
     try:
-        result = trainer.fit()
+        with relay or nullcontext():
+            result = trainer.fit()
     except (KeyboardInterrupt, SystemExit):
         # Ray Train's own SIGINT handler aborts the run and exits (before it is installed, Ctrl-C is a
         # KeyboardInterrupt): the run is stopped on purpose, not failed.
@@ -298,15 +306,17 @@ def _interrupted(sig: int, run_dir: Location, name: str, keep: int) -> Interrupt
 
 
 def _tracking_run(
-    uri: str, run_dir: Location, cfg: Config, options: TrainOptions, tags: dict[str, Any]
+    uri: str, run_dir: Location, cfg: Config, options: TrainOptions, tags: dict[str, Any], manifest: Manifest
 ) -> str:
-    """A new MLflow run, or with `continue_run` the run's own (steps logged before are not logged again)."""
+    """A new MLflow run with its shards as dataset input, or with `continue_run` the run's own (steps
+    logged before are not logged again)."""
     record = run_dir / TRACKING_FILE
     if options.continue_run and record.is_file():
         run_id = json.loads(record.read_text())["run_id"]
         reopen_run(uri, run_id)
         return run_id
     run_id = start_run(uri, options.experiment, options.name, cfg.flat(), tags)
+    log_dataset(uri, run_id, cfg.data.path, manifest.content_sha256)
     run_dir.make_dirs()
     write_json_atomic(record, {"run_id": run_id, "tracking_uri": redact(uri)})  # no password on disk
     return run_id
@@ -334,6 +344,12 @@ def check_model_documents(model_dir: str, manifest: Manifest, data_path: str) ->
     check_documents_fit(model_dir, manifest.document_format, f"shards {redact(data_path)!r}", TrainingError)
 
 
+def training_objective(model: ModelConfig) -> str:
+    """What the run minimises: mhf's `model.hash.loss` (coordinates: the sum of H B-way cross-entropies;
+    vocab: the exact NLL over V), or `softmax` (a V-way head's cross-entropy)."""
+    return model.hash.loss if model.family == "mhf" else "softmax"
+
+
 def _tags(cfg: Config, manifest: Manifest) -> dict[str, Any]:
     from mhf_dist.models import param_count
 
@@ -343,5 +359,6 @@ def _tags(cfg: Config, manifest: Manifest) -> dict[str, Any]:
         "preset": cfg.preset or "custom",
         "seed": cfg.train.seed,
         "param_count": param_count(cfg.model),
+        "objective": training_objective(cfg.model),
         "signature_fingerprint": manifest.signatures.fingerprint,
     }

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from mhf_dist.config import Config, micro_batch_size
+from mhf_dist.console import WorkerLines
 from mhf_dist.data.reader import RowReader, step_batches, training_plan
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE, read_manifest
 from mhf_dist.eval.perplexity import nll_summary, nll_totals
@@ -166,8 +167,13 @@ class WorkerSpec:
     stop_at_step: int | None = None
     peak_tflops: float = 0.0  # per worker; 0: the device's known bf16 peak
     verbose: bool = False
+    console: WorkerLines | None = None  # where rank 0's lines go; None: printed here (Ray forwards them)
     callbacks: tuple[StepCallback, ...] = field(default_factory=tuple)
     registrations: dict[str, dict[str, Any]] = field(default_factory=dict)  # plugins.outside_registrations
+
+    def say(self, line: str) -> None:
+        """One console line of rank 0's."""
+        (self.console or partial(print, flush=True))(line)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -276,7 +282,7 @@ def _restore(stepper: DeepSpeedStepper, spec: WorkerSpec, rank: int) -> tuple[in
     saved_rng = client_state["rng"]  # one per rank of the saving run (a ZeRO-0 run may resize)
     _set_rng_state(saved_rng[rank % len(saved_rng)])
     if rank == 0:
-        print(f"resumed from {checkpoint} at step {client_state['step']}", flush=True)
+        spec.say(f"resumed from {checkpoint} at step {client_state['step']}")
     return client_state["step"], history
 
 
@@ -321,7 +327,7 @@ def _built_in_callbacks(
     cfg = spec.config
     validator = Validator(cfg, rank, world_size, micro_batch_size(cfg.train, world_size))
     if rank == 0 and not validator:
-        print("no validation rows: val_nll is not computed (prepare with data.val_percent > 0)", flush=True)
+        spec.say("no validation rows: val_nll is not computed (prepare with data.val_percent > 0)")
     device = stepper.engine.device
     history = History(saver.history)  # the list the checkpoints store
     callbacks: list[StepCallback] = []
@@ -336,7 +342,7 @@ def _built_in_callbacks(
     callbacks.append(history)
     if rank == 0:
         callbacks += [
-            ProgressLines(cfg.train, partial(print, flush=True)),
+            ProgressLines(cfg.train, spec.say),
             MLflowSteps(
                 spec.tracking_uri,
                 spec.run_id,
