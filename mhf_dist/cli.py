@@ -15,7 +15,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
@@ -705,6 +705,12 @@ def _terminated(signum: int, frame: object) -> None:
     )
 
 
+def _print_logs_hint(stream: TextIO) -> None:
+    """A command that ran Ray ends by saying where what it kept off the console is."""
+    if hint := logs_hint():
+        print(hint, file=stream)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -716,8 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated)  # unwinds like Ctrl-C: staging removed
     try:
         status = args.func(args) or 0
-        if hint := logs_hint():  # a command that ran Ray: where what it kept off the console is
-            print(hint)
+        _print_logs_hint(sys.stdout)
         sys.stdout.flush()  # a reader that left (`mhf count | head -1`) shows here, not at exit
         return status
     except BrokenPipeError:
@@ -726,9 +731,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
     except MhfError as err:
         print(f"error: {err}", file=sys.stderr)
+        _print_logs_hint(sys.stderr)
         return 2
     except Interrupted as err:
         print(f"interrupted: {err}", file=sys.stderr)
+        _print_logs_hint(sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted (SIGINT)", file=sys.stderr)

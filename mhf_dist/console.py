@@ -50,13 +50,17 @@ class WorkerLines:
         return dataclasses.replace(self, label=label)
 
     def __call__(self, line: str) -> None:
+        from ray.exceptions import RayError
+
         print(line, flush=True)
-        self.queue.put(f"[{self.label}] {line}" if self.label else line)
+        with contextlib.suppress(RayError):  # a lost relay costs the console line, never the run
+            self.queue.put(f"[{self.label}] {line}" if self.label else line)
 
 
 class ConsoleRelay:
     """A queue of console lines from Ray workers (`lines` is their end), printed with `log` on the
-    driver while the relay is entered; leaving it prints the lines still queued."""
+    driver while the relay is entered; leaving it prints the lines still queued. The queue's actor is
+    not detached: a relay never entered ends with its driver."""
 
     def __init__(self, log: Callable[[str], None] = print) -> None:
         from ray.util.queue import Queue

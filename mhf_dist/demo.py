@@ -20,7 +20,7 @@ from mhf_dist.export import load_exported
 from mhf_dist.models.generation import Sampling, generate
 from mhf_dist.models.registry import resolved_config
 from mhf_dist.sweep.runner import TRIALS_DIR, compare_sweep, run_sweep
-from mhf_dist.sweep.spec import parse_sweep
+from mhf_dist.sweep.spec import family_groups, parse_sweep
 from mhf_dist.tracking import browse_hint
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 
@@ -83,7 +83,7 @@ def run_demo(
     out_dir = result.directory / "compare"
     comparison = compare_sweep(spec, result)
     sampling = Sampling(**SAMPLING, seed=seeds[0])
-    for group in [entry if isinstance(entry, str) else entry["group"] for entry in groups]:
+    for _, group in family_groups(spec.families):
         checkpoint = newest_checkpoint(result.directory / TRIALS_DIR / f"{group}-seed{seeds[0]}")
         exported = load_exported(checkpoint / MODEL_DIR)
         prompt = exported.tokenizer.encode_batch([PROMPT])[0]

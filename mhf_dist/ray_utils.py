@@ -28,21 +28,35 @@ def ensure_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
 
     Unless `verbose`, the workers' output stays in Ray's log files (`logs_hint` says where) and the
     driver's libraries keep their notices to themselves (`console.quiet_driver`); mhf's own lines from
-    the workers reach the console through a `console.ConsoleRelay`. The first call decides.
+    the workers reach the console through a `console.ConsoleRelay`. The session decides: a later call,
+    or a Ray the caller started, keeps whatever it forwards (`workers_print_to_console`).
     """
     import ray
 
-    quiet_driver(verbose)
-    if ray.is_initialized():
-        return
-    # ray.init replaces a driver's SIGTERM handler with sys.exit(15); the CLI's own (one line, exit 143,
-    # the same clean-up as Ctrl-C) is put back.
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        _init(num_cpus, verbose)
-    finally:
-        if callable(handler) and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, handler)
+    if not ray.is_initialized():
+        quiet_driver(verbose)  # Ray's own notices at start-up too
+        # ray.init replaces a driver's SIGTERM handler with sys.exit(15); the CLI's own (one line, exit
+        # 143, the same clean-up as Ctrl-C) is put back.
+        handler = signal.getsignal(signal.SIGTERM)
+        try:
+            _init(num_cpus, verbose)
+        finally:
+            if callable(handler) and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, handler)
+    quiet_driver(verbose=workers_print_to_console())
+
+
+def workers_print_to_console() -> bool:
+    """Whether Ray forwards what its workers print to this process's console (then no relay is needed,
+    and a relay would print every line twice). In a Ray worker (a Tune trial) it is its driver's
+    business: True."""
+    from ray._private import worker  # Ray has no public query for log_to_driver
+
+    driver = worker.global_worker
+    if driver.mode != worker.SCRIPT_MODE:
+        return True
+    printer = getattr(driver, "logger_thread", None)  # started by ray.init(log_to_driver=True)
+    return printer is not None and printer.is_alive()
 
 
 def _init(num_cpus: int | None, verbose: bool) -> None:

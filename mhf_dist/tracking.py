@@ -18,23 +18,25 @@ longer retries, so a tracking server restarted mid-run does not fail the run.
 from __future__ import annotations
 
 import io
+import json
 import os
 import tempfile
 import time
-import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mhf_dist.errors import MhfError
-from mhf_dist.storage import Location, redact, redact_text
+from mhf_dist.storage import Location, is_uri, redact, redact_text
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
 EXPERIMENT = "mhf"
 MAX_PARAM_LENGTH = 500  # MLflow's limit for a param value
+MAX_TAG_LENGTH = 8000  # MLflow's limit for a tag value (a run's description is one)
+CUT_NOTE = "\n\n(cut at MLflow's limit for a description: the whole table is the artifact compare.md)"
 URI_VARIABLE = "MLFLOW_TRACKING_URI"
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 RUNS_VIEW = "workflowType=machine_learning"  # MLflow 3's Model-training view of an experiment
@@ -72,8 +74,11 @@ def browse_hint(uri: str, experiment: str) -> str:
     """How to open the runs of `experiment` in MLflow's UI: the address of its runs table in the
     Model-training view (MLflow 3 opens an experiment on its GenAI traces otherwise), after the
     `mlflow ui` command for an embedded store."""
-    with tracking_errors(uri):
-        found = connect(uri).get_experiment_by_name(experiment)
+    try:
+        with tracking_errors(uri):
+            found = connect(uri).get_experiment_by_name(experiment)
+    except TrackingError:  # the command's work is done: a hint without the experiment's id beats an error
+        found = None
     page = f"#/experiments/{found.experiment_id}/runs?{RUNS_VIEW}" if found else f"#/experiments?{RUNS_VIEW}"
     if uri.startswith("sqlite:"):
         return f"mlflow ui --backend-store-uri {uri}  then open {LOCAL_UI}/{page}"
@@ -138,20 +143,22 @@ def log_dataset(
     uri: str, run_id: str, data_path: str, content_sha256: str, context: str = "training"
 ) -> None:
     """The prepared shards as the run's dataset input (the runs table's Dataset column): named after
-    their directory, the manifest's content hash as digest, their location (redacted) as source."""
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
-    from mlflow.data.meta_dataset import MetaDataset
-    from mlflow.entities import DatasetInput, InputTag
+    their directory, the manifest's content hash as digest, their location (redacted) as source.
+
+    The entity is built directly: MLflow's source resolvers know neither every scheme `Location`
+    reads (`gcs://`, `az://`) nor shards as a dataset kind."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-    where = redact(Location.of(data_path).uri)
-    with warnings.catch_warnings():  # a local path matches two equivalent source kinds: MLflow warns
-        warnings.simplefilter("ignore", UserWarning)
-        source = resolve_dataset_source(where)
-    dataset = MetaDataset(
-        source, name=where.rstrip("/").rsplit("/", 1)[-1], digest=content_sha256[:DATASET_DIGEST_LENGTH]
+    remote = is_uri(data_path)
+    where = redact(data_path) if remote else str(Path(data_path).resolve())
+    dataset = Dataset(
+        name=where.rstrip("/").rsplit("/", 1)[-1],
+        digest=content_sha256[:DATASET_DIGEST_LENGTH],
+        source_type=where.split("://", 1)[0] if remote else "local",
+        source=json.dumps({"uri": where}),
     )
-    entry = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
+    entry = DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
     with tracking_errors(uri):
         connect(uri).log_inputs(run_id, datasets=[entry])
 
@@ -216,7 +223,10 @@ def show_report(uri: str, run_id: str, description: str, images: dict[str, bytes
 
     with tracking_errors(uri):
         client = connect(uri)
-        client.set_tag(run_id, MLFLOW_RUN_NOTE, redact_text(description))
+        note = redact_text(description)
+        if len(note) > MAX_TAG_LENGTH:  # MLflow's limit: the whole report is the run's compare.md
+            note = note[: MAX_TAG_LENGTH - len(CUT_NOTE)] + CUT_NOTE
+        client.set_tag(run_id, MLFLOW_RUN_NOTE, note)
         for key, data in images.items():
             client.log_image(run_id, Image.open(io.BytesIO(data)), key=key, step=0)
 

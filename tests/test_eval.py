@@ -19,7 +19,7 @@ from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.eval.scoring import ScoringError, score_continuations
 from mhf_dist.eval.tasks import RECALL_SEQ_LEN, EvalDataError, run_task
 from mhf_dist.export import export_model, load_exported
-from mhf_dist.models import build_model
+from mhf_dist.models import base, build_model
 from mhf_dist.models.generation import generate
 from mhf_dist.plugins import BUILTIN_FAMILIES
 from mhf_dist.signatures import SignatureTable
@@ -440,21 +440,81 @@ def test_every_task_gives_the_same_metrics_at_batch_size_16_as_one_at_a_time(exp
             assert batched[name] == pytest.approx(value, rel=1e-5), name
 
 
-@pytest.mark.parametrize("family", BUILTIN_FAMILIES)
-def test_every_family_scores_selected_targets_as_its_next_token_logprobs_do(family):
+def tiny_model(family):
     cfg = load_config("tiny", ["model.vocab_size=300", "model.hash.spec=H2B64", f"model.family={family}"])
     torch.manual_seed(0)
-    model = build_model(cfg.model, SignatureTable.build([f"t{i}" for i in range(300)], 2, 64)).eval()
+    return build_model(cfg.model, SignatureTable.build([f"t{i}" for i in range(300)], 2, 64)).eval()
+
+
+def scoring_batch():
+    """inputs, targets and a mask of the positions to score, [2, 13] each."""
     inputs = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:26].view(2, 13)
+    targets = torch.randint(0, 300, (2, 13), generator=torch.Generator().manual_seed(3))
     mask = torch.rand(2, 13, generator=torch.Generator().manual_seed(2)) < 0.6
+    return inputs, targets, mask
+
+
+@pytest.mark.parametrize("family", BUILTIN_FAMILIES)
+def test_every_family_scores_selected_targets_as_its_next_token_logprobs_do(family):
+    model = tiny_model(family)
+    inputs, targets, mask = scoring_batch()
     with torch.no_grad():
         alone = [model.next_token_logprobs(inputs[b : b + 1, : t + 1], None)[0][0] for b, t in mask.nonzero()]
-        targets = torch.randint(0, 300, (2, 13), generator=torch.Generator().manual_seed(3))
         targets[mask] = torch.stack([lp.argmax() if n % 2 else lp.argmin() for n, lp in enumerate(alone)])
         logprob, greedy = model.score_targets(inputs, targets, mask)
     assert greedy.tolist() == [n % 2 == 1 for n in range(len(alone))]
     expected = [float(lp[target]) for lp, target in zip(alone, targets[mask], strict=True)]
     assert logprob.tolist() == pytest.approx(expected, rel=1e-5)
+
+
+# Each V-way family's output layer and how often it runs per block of positions (gated_hybrid's
+# memory read goes through it too).
+OUTPUT_LAYERS = {
+    "qwen3": ("model.lm_head", 1),
+    "triple_latent": ("head", 1),
+    "gated_hybrid": ("head", 2),
+    "transformer_plus_triple": ("transformer.lm_head", 1),
+}
+
+
+def rows_reaching(model, family):
+    """The list, filled as the model runs, of how many positions each call of its output layer reads."""
+    rows = []
+    layer = model.get_submodule(OUTPUT_LAYERS[family][0])
+    layer.register_forward_hook(lambda _layer, args, _output: rows.append(args[0].shape[:-1].numel()))
+    return rows
+
+
+@pytest.mark.parametrize("family", list(OUTPUT_LAYERS))
+def test_score_targets_applies_the_output_layer_only_at_the_scored_positions(family):
+    model = tiny_model(family)
+    inputs, targets, mask = scoring_batch()
+    with torch.no_grad():
+        every_position = torch.log_softmax(model.logits(inputs).float(), dim=-1)[mask]
+        rows = rows_reaching(model, family)
+        logprob, greedy = model.score_targets(inputs, targets, mask)
+    assert rows == [int(mask.sum())] * OUTPUT_LAYERS[family][1]
+    chosen = targets[mask]
+    assert torch.allclose(logprob, every_position.gather(-1, chosen[:, None])[:, 0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(greedy, every_position.argmax(-1) == chosen)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gated_hybrid"])
+def test_scoring_in_blocks_of_positions_gives_the_scores_of_one_block(family, monkeypatch):
+    model = tiny_model(family)
+    inputs, targets, mask = scoring_batch()
+    with torch.no_grad():
+        (logprob, greedy), nll = model.score_targets(inputs, targets, mask), model.token_nll(inputs, targets)
+        monkeypatch.setattr(base, "SCORED_LOGITS_PER_BLOCK", 4 * model.vocab_size + 3)  # 4 positions
+        rows = rows_reaching(model, family)
+        blocked_logprob, blocked_greedy = model.score_targets(inputs, targets, mask)
+        blocked_nll = model.token_nll(inputs, targets)
+    scored = (int(mask.sum()), mask.numel())  # score_targets', then token_nll's positions
+    blocks = [len(block) for count in scored for block in torch.arange(count).split(4)]
+    assert rows == [size for size in blocks for _ in range(OUTPUT_LAYERS[family][1])]
+    assert torch.allclose(blocked_logprob, logprob, rtol=1e-5, atol=1e-6)
+    assert torch.equal(blocked_greedy, greedy)
+    assert torch.allclose(blocked_nll, nll, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("exported", ["mhf"], indirect=True)
@@ -512,9 +572,21 @@ def test_harness_batch_sizes_follow_lm_eval():
 
     sizes = [harness_batch_size(value) for value in (3, "16", "auto", "auto:4")]
     assert sizes == [3, 16, AUTO_BATCH_SIZE, AUTO_BATCH_SIZE]
-    for bad in ("0", "x", -2):
-        with pytest.raises(ScoringError, match="use a positive integer or 'auto'"):
+    for bad in ("0", "x", -2, "autofoo", "auto:0"):
+        with pytest.raises(ScoringError, match="use a positive integer, 'auto' or 'auto:N'"):
             harness_batch_size(bad)
+
+
+@pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
+def test_a_batch_size_in_the_model_args_wins_over_the_command_lines_default(exported):
+    """lm-eval's CLI always passes its --batch_size (default 1) beside the model args."""
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional extra mhf-dist[eval]")
+    from mhf_dist.eval.harness import MhfHarnessLM
+
+    cli_default = {"batch_size": 1, "max_batch_size": None, "device": None}
+    lm = MhfHarnessLM.create_from_arg_string(f"path={exported.path},batch_size=4", cli_default)
+    assert lm.batch_size == 4
+    assert MhfHarnessLM.create_from_arg_string(f"path={exported.path}", {"batch_size": 8}).batch_size == 8
 
 
 @pytest.mark.parametrize("exported", ["qwen3"], indirect=True)

@@ -102,6 +102,14 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
             "trial v-seed0: unknown key",
         ),
         ({"name": "x", "kind": "matched", "families": [3]}, "entry 0 is 3; an entry is a family name or"),
+        (
+            {
+                "name": "x",
+                "kind": "matched",
+                "families": [{"group": "v", "family": "mhf", "set": {"train.seed": 1}}],
+            },
+            r"entry 0 \(set\): train.seed is set by the sweep's `seeds`",
+        ),
     ],
 )
 def test_bad_sweep_files_are_one_line_errors(raw, message):

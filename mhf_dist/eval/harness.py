@@ -20,6 +20,8 @@ command line with this model registered. Needs `pip install 'mhf-dist[eval]'`.
 
 from __future__ import annotations
 
+import re
+import sys
 from typing import Any
 
 from lm_eval.api.model import LM
@@ -30,23 +32,25 @@ from lm_eval.models.utils import (
     normalize_gen_kwargs,
     postprocess_generated_text,
 )
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
+from mhf_dist.errors import MhfError
 from mhf_dist.eval.scoring import ScoringError, score_continuations
 from mhf_dist.export import load_exported
 from mhf_dist.models.generation import Sampling, generate_batch
 
 AUTO_BATCH_SIZE = 16  # what `--batch_size auto` (or auto:N) means here
 DEFAULT_MAX_GEN_TOKS = 128  # a generate_until request without max_gen_toks
+DECODE_CONTEXT = 8  # prompt ids decoded before a continuation (a SentencePiece space, a split character)
 
 
 def harness_batch_size(value: int | str) -> int:
     """lm-eval's batch size (model_args give strings): a positive integer, or `auto` / `auto:N`."""
     text = str(value)
-    if text.startswith("auto"):
+    if re.fullmatch(r"auto(:[1-9][0-9]*)?", text):
         return AUTO_BATCH_SIZE
     if not text.isdigit() or int(text) < 1:
-        raise ScoringError(f"batch_size={value!r}; use a positive integer or 'auto'")
+        raise ScoringError(f"batch_size={value!r}; use a positive integer, 'auto' or 'auto:N'")
     return int(text)
 
 
@@ -63,6 +67,19 @@ class MhfHarnessLM(LM):
         self.document_format = exported.document_format
         self.max_length = int(max_length)
         self.prefix_token_id = self.tokenizer.empty_context(self.document_format)[0]
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MhfHarnessLM:
+        """As lm-eval's, but a `batch_size` (or `device`) in the model args wins over the command line's
+        own (which lm-eval always passes, so lm-eval's default would raise a duplicate-argument error)."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(
+        cls, arg_dict: dict[str, Any], additional_config: dict | None = None
+    ) -> MhfHarnessLM:
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode_batch([text])[0]
@@ -114,7 +131,8 @@ class MhfHarnessLM(LM):
         """The prompts' continuations, decoded together; each stops at EOS, max_gen_toks or its first
         `until` string, which is cut off. A prompt loses its oldest ids to fit max_gen_toks in max_length."""
         kwargs = normalize_gen_kwargs(gen_kwargs, DEFAULT_MAX_GEN_TOKS)
-        until = handle_stop_sequences(kwargs["until"], eos=self.tokenizer.decode([self.tokenizer.eos_id]))
+        eos = self.tokenizer.decode([self.tokenizer.eos_id])
+        until = [stop for stop in handle_stop_sequences(kwargs["until"], eos=eos) if stop]  # "" stops nothing
         room = self.max_length - kwargs["max_gen_toks"]
         if room < 1:
             raise ScoringError(
@@ -122,10 +140,13 @@ class MhfHarnessLM(LM):
                 f"max_length={self.max_length}; raise max_length or lower max_gen_toks"
             )
         prompts = [prompt[-room:] for prompt in prompts]
-        prompt_chars = [len(self.tokenizer.decode(prompt)) for prompt in prompts]
+        # A continuation is decoded after the last few prompt ids (what its first characters depend on),
+        # not after the whole prompt: checking `until` at every step stays O(new ids).
+        tails = [prompt[-DECODE_CONTEXT:] for prompt in prompts]
+        tail_chars = [len(self.tokenizer.decode(tail)) for tail in tails]
 
         def continuation(row: int, ids: list[int]) -> str:
-            return self.tokenizer.decode(prompts[row] + ids)[prompt_chars[row] :]
+            return self.tokenizer.decode(tails[row] + ids)[tail_chars[row] :]
 
         def reached_until(row: int, ids: list[int]) -> bool:
             text = continuation(row, ids)
@@ -151,4 +172,8 @@ def cli() -> None:
     """`mhf-lm-eval`: lm-eval's command line with the `mhf` model registered."""
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except MhfError as err:  # a bad batch size, a model that is not there: one line, as `mhf` prints it
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

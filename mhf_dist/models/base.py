@@ -7,12 +7,17 @@ exact evaluation and generation are written once.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Logits that exist at once while scoring (elements of a [rows, V] block): at V = 151,936 a block is
+# 883 positions, 512 MiB in float32, however many positions a batch scores.
+SCORED_LOGITS_PER_BLOCK = 2**27
 
 
 @dataclass
@@ -68,6 +73,11 @@ class LogitsLM(CausalLM):
         """[B, T, V] next-token logits of `inputs` read after `cache` (updated in place; None: no cache)."""
         raise NotImplementedError
 
+    def scored_logit_blocks(self, inputs: torch.Tensor, mask: torch.Tensor) -> Iterator[torch.Tensor]:
+        """[n, V] next-token logits of the positions `mask` [B, T] selects, row-major, in blocks of
+        consecutive positions. Here one block sliced from `logits`; a `HeadLM` computes no other."""
+        yield self.logits(inputs)[mask]
+
     def forward(self, tokens: torch.Tensor, signatures: torch.Tensor | None = None) -> LMOutput:
         inputs, targets = split_rows(tokens)
         logits = self.logits(inputs)
@@ -77,19 +87,48 @@ class LogitsLM(CausalLM):
         return LMOutput(loss, {"loss": loss.item(), "token_acc": accuracy.item()})
 
     def token_nll(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(inputs).float()
-        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        logprobs, _ = self.score_targets(inputs, targets, torch.ones_like(targets, dtype=torch.bool))
+        return -logprobs.view_as(targets)
 
     def score_targets(
         self, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs = torch.log_softmax(self.logits(inputs)[mask].float(), dim=-1)  # [N, V]
         chosen = targets[mask]
-        return logprobs.gather(-1, chosen[:, None])[:, 0], logprobs.argmax(-1) == chosen
+        logprobs, greedy, start = [], [], 0
+        for logits in self.scored_logit_blocks(inputs, mask):
+            block_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+            block_targets = chosen[start : start + len(block_logprobs)]
+            start += len(block_logprobs)
+            logprobs.append(block_logprobs.gather(-1, block_targets[:, None])[:, 0])
+            greedy.append(block_logprobs.argmax(-1) == block_targets)
+        return torch.cat(logprobs), torch.cat(greedy)
 
     def next_token_logprobs(self, new_ids: torch.Tensor, cache: Any | None) -> tuple[torch.Tensor, Any]:
         logits = self.logits(new_ids, cache)[:, -1].float()
         return torch.log_softmax(logits, dim=-1), cache
+
+
+class HeadLM(LogitsLM):
+    """A `LogitsLM` whose output layer reads each position's final states alone: scoring applies it
+    only at the scored positions, `SCORED_LOGITS_PER_BLOCK` logits at a time, so exact NLL and
+    continuation scores never build [B, T, V]."""
+
+    def final_states(self, inputs: torch.Tensor, cache: Any | None = None) -> torch.Tensor:
+        """[B, T, ...] what the output layer reads at each position of `inputs` read after `cache`
+        (updated in place; None: no cache)."""
+        raise NotImplementedError
+
+    def output_layer(self, states: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits of final states [..., *the trailing shape of `final_states`]."""
+        raise NotImplementedError
+
+    def logits(self, inputs: torch.Tensor, cache: Any | None = None) -> torch.Tensor:
+        return self.output_layer(self.final_states(inputs, cache))
+
+    def scored_logit_blocks(self, inputs: torch.Tensor, mask: torch.Tensor) -> Iterator[torch.Tensor]:
+        rows = max(1, SCORED_LOGITS_PER_BLOCK // self.vocab_size)
+        for states in self.final_states(inputs)[mask].split(rows):
+            yield self.output_layer(states)
 
 
 def split_rows(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from mhf_dist.config import BackboneConfig, ModelConfig
-from mhf_dist.models.base import LogitsLM
+from mhf_dist.models.base import HeadLM
 
 
 def qwen3_config(backbone: BackboneConfig, vocab_size: int) -> Qwen3Config:
@@ -30,7 +30,7 @@ def qwen3_config(backbone: BackboneConfig, vocab_size: int) -> Qwen3Config:
     )
 
 
-class Qwen3LM(LogitsLM):
+class Qwen3LM(HeadLM):
     """A standard V x d embedding and V-way LM head around the Qwen3 stack."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -38,8 +38,11 @@ class Qwen3LM(LogitsLM):
         self.vocab_size = cfg.vocab_size
         self.model = Qwen3ForCausalLM(qwen3_config(cfg.backbone, cfg.vocab_size))
 
-    def logits(self, inputs: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
-        return self.model(input_ids=inputs, cache=cache, use_cache=cache is not None).logits
+    def final_states(self, inputs: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+        return self.model.model(input_ids=inputs, cache=cache, use_cache=cache is not None).last_hidden_state
+
+    def output_layer(self, states: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(states)
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)

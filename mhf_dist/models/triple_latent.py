@@ -25,7 +25,7 @@ from transformers import DynamicCache, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
 from mhf_dist.config import ModelConfig
-from mhf_dist.models.base import LMOutput, LogitsLM, split_rows
+from mhf_dist.models.base import HeadLM, LMOutput, split_rows
 from mhf_dist.models.kv_memory import KeyValueMemory, MemoryCache
 from mhf_dist.models.qwen3 import qwen3_config
 from mhf_dist.models.triple_layers import CausalConvPath, MixerState, TripleLatentMixer
@@ -138,7 +138,7 @@ def memory_read(
     return vector
 
 
-class TripleLatentLM(LogitsLM):
+class TripleLatentLM(HeadLM):
     """triple_latent, triple_slot, triple_hybrid and gated_hybrid, chosen by the three switches."""
 
     def __init__(
@@ -158,22 +158,25 @@ class TripleLatentLM(LogitsLM):
     def new_cache(self) -> RecurrentState:
         return self.stack.new_state()
 
-    def _memory_logits(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, state: RecurrentState | None
-    ) -> torch.Tensor:
+    def final_states(self, inputs: torch.Tensor, cache: RecurrentState | None = None) -> torch.Tensor:
+        """The stack's output [B, T, d]; with the memory, it and the retrieved vector, [B, T, 2, d]."""
+        embeds = self.embed(inputs)
+        hidden = self.stack.run(embeds, cache)
+        if self.memory is None:
+            return hidden
+        return torch.stack([hidden, memory_read(self.memory, embeds, hidden, cache)], dim=-2)
+
+    def output_layer(self, states: torch.Tensor) -> torch.Tensor:
+        if self.memory is None:
+            return self.head(states)
+        hidden, read = states.unbind(-2)
+        return self.head(hidden) + self._memory_logits(read)
+
+    def _memory_logits(self, read: torch.Tensor) -> torch.Tensor:
         # The head reads the retrieved vector with its weight detached; training adds the memory's loss
         # on logits whose recurrent part is detached (see `forward`), so no gradient of the retrieval
         # path reaches the recurrent stack, the embedding or the head.
-        assert self.memory is not None
-        return self.head(memory_read(self.memory, embeds, hidden, state), detach_weight=True)
-
-    def logits(self, inputs: torch.Tensor, cache: RecurrentState | None = None) -> torch.Tensor:
-        embeds = self.embed(inputs)
-        hidden = self.stack.run(embeds, cache)
-        logits = self.head(hidden)
-        if self.memory is not None:
-            logits = logits + self._memory_logits(embeds, hidden, cache)
-        return logits
+        return self.head(read, detach_weight=True)
 
     def forward(self, tokens: torch.Tensor, signatures: torch.Tensor | None = None) -> LMOutput:
         if self.memory is None:
@@ -181,10 +184,9 @@ class TripleLatentLM(LogitsLM):
         # Two losses: the recurrent logits learn alone (exactly the gradients of the stack without the
         # memory); the fused logits, with the recurrent part detached, train only the memory and gate.
         inputs, targets = split_rows(tokens)
-        embeds = self.embed(inputs)
-        hidden = self.stack.run(embeds)
+        hidden, read = self.final_states(inputs).unbind(-2)
         recurrent = self.head(hidden)
-        fused = recurrent.detach() + self._memory_logits(embeds, hidden, None)
+        fused = recurrent.detach() + self._memory_logits(read)
         recurrent_loss = F.cross_entropy(recurrent.flatten(0, 1).float(), targets.flatten())
         fused_loss = F.cross_entropy(fused.flatten(0, 1).float(), targets.flatten())
         with torch.no_grad():
@@ -200,7 +202,7 @@ class TripleLatentLM(LogitsLM):
         return self.stack.layer_states(self.embed(tokens), layer)
 
 
-class TransformerPlusTriple(LogitsLM):
+class TransformerPlusTriple(HeadLM):
     """Qwen3 transformer + one triple-latent mixer on its final hidden states, added as a residual head."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -213,7 +215,7 @@ class TransformerPlusTriple(LogitsLM):
     def new_cache(self) -> RecurrentState:
         return RecurrentState(kv=DynamicCache(config=self.transformer.config))
 
-    def logits(self, inputs: torch.Tensor, cache: RecurrentState | None = None) -> torch.Tensor:
+    def final_states(self, inputs: torch.Tensor, cache: RecurrentState | None = None) -> torch.Tensor:
         kv = cache.kv if cache is not None else None
         hidden = self.transformer.model(
             input_ids=inputs, cache=kv, use_cache=kv is not None
@@ -222,7 +224,10 @@ class TransformerPlusTriple(LogitsLM):
         mixed, state = self.head_mixer.advance(self.head_norm(hidden), state)
         if cache is not None:
             cache.layers = [state]
-        return self.transformer.lm_head(hidden + mixed)
+        return hidden + mixed
+
+    def output_layer(self, states: torch.Tensor) -> torch.Tensor:
+        return self.transformer.lm_head(states)
 
     def layer_states(self, tokens: torch.Tensor, layer: int) -> torch.Tensor:
         return self.transformer.model(input_ids=tokens, output_hidden_states=True).hidden_states[layer]

@@ -23,7 +23,7 @@ from mhf_dist.console import ConsoleRelay, WorkerLines
 from mhf_dist.data.shards import read_manifest
 from mhf_dist.errors import MhfError
 from mhf_dist.files import write_json_atomic
-from mhf_dist.ray_utils import ensure_ray
+from mhf_dist.ray_utils import ensure_ray, workers_print_to_console
 from mhf_dist.storage import Location
 from mhf_dist.sweep.spec import STORAGE_KEY, SweepConfig, Trial, expand_trials, trial_configs
 from mhf_dist.tracking import end_run, log_dataset, log_steps, reopen_run, start_run, tracking_uri
@@ -103,7 +103,7 @@ def run_sweep(
     record = directory / SWEEP_FILE
     uri = tracking_uri(Location.of(spec.storage).uri)
     tune_storage = _tune_storage(directory)
-    relay = None if verbose else ConsoleRelay(log)
+    relay = None if workers_print_to_console() else ConsoleRelay(log)
     console = relay.lines if relay else None
     if resume:
         parent_run_id = _check_resume(spec, directory)
@@ -157,7 +157,8 @@ def run_sweep(
     if failed:
         raise SweepError(
             f"{len(failed)} of {len(outcomes)} trials failed ({', '.join(sorted(failed))}); see their errors "
-            f"above, then finish the sweep with `mhf sweep --config ... --resume`"
+            "above or in Ray's logs (the last line says where), then finish the sweep with "
+            "`mhf sweep --config ... --resume`"
         )
     return SweepResult(spec.name, spec.experiment, parent_run_id, uri, directory, outcomes)
 

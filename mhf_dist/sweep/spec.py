@@ -69,6 +69,16 @@ class FamilyVariant(StrictModel):
     family: str
     set: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("set")
+    @classmethod
+    def _not_the_sweeps_keys(cls, overrides: dict[str, Any]) -> dict[str, Any]:
+        taken = {"model.family": "the variant's `family`", "train.seed": "the sweep's `seeds`"}
+        taken[STORAGE_KEY] = "the sweep's `storage`"
+        chosen = [key for key in overrides if key in taken]
+        if chosen:
+            raise ValueError(f"{chosen[0]} is set by {taken[chosen[0]]}, not by a variant's `set`")
+        return overrides
+
 
 class SweepConfig(StrictModel):
     name: str = Field(min_length=1)
@@ -108,9 +118,10 @@ class SweepConfig(StrictModel):
                 except ValidationError as err:
                     error = err.errors()[0]
                     where = ".".join(str(part) for part in error["loc"])
-                    message = f"entry {index} ({where}): {error['msg']}; write {VARIANT_FORM}"
+                    problem = error["msg"].removeprefix("Value error, ")
+                    message = f"entry {index} ({where}): {problem}; write {VARIANT_FORM}"
                     raise ValueError(message) from None
-            elif not isinstance(entry, str):
+            elif not isinstance(entry, str | FamilyVariant):
                 raise ValueError(f"entry {index} is {entry!r}; an entry is a family name or {VARIANT_FORM}")
             parsed.append(entry)
         return parsed

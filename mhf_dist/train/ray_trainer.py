@@ -30,7 +30,7 @@ from mhf_dist.data.shards import SIGNATURES_FILE, Manifest, check_compatible, re
 from mhf_dist.errors import Interrupted, MhfError, TrainingError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.plugins import outside_registrations
-from mhf_dist.ray_utils import ensure_ray
+from mhf_dist.ray_utils import ensure_ray, workers_print_to_console
 from mhf_dist.signatures import load_table
 from mhf_dist.storage import Location, local_copy, redact
 from mhf_dist.tracking import end_run, log_artifact, log_dataset, reopen_run, start_run, tracking_uri
@@ -183,7 +183,7 @@ def train(
     check_tracking_reaches_workers(uri, ray.nodes())
     run_tags = {**_tags(cfg, manifest), **split.tags(), **(tags or {})}
     run_id = _tracking_run(uri, run_dir, cfg, options, run_tags, manifest)
-    relay = None if options.console or options.verbose else ConsoleRelay()
+    relay = None if options.console or workers_print_to_console() else ConsoleRelay()
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -246,7 +246,10 @@ def train(
         restore()
     if result.checkpoint is None:
         end_run(uri, run_id, "FAILED")
-        raise TrainingError(f"run {options.name!r} ended without a checkpoint; see the worker errors above")
+        raise TrainingError(
+            f"run {options.name!r} ended without a checkpoint; the workers' errors are in Ray's logs "
+            "(the last line says where)"
+        )
     # A checkpoint a restart resumed from before Ray Train registered it is not Ray's to delete.
     prune_checkpoints(run_dir, cfg.train.keep_checkpoints)
     checkpoint = run_dir / PurePosixPath(result.checkpoint.path).name
