@@ -730,12 +730,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except MhfError as err:
+        _print_logs_hint(sys.stderr)  # before the error: the error stays the last line
         print(f"error: {err}", file=sys.stderr)
-        _print_logs_hint(sys.stderr)
         return 2
     except Interrupted as err:
-        print(f"interrupted: {err}", file=sys.stderr)
         _print_logs_hint(sys.stderr)
+        print(f"interrupted: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted (SIGINT)", file=sys.stderr)

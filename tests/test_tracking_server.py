@@ -140,7 +140,8 @@ def test_a_sweep_of_four_concurrent_trials_logs_through_the_server_and_compare_r
     report = f"{bucket}/report"
     argv = ["compare", "--experiment", spec.experiment, "--sweep", result.parent_run_id, "--metric", "loss"]
     assert main([*argv, "--out", report]) == 0
-    assert re.search(rf"^\| mhf +\| mhf +\| {TRIALS} +\|", capsys.readouterr().out, re.MULTILINE)
+    table_row = rf"^\| mhf +\| mhf +\| coordinates +\| {TRIALS} +\|"
+    assert re.search(table_row, capsys.readouterr().out, re.MULTILINE)
     header, row = (Location.of(report) / "compare.csv").read_text().splitlines()
     mean = dict(zip(header.split(","), row.split(","), strict=True))["mean"]
     assert float(mean) == pytest.approx(statistics.fmean(finals), rel=1e-9)
