@@ -35,7 +35,7 @@ from mhf_dist.files import write_json_atomic, write_text_atomic
 from mhf_dist.sweep.runner import SWEEP_FILE, sweep_dir
 from mhf_dist.sweep.spec import SweepConfig, load_sweep
 from mhf_dist.tables import markdown_table
-from mhf_dist.tracking import tracking_uri
+from mhf_dist.tracking import reading_uri
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = Path("jobs")
@@ -134,7 +134,7 @@ def source_rows(source: str, sweep_files: list[str], start_runs: bool) -> list[d
     rows: dict[str, dict[str, Any]] = {}
     for sweep, parent in runs:
         for metric in metrics:
-            for curve in read_runs(tracking_uri(sweep.storage), sweep.experiment, metric, parent):
+            for curve in read_runs(reading_uri(sweep.storage), sweep.experiment, metric, parent):
                 row = {"source": source, "group": curve.group, "params": curve.params}
                 rows.setdefault(curve.group, row | {"param_residual": curve.param_residual})
                 values.setdefault(curve.group, {}).setdefault(metric, []).append(curve.final)

@@ -19,8 +19,19 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
-from mhf_dist.config import Config, TopologyConfig, load_config, parse_overrides, split_assignment
+from mhf_dist import arguments as kinds
+from mhf_dist import interrupts
+from mhf_dist.arguments import MhfParser
+from mhf_dist.config import (
+    Config,
+    TopologyConfig,
+    check_topology,
+    load_config,
+    parse_overrides,
+    split_assignment,
+)
 from mhf_dist.errors import ConfigError, Interrupted, MhfError
+from mhf_dist.eval import TASKS as EVAL_TASKS
 from mhf_dist.ray_utils import logs_hint
 from mhf_dist.submit import DEFAULT_ADDRESS
 
@@ -43,13 +54,19 @@ def _add_set_arg(parser: argparse.ArgumentParser, help: str) -> None:
         dest="overrides",
         action="append",
         default=[],
+        type=kinds.ASSIGNMENT,
         metavar="KEY=VALUE",
         help=f"{help} (repeatable; a flag that sets the same key wins)",
     )
 
 
 def _add_config_args(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
-    parser.add_argument("--config", default=default, help=f"preset name or YAML file (default: {default})")
+    parser.add_argument(
+        "--config",
+        type=kinds.NAME_OR_PATH,
+        default=default,
+        help=f"preset name or YAML file (default: {default})",
+    )
     _add_set_arg(parser, "override one config key, e.g. --set train.steps=50")
 
 
@@ -60,12 +77,20 @@ def _add_key_flag(parser: argparse.ArgumentParser, flag: str, key: str, help: st
     parser.add_argument(flag, dest=key, metavar=metavar, help=f"{help} (sets {key}{default})", **kwargs)
 
 
+TOPOLOGY_KINDS = {
+    "workers": kinds.COUNT,
+    "gpus_per_worker": kinds.NATURAL,
+    "zero_stage": kinds.ZERO_STAGE,
+    "storage": kinds.OUTPUT_DIRECTORY,
+}
+
+
 def _add_topology_flags(parser: argparse.ArgumentParser, *names: str) -> None:
     """`--workers`, `--gpus-per-worker`, `--zero-stage`, `--storage`: the config's `topology:` keys."""
     for name in names:
-        field = TopologyConfig.model_fields[name]
+        description = TopologyConfig.model_fields[name].description
         flag = "--" + name.replace("_", "-")
-        _add_key_flag(parser, flag, f"topology.{name}", field.description, type=field.annotation)
+        _add_key_flag(parser, flag, f"topology.{name}", description, type=TOPOLOGY_KINDS[name])
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -144,15 +169,22 @@ def add_prepare_parser(commands: argparse._SubParsersAction) -> None:
         "data.corpus",
         "builtin | hf:NAME | a file, directory or glob, local or s3:// / gs://, of .txt/.raw/.jsonl/.json "
         "(optionally .gz/.zst/.bz2), .parquet or .arrow (optionally .zst)",
+        type=kinds.CORPUS,
     )
     _add_key_flag(
-        prep, "--tokenizer", "data.tokenizer", "bpe | bytes | mistral-v0.3 | path to tokenizer.json"
+        prep,
+        "--tokenizer",
+        "data.tokenizer",
+        "bpe | bytes | mistral-v0.3 | path to tokenizer.json",
+        type=kinds.NAME_OR_PATH,
     )
-    _add_key_flag(prep, "--out", "data.path", "output directory, local or s3:// / gs://")
+    _add_key_flag(
+        prep, "--out", "data.path", "output directory, local or s3:// / gs://", type=kinds.OUTPUT_DIRECTORY
+    )
     prep.add_argument(
         "--overwrite", action="store_true", help="replace an existing output (in a bucket: only an mhf one)"
     )
-    prep.add_argument("--num-cpus", type=int, help="CPUs of a local Ray instance (default: all)")
+    prep.add_argument("--num-cpus", type=kinds.COUNT, help="CPUs of a local Ray instance (default: all)")
     prep.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     prep.set_defaults(func=cmd_prepare)
 
@@ -168,7 +200,11 @@ def add_verify_data_parser(commands: argparse._SubParsersAction) -> None:
     verify = commands.add_parser(
         "verify-data", help="check every prepared shard against its manifest's sha256 (reads all the data)"
     )
-    verify.add_argument("path", help="a prepared shard directory, local or s3:// / gs:// (mhf prepare --out)")
+    verify.add_argument(
+        "path",
+        type=kinds.DIRECTORY,
+        help="a prepared shard directory, local or s3:// / gs:// (mhf prepare --out)",
+    )
     verify.set_defaults(func=cmd_verify_data)
 
 
@@ -176,20 +212,27 @@ def cmd_verify_data(args: argparse.Namespace) -> None:
     from mhf_dist.data.shards import verify_shards
     from mhf_dist.storage import redact
 
-    print(f"{verify_shards(args.path)} shards in {redact(args.path)} match their manifest's sha256")
+    count = verify_shards(args.path)
+    print(
+        f"{count} shards, tokenizer.json and the signature table in {redact(args.path)} match their manifest"
+    )
 
 
 def _add_run_options(parser: argparse.ArgumentParser, name: str) -> None:
     """What `mhf train` and `mhf cpt` share: the run's topology, name and tracking."""
     _add_topology_flags(parser, "workers", "gpus_per_worker", "zero_stage", "storage")
-    parser.add_argument("--name", default=name, help=f"run name under the storage path (default: {name})")
-    parser.add_argument("--experiment", default="mhf", help="MLflow experiment (default: mhf)")
     parser.add_argument(
-        "--max-failures", type=int, default=0, help="worker-group restarts from the last checkpoint"
+        "--name", type=kinds.TEXT, default=name, help=f"run name under the storage path (default: {name})"
+    )
+    parser.add_argument(
+        "--experiment", type=kinds.TEXT, default="mhf", help="MLflow experiment (default: mhf)"
+    )
+    parser.add_argument(
+        "--max-failures", type=kinds.RETRIES, default=0, help="worker-group restarts from the last checkpoint"
     )
     parser.add_argument(
         "--peak-tflops",
-        type=float,
+        type=kinds.NON_NEGATIVE,
         default=0.0,
         help="peak TFLOP/s per worker for the MFU estimate (default: bf16 peak of known GPUs)",
     )
@@ -222,16 +265,22 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
     _add_config_args(fit)
     _add_run_options(fit, name="mhf-train")
     fit.add_argument(
-        "--resume", help="continue exactly from a checkpoint directory, or from a run name's newest"
+        "--resume",
+        type=kinds.NAME_OR_PATH,
+        help="continue exactly from a checkpoint directory, or from a run name's newest",
     )
-    fit.add_argument("--stop-at-step", type=int, help="end this run at this step, with a checkpoint")
+    fit.add_argument("--stop-at-step", type=kinds.COUNT, help="end this run at this step, with a checkpoint")
     fit.add_argument(
         "--continue",
         dest="continue_run",
         action="store_true",
         help="continue the run --name from its newest checkpoint, logging to the same MLflow run",
     )
-    fit.add_argument("--init-from", help="an exported model directory to start from (fresh optimizer)")
+    fit.add_argument(
+        "--init-from",
+        type=kinds.FILE_OR_DIRECTORY,
+        help="an exported model directory to start from (fresh optimizer)",
+    )
     fit.add_argument("--prepare", action="store_true", help=PREPARE_HELP)
     fit.set_defaults(func=cmd_train)
 
@@ -242,6 +291,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from mhf_dist.train.ray_trainer import train
 
     if args.prepare:
+        check_topology(cfg)  # train() checks it too; here before minutes of preparing
         prepare_if_missing(cfg, verbose=args.verbose)
     result = train(cfg, _train_options(args))
     _print_result(result, args.experiment)
@@ -255,33 +305,50 @@ def _init_new_rows(value: str) -> str:
     return value
 
 
+INIT_NEW_ROWS = kinds.Kind("row initialisation", "", _init_new_rows, ("nope", ""), ("subword", "mean"))
+
+
 def add_cpt_parser(commands: argparse._SubParsersAction) -> None:
     cpt = commands.add_parser(
         "cpt", help="continued pretraining with an expanded vocabulary (mhf: zero new parameters)"
     )
     _add_config_args(cpt)
     cpt.add_argument(
-        "--from", dest="parent", required=True, help="exported model, checkpoint or run directory"
+        "--from",
+        dest="parent",
+        required=True,
+        type=kinds.FILE_OR_DIRECTORY,
+        help="exported model, checkpoint or run directory",
     )
-    cpt.add_argument("--tokenizer", help="a tokenizer.json that appends tokens to the parent's")
-    cpt.add_argument("--add-tokens", help="a file with one new token per line")
-    cpt.add_argument("--train-new-tokens", type=int, default=0, help="learn N new BPE tokens from --corpus")
-    cpt.add_argument("--corpus", help="text the new tokens are learned from (a file, directory or glob)")
-    _add_key_flag(cpt, "--data", "data.corpus", "the corpus training continues on", required=True)
+    cpt.add_argument(
+        "--tokenizer", type=kinds.FILE, help="a tokenizer.json that appends tokens to the parent's"
+    )
+    cpt.add_argument("--add-tokens", type=kinds.FILE, help="a file with one new token per line")
+    cpt.add_argument(
+        "--train-new-tokens", type=kinds.NATURAL, default=0, help="learn N new BPE tokens from --corpus"
+    )
+    cpt.add_argument(
+        "--corpus", type=kinds.CORPUS, help="text the new tokens are learned from (a file, directory or glob)"
+    )
+    _add_key_flag(
+        cpt, "--data", "data.corpus", "the corpus training continues on", required=True, type=kinds.CORPUS
+    )
     cpt.add_argument(
         "--init-new-rows",
-        type=_init_new_rows,
+        type=INIT_NEW_ROWS,
         default="subword",
         help="a baseline's new embedding/head rows: subword, the mean of the token's old pieces' rows "
         "(the authors'), or mean, of all old rows (mhf adds no rows; default: subword)",
     )
-    _add_key_flag(cpt, "--replay", "data.replay.corpus", "a corpus to replay (e.g. the parent's)")
+    _add_key_flag(
+        cpt, "--replay", "data.replay.corpus", "a corpus to replay (e.g. the parent's)", type=kinds.CORPUS
+    )
     _add_key_flag(
         cpt,
         "--replay-fraction",
         "data.replay.fraction",
         "share of the training tokens from --replay",
-        type=float,
+        type=kinds.SHARE,
     )
     _add_run_options(cpt, name="mhf-cpt")
     cpt.set_defaults(func=cmd_cpt)
@@ -302,35 +369,39 @@ def cmd_cpt(args: argparse.Namespace) -> None:
     _print_result(result.train_result, args.experiment)
 
 
-def _positive_int(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: use a whole number of at least 1")
-    return int(value)
-
-
 def add_eval_parser(commands: argparse._SubParsersAction) -> None:
     evaluate = commands.add_parser(
         "eval", help="evaluate an exported model: ppl, bpb, lambada, hellaswag, card660"
     )
     evaluate.add_argument(
-        "--model", required=True, help="an exported model directory (a checkpoint's model/): path or URI"
+        "--model",
+        required=True,
+        type=kinds.DIRECTORY,
+        help="an exported model directory (a checkpoint's model/): path or URI",
     )
-    evaluate.add_argument("--task", required=True, help="ppl | bpb | lambada | hellaswag | card660 | recall")
+    evaluate.add_argument("--task", required=True, choices=EVAL_TASKS, help=" | ".join(EVAL_TASKS))
     evaluate.add_argument(
-        "--data", help="the task's file, a path or a URI (see README); recall generates its own"
+        "--data",
+        type=kinds.FILE_OR_DIRECTORY,
+        help="the task's file, a path or a URI (see README); recall generates its own",
     )
-    evaluate.add_argument("--limit", type=int, default=0, help="first N examples only (default: all)")
-    evaluate.add_argument("--seq-len", type=int, default=128, help="window length for ppl and bpb")
-    evaluate.add_argument("--layer", type=int, default=-2, help="card660: hidden-state layer (default: -2)")
+    evaluate.add_argument(
+        "--limit", type=kinds.NATURAL, default=0, help="first N examples only (default: all)"
+    )
+    evaluate.add_argument("--seq-len", type=kinds.WINDOW, default=128, help="window length for ppl and bpb")
+    evaluate.add_argument(
+        "--layer", type=kinds.INTEGER, default=-2, help="card660: hidden-state layer (default: -2)"
+    )
     evaluate.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=kinds.COUNT,
         default=16,
         help="sequences per forward pass; the results do not depend on it (default: 16)",
     )
-    evaluate.add_argument("--run-id", help="log the results to this MLflow run")
+    evaluate.add_argument("--run-id", type=kinds.TEXT, help="log the results to this MLflow run")
     evaluate.add_argument(
         "--storage",
+        type=kinds.PLACE,
         default="runs/train",
         help="where the embedded MLflow lives, unless MLFLOW_TRACKING_URI is set",
     )
@@ -341,7 +412,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from mhf_dist.eval.tasks import run_task
     from mhf_dist.export import load_exported
     from mhf_dist.tables import markdown_table
+    from mhf_dist.tracking import check_run, log_metrics, reading_uri
 
+    uri = reading_uri(args.storage) if args.run_id else None
+    if uri is not None:  # the run is looked up before the scoring whose results it gets
+        check_run(uri, args.run_id)
     exported = load_exported(args.model)
     results = run_task(
         exported, args.task, args.data, args.limit, args.seq_len, args.layer, batch_size=args.batch_size
@@ -349,12 +424,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(markdown_table([{"task": args.task, **results}], ["task", *results]))
     if args.task in ("ppl", "bpb"):
         print(f"scored in windows of {args.seq_len} tokens, no context carried across windows")
-    if args.run_id:
-        from mhf_dist.tracking import log_metrics, tracking_uri
-
-        log_metrics(
-            tracking_uri(args.storage), args.run_id, {f"eval.{args.task}.{k}": v for k, v in results.items()}
-        )
+    if uri is not None:
+        log_metrics(uri, args.run_id, {f"eval.{args.task}.{k}": v for k, v in results.items()})
         print(f"logged to MLflow run {args.run_id}")
 
 
@@ -363,9 +434,16 @@ def add_import_hf_parser(commands: argparse._SubParsersAction) -> None:
         "import-hf", help="a reference MHF or transformers Qwen3 checkpoint -> an exported mhf-dist model"
     )
     importer.add_argument(
-        "source", help="a Hugging Face checkpoint directory (config.json, safetensors): a path or a URI"
+        "source",
+        type=kinds.DIRECTORY,
+        help="a Hugging Face checkpoint directory (config.json, safetensors): a path or a URI",
     )
-    importer.add_argument("--out", required=True, help="the exported model directory to create (path or URI)")
+    importer.add_argument(
+        "--out",
+        required=True,
+        type=kinds.OUTPUT_DIRECTORY,
+        help="the exported model directory to create (path or URI)",
+    )
     importer.set_defaults(func=cmd_import_hf)
 
 
@@ -387,10 +465,18 @@ def add_export_hf_parser(commands: argparse._SubParsersAction) -> None:
     exporter = commands.add_parser(
         "export-hf", help="an exported model -> the reference layout (mhf) or a transformers Qwen3 directory"
     )
-    exporter.add_argument("model", help="an exported model directory (a checkpoint's model/): path or URI")
-    exporter.add_argument("--out", required=True, help="the Hugging Face directory to create (path or URI)")
+    exporter.add_argument(
+        "model", type=kinds.DIRECTORY, help="an exported model directory (a checkpoint's model/): path or URI"
+    )
+    exporter.add_argument(
+        "--out",
+        required=True,
+        type=kinds.OUTPUT_DIRECTORY,
+        help="the Hugging Face directory to create (path or URI)",
+    )
     exporter.add_argument(
         "--max-shard-size",
+        type=kinds.SIZE,
         default="5GB",
         help="largest safetensors shard: bytes or a size such as 500MB (default: 5GB, the Hub's convention)",
     )
@@ -405,13 +491,20 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
 
 def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     gen = commands.add_parser("generate", help="stream tokens from an exported model")
-    gen.add_argument("--model", required=True, help="an exported model directory: a path or s3:// gs://")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    gen.add_argument(
+        "--model",
+        required=True,
+        type=kinds.DIRECTORY,
+        help="an exported model directory: a path or s3:// gs://",
+    )
+    gen.add_argument("--prompt", required=True, type=kinds.TEXT, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=kinds.COUNT, default=64, help="tokens to add (default: 64)")
+    gen.add_argument("--temperature", type=kinds.NON_NEGATIVE, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-k", type=kinds.NATURAL, default=0, help="sample from the k likeliest; 0: all")
+    gen.add_argument(
+        "--top-p", type=kinds.PROBABILITY, default=1.0, help="sample from the nucleus of this mass; 1: all"
+    )
+    gen.add_argument("--seed", type=kinds.NATURAL, help="seed for reproducible sampling")
     gen.set_defaults(func=cmd_generate)
 
 
@@ -443,8 +536,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def add_demo_parser(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser("demo", help="train mhf and Qwen3 baselines small on the built-in corpus")
     _add_config_args(demo)
-    demo.add_argument("--workdir", default="runs/demo", help="where results are written (default: runs/demo)")
-    demo.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds per family (default: 0 1)")
+    demo.add_argument(
+        "--workdir",
+        type=kinds.OUTPUT_DIRECTORY,
+        default="runs/demo",
+        help="where results are written (default: runs/demo)",
+    )
+    demo.add_argument(
+        "--seeds", type=kinds.NATURAL, nargs="+", default=[0, 1], help="seeds per family (default: 0 1)"
+    )
     _add_topology_flags(demo, "workers")
     demo.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     demo.set_defaults(func=cmd_demo)
@@ -458,12 +558,18 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def add_sweep_parser(commands: argparse._SubParsersAction) -> None:
     sweep = commands.add_parser("sweep", help="matched-baseline, seed or grid sweeps on Ray Tune")
-    sweep.add_argument("--config", required=True, help="the sweep YAML file (see README: Sweeps)")
+    sweep.add_argument(
+        "--config", required=True, type=kinds.FILE, help="the sweep YAML file (see README: Sweeps)"
+    )
     sweep.add_argument(
         "--resume", action="store_true", help="finish an interrupted sweep; keeps finished trials"
     )
     _add_set_arg(sweep, "a config override for every trial, on top of the file's set:")
-    sweep.add_argument("--storage", help="where the sweep, its trials and MLflow live (default: the file's)")
+    sweep.add_argument(
+        "--storage",
+        type=kinds.OUTPUT_DIRECTORY,
+        help="where the sweep, its trials and MLflow live (default: the file's)",
+    )
     sweep.add_argument("--prepare", action="store_true", help=PREPARE_HELP)
     sweep.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sweep.set_defaults(func=cmd_sweep)
@@ -485,33 +591,43 @@ def cmd_sweep(args: argparse.Namespace) -> None:
             prepare_if_missing(cfg, verbose=args.verbose)
     result = run_sweep(spec, resume=args.resume, verbose=args.verbose)
     comparison = compare_sweep(spec, result)
-    print(comparison.table)
+    print(comparison.report)
     print(f"tables and plots: {result.directory / 'compare'}; MLflow parent run {result.parent_run_id}")
     print(f"MLflow UI: {browse_hint(result.tracking_uri, spec.experiment)}")
 
 
 def add_compare_parser(commands: argparse._SubParsersAction) -> None:
     compare = commands.add_parser("compare", help="compare runs across seeds from MLflow: table, CSV, plots")
-    compare.add_argument("--experiment", default="mhf-sweeps", help="MLflow experiment (default: mhf-sweeps)")
-    compare.add_argument("--sweep", help="a sweep's parent run id: only its trials, results logged to it")
-    compare.add_argument("--metric", default="val_nll", help="the metric compared (default: val_nll)")
+    compare.add_argument(
+        "--experiment", type=kinds.TEXT, default="mhf-sweeps", help="MLflow experiment (default: mhf-sweeps)"
+    )
+    compare.add_argument(
+        "--sweep", type=kinds.TEXT, help="a sweep's parent run id: only its trials, results logged to it"
+    )
+    compare.add_argument(
+        "--metric", type=kinds.TEXT, default="val_nll", help="the metric compared (default: val_nll)"
+    )
     compare.add_argument(
         "--group-by",
         action="append",
+        type=kinds.TEXT,
         metavar="KEY",
         help="group by this MLflow param or tag, e.g. topology.zero_stage or model.family (repeatable; "
         "default: the sweep's group tag, else the family)",
     )
     compare.add_argument(
         "--storage",
+        type=kinds.PLACE,
         default="runs/sweeps",
         help="where the embedded MLflow lives, unless MLFLOW_TRACKING_URI is set",
     )
     compare.add_argument(
-        "--out", help="output directory or bucket URI (default: <storage>/compare/<sweep or experiment>)"
+        "--out",
+        type=kinds.OUTPUT_DIRECTORY,
+        help="output directory or bucket URI (default: <storage>/compare/<sweep or experiment>)",
     )
     compare.add_argument(
-        "--unstable-cv", type=float, default=0.05, help="coefficient of variation flagged unstable"
+        "--unstable-cv", type=kinds.POSITIVE, default=0.05, help="coefficient of variation flagged unstable"
     )
     compare.set_defaults(func=cmd_compare)
 
@@ -519,14 +635,14 @@ def add_compare_parser(commands: argparse._SubParsersAction) -> None:
 def cmd_compare(args: argparse.Namespace) -> None:
     from mhf_dist.compare import compare_runs
     from mhf_dist.storage import Location
-    from mhf_dist.tracking import browse_hint, tracking_uri
+    from mhf_dist.tracking import browse_hint, reading_uri
 
-    uri = tracking_uri(args.storage)
+    uri = reading_uri(args.storage)  # an absent embedded store is an error, not created
     out = args.out or Location.of(args.storage) / "compare" / (args.sweep or args.experiment)
     comparison = compare_runs(
         uri, args.experiment, out, args.metric, args.sweep, args.unstable_cv, args.group_by or ()
     )
-    print(comparison.table)
+    print(comparison.report)
     print(f"written: {', '.join(str(path) for path in comparison.files)}")
     print(f"MLflow UI: {browse_hint(uri, args.experiment)}")
 
@@ -537,35 +653,45 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     )
     _add_config_args(planner, default="1b")
     planner.add_argument(
-        "--family", action="append", help="mhf | qwen3 | qwen3_matched (repeatable; default: mhf and qwen3)"
+        "--family",
+        action="append",
+        type=kinds.TEXT,
+        help="mhf | qwen3 | qwen3_matched (repeatable; default: mhf and qwen3)",
     )
-    planner.add_argument("--gpus", type=int, required=True, help="GPUs per node")
-    planner.add_argument("--gpu-mem-gb", type=float, required=True, help="memory of one GPU in GiB")
-    planner.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
-    planner.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's)")
+    planner.add_argument("--gpus", type=kinds.COUNT, required=True, help="GPUs per node")
+    planner.add_argument("--gpu-mem-gb", type=kinds.POSITIVE, required=True, help="memory of one GPU in GiB")
+    planner.add_argument("--nodes", type=kinds.COUNT, default=1, help="nodes (default: 1)")
+    planner.add_argument("--seq-len", type=kinds.WINDOW, help="tokens per sequence (default: the config's)")
     planner.add_argument(
         "--micro-batch",
-        type=int,
+        type=kinds.COUNT,
         help="sequences per GPU per forward (default: recommended)",
     )
     planner.add_argument(
         "--vocab",
-        type=int,
+        type=kinds.VOCABULARY,
         action="append",
         help=f"vocabulary size (repeatable; default: the config's model.vocab_size and {QWEN3_VOCAB})",
     )
     planner.add_argument(
-        "--tokens", type=float, help="training tokens (default: the config's steps x batch x seq_len)"
+        "--tokens",
+        type=kinds.POSITIVE,
+        help="training tokens (default: the config's steps x batch x seq_len)",
     )
-    planner.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default: 0.4)")
     planner.add_argument(
-        "--peak-tflops", type=float, default=989.0, help="bf16 peak per GPU (default: 989, H100/H200)"
+        "--mfu", type=kinds.PROBABILITY, default=0.4, help="model FLOPs utilisation (default: 0.4)"
+    )
+    planner.add_argument(
+        "--peak-tflops",
+        type=kinds.POSITIVE,
+        default=989.0,
+        help="bf16 peak per GPU (default: 989, H100/H200)",
     )
     planner.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from mhf_dist.plan import Cluster, plan, plan_rows
+    from mhf_dist.plan import Cluster, check_fits, plan, plan_rows
     from mhf_dist.tables import markdown_table
 
     cfg = _config(args)
@@ -598,6 +724,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         f"activations of one sequence, {checkpointing}; stage and micro-batch: what fits in 90% of a GPU "
         "(train with --zero-stage S --set train.micro_batch_size=M)."
     )
+    check_fits(plans, cluster)  # the table above shows what each needs; the error line is the last
 
 
 def add_submit_parser(commands: argparse._SubParsersAction) -> None:
@@ -606,17 +733,25 @@ def add_submit_parser(commands: argparse._SubParsersAction) -> None:
         help="submit a job spec to a Ray cluster through the Jobs API",
         usage="mhf submit SPEC [options] [-- ARGS appended to the spec's entrypoint]",
     )
-    submit.add_argument("spec", help="a job spec YAML, e.g. jobs/pretrain.job.yaml")
+    submit.add_argument("spec", type=kinds.FILE, help="a job spec YAML, e.g. jobs/pretrain.job.yaml")
     submit.add_argument(
-        "--address", default=DEFAULT_ADDRESS, help=f"the cluster's dashboard (default: {DEFAULT_ADDRESS})"
+        "--address",
+        type=kinds.TEXT,
+        default=DEFAULT_ADDRESS,
+        help=f"the cluster's dashboard (default: {DEFAULT_ADDRESS})",
     )
     submit.add_argument(
         "--wait", action="store_true", help="stream the job's logs and exit with its status (0: SUCCEEDED)"
     )
     submit.add_argument(
-        "--env", action="append", default=[], metavar="KEY=VALUE", help="set a variable the spec names"
+        "--env",
+        action="append",
+        default=[],
+        type=kinds.VARIABLE,
+        metavar="NAME=VALUE",
+        help="set a variable the spec names",
     )
-    submit.add_argument("--submission-id", help="the job's id (default: Ray picks one)")
+    submit.add_argument("--submission-id", type=kinds.TEXT, help="the job's id (default: Ray picks one)")
     submit.set_defaults(func=cmd_submit)
 
 
@@ -625,16 +760,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     spec = load_job_spec(args.spec)
     env = dict(split_assignment(item, "--env", "MHF_STORAGE=/shared/mhf") for item in args.env)
-    client, job_id = submit_job(spec, args.address, args.extra, env, args.submission_id)
+    try:
+        client, job_id = submit_job(spec, args.address, args.extra, env, args.submission_id)
+    except (KeyboardInterrupt, Interrupted) as err:  # rerunning could submit a second copy
+        raise interrupts.restated(
+            err, f"the job may be submitted already: look with `ray job list --address {args.address}`"
+        ) from None
     print(f"submitted job {job_id} to {args.address}", flush=True)
     if not args.wait:
         print(f"follow it: ray job logs --address {args.address} --follow {job_id}")
         return 0
     try:
         status = follow_job(client, job_id, lambda text: print(text, end="", flush=True))
-    except KeyboardInterrupt:
-        print(f"\nstopped following; the job goes on (ray job stop --address {args.address} {job_id})")
-        return 130
+    except (KeyboardInterrupt, Interrupted) as err:
+        raise interrupts.restated(
+            err,
+            f"job {job_id} goes on; follow it with `ray job logs --address {args.address} --follow "
+            f"{job_id}`, stop it with `ray job stop --address {args.address} {job_id}`",
+        ) from None
     message = job_message(client, job_id)
     print(f"job {job_id} {status}" + (f": {message}" if message else ""), file=sys.stderr)
     return 0 if status == "SUCCEEDED" else 1
@@ -645,12 +788,21 @@ def add_cluster_parser(commands: argparse._SubParsersAction) -> None:
         "cluster", help="start or stop a local multi-node Ray cluster (head + workers on 127.0.0.1)"
     )
     cluster.add_argument("action", choices=["start", "stop"])
-    cluster.add_argument("--dir", default="runs/cluster", help="state and node logs (default: runs/cluster)")
-    cluster.add_argument("--workers", type=int, default=1, help="worker nodes beside the head (default: 1)")
-    cluster.add_argument("--cpus-per-node", type=int, default=2, help="logical CPUs per node (default: 2)")
-    cluster.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default: 0)")
     cluster.add_argument(
-        "--dashboard-port", type=int, default=8265, help="Jobs API and dashboard port (default: 8265)"
+        "--dir",
+        type=kinds.PLACE,
+        default="runs/cluster",
+        help="state and node logs (default: runs/cluster)",
+    )
+    cluster.add_argument(
+        "--workers", type=kinds.COUNT, default=1, help="worker nodes beside the head (default: 1)"
+    )
+    cluster.add_argument(
+        "--cpus-per-node", type=kinds.COUNT, default=2, help="logical CPUs per node (default: 2)"
+    )
+    cluster.add_argument("--gpus-per-node", type=kinds.NATURAL, default=0, help="GPUs per node (default: 0)")
+    cluster.add_argument(
+        "--dashboard-port", type=kinds.PORT, default=8265, help="Jobs API and dashboard port (default: 8265)"
     )
     cluster.set_defaults(func=cmd_cluster)
 
@@ -691,18 +843,23 @@ SUB_COMMANDS = (  # in the order `mhf --help` lists them
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mhf", description="Train hash-based language models on Ray.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> MhfParser:
+    parser = MhfParser(prog="mhf", description="Train hash-based language models on Ray.")
+    commands = parser.add_commands(dest="command", required=True)
     for add_parser in SUB_COMMANDS:
         add_parser(commands)
     return parser
 
 
-def _terminated(signum: int, frame: object) -> None:
-    raise Interrupted(
-        "SIGTERM; rerun the command to start again (`mhf sweep --resume` keeps finished trials)", 143
-    )
+def _parse(argv: list[str], extra: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the sub-command they were given to, whose --help lists what it takes
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra and args.command != "submit":
+        parser.error("arguments after -- are for `mhf submit` only")
+    args.extra = extra
+    return args
 
 
 def _print_logs_hint(stream: TextIO) -> None:
@@ -713,14 +870,13 @@ def _print_logs_hint(stream: TextIO) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    parser = build_parser()
-    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    if extra and args.command != "submit":
-        parser.error("arguments after -- are for `mhf submit` only")
-    args.extra = extra
-    previous = signal.signal(signal.SIGTERM, _terminated)  # unwinds like Ctrl-C: staging removed
+    previous = signal.signal(signal.SIGTERM, interrupts.terminated)
     try:
+        extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+        try:
+            args = _parse(argv[: argv.index("--")] if "--" in argv else argv, extra)
+        except SystemExit as done:  # --help, or argparse's one error line (MhfParser.error)
+            return int(done.code or 0)
         status = args.func(args) or 0
         _print_logs_hint(sys.stdout)
         sys.stdout.flush()  # a reader that left (`mhf count | head -1`) shows here, not at exit
@@ -733,34 +889,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_logs_hint(sys.stderr)  # before the error: the error stays the last line
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except Interrupted as err:
-        _print_logs_hint(sys.stderr)
-        print(f"interrupted: {err}", file=sys.stderr)
-        return err.exit_code
-    except KeyboardInterrupt:
-        print("interrupted (SIGINT)", file=sys.stderr)
-        return 128 + signal.SIGINT
-    except Exception as err:
-        stop = _interruption_behind(err)
+    except (KeyboardInterrupt, Exception) as err:
+        # An interrupt (SIGTERM's Interrupted, SIGINT's KeyboardInterrupt), or a library's clean-up
+        # (Ray Data's, say) that failed while one unwound through it.
+        stop = interrupts.as_interrupted(err)
         if stop is None:
             raise
-        # A library's clean-up (Ray Data's, say) failed while the interrupt unwound through it.
-        print(f"interrupted: {stop}", file=sys.stderr)
+        _print_logs_hint(sys.stderr)
+        print(f"interrupted: {interrupts.console_line(stop, argv)}", file=sys.stderr)
         return stop.exit_code
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _interruption_behind(err: BaseException) -> Interrupted | None:
-    """The `Interrupted` that `err` was raised while handling, if any."""
-    seen: set[int] = set()
-    cause: BaseException | None = err
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, Interrupted):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return None
 
 
 if __name__ == "__main__":

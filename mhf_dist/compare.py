@@ -2,7 +2,10 @@
 
 A group is a sweep's variant (tag `group`: the family in a matched sweep, the grid values in a grid
 sweep) or, for runs outside a sweep, the family; `group_by` (`--group-by`) groups by MLflow params or
-tags instead (`topology.zero_stage=2,model.family=mhf`: every config key is a param). Per group: the
+tags instead (`topology.zero_stage=2,model.family=mhf`: every config key is a param). A group's runs are
+seeds of one setting: a group whose runs differ in any other param (`train.steps`, `train.lr`, ...; not
+`IDENTITY_PARAMS`) or in the metric's last logged step is split by those (`mhf,train.steps=50`) and the
+report says so; two runs of one seed in a group are an error naming them. Per group: the
 final value of the metric over the seeds (mean, std, min, max, max - min, coefficient of variation),
 parameters and tokens seen; a group is `unstable` when its coefficient of variation passes the
 threshold. The report (Markdown, CSV, PNG plots) goes to a local directory or a bucket (`s3://...`).
@@ -16,15 +19,26 @@ import math
 import re
 import statistics
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mhf_dist.errors import MhfError
 from mhf_dist.storage import Location, redact
 from mhf_dist.tables import markdown_table
-from mhf_dist.tracking import connect, log_files, set_tags, show_report, tracking_errors
+from mhf_dist.tracking import (
+    connect,
+    find_run,
+    log_files,
+    require_store,
+    set_tags,
+    show_report,
+    tracking_errors,
+)
+
+if TYPE_CHECKING:
+    from mlflow.entities import Experiment
 
 COLUMNS = (
     "group",
@@ -42,10 +56,28 @@ COLUMNS = (
     "param_residual",
     "tokens_seen",
 )
+SWEEPS_LISTED = 5  # an unknown --sweep's error line lists the experiment's newest sweeps
 
 
 class CompareError(MhfError):
     """Nothing to compare, or the runs lack the metric."""
+
+
+# Params that say which run this is or where it is stored, not what it trains: runs differing in them
+# compare as seeds of one setting.
+IDENTITY_PARAMS = frozenset(
+    {
+        "train.seed",
+        "preset",
+        "topology.storage",
+        "data.path",  # where the shards are (a cpt run prepares its own); their digest is the dataset input
+        "train.log_every",
+        "train.checkpoint_every",
+        "train.keep_checkpoints",
+    }
+)
+FINAL_STEP = "final_step"  # the pseudo-key of a group split by the metric's last logged step
+NOT_LOGGED = "(not logged)"
 
 
 @dataclass(frozen=True)
@@ -59,6 +91,9 @@ class RunCurve:
     param_residual: int | None
     tokens_seen: int
     curve: list[tuple[int, float]]  # (step, value) of the metric
+    config: Mapping[str, str] = field(default_factory=dict)  # the run's params but IDENTITY_PARAMS
+    split_from: str = ""  # the group before `separate` added the keys its runs differ in
+    split_by: tuple[str, ...] = ()  # those keys
 
     @property
     def final(self) -> float:
@@ -69,8 +104,11 @@ def read_runs(
     uri: str, experiment: str, metric: str, sweep_run_id: str | None = None, group_by: Sequence[str] = ()
 ) -> list[RunCurve]:
     """Finished training runs of `experiment` (only the sweep's children with `sweep_run_id`), grouped
-    by `group_by`'s params or tags, else as the module's docstring says."""
+    by `group_by`'s params or tags, else as the module's docstring says; a group whose runs differ in
+    more than the seed is split by what they differ in (`separate`), and a seed twice in a group is an
+    error (`check_distinct_seeds`)."""
     with tracking_errors(uri):
+        require_store(uri)
         client = connect(uri)
         found = client.get_experiment_by_name(experiment)
         if found is None:
@@ -79,6 +117,7 @@ def read_runs(
             )
         query = "attributes.status = 'FINISHED'"
         if sweep_run_id:
+            check_sweep(uri, found, sweep_run_id)
             query += f" and tags.mlflow.parentRunId = '{sweep_run_id}'"
         runs = client.search_runs([found.experiment_id], filter_string=query, max_results=10_000)
         runs = [run for run in runs if "family" in run.data.tags]  # not a sweep's parent run
@@ -96,11 +135,12 @@ def read_runs(
                 group=run_group(run.info.run_id, params, tags, group_by),
                 family=tags["family"],
                 objective=tags.get("objective", ""),
-                seed=int(tags["seed"]),
+                seed=int(params.get("train.seed", tags["seed"])),
                 params=int(tags["param_count"]),
                 param_residual=int(tags["param_residual"]) if "param_residual" in tags else None,
                 tokens_seen=tokens_per_step * history[-1].step,
                 curve=[(m.step, m.value) for m in history],
+                config={key: value for key, value in params.items() if key not in IDENTITY_PARAMS},
             )
         )
     if not curves:
@@ -108,7 +148,37 @@ def read_runs(
         raise CompareError(
             f"no finished runs with metric {metric!r} in {where}; pick another --metric (e.g. loss)"
         )
-    return sorted(curves, key=lambda c: (c.group, c.seed))
+    by_config = separate(curves, lambda curve: curve.config)
+    by_length = separate(by_config, lambda curve: {FINAL_STEP: str(curve.curve[-1][0])})
+    check_distinct_seeds(by_length)
+    return sorted(by_length, key=lambda c: (c.group, c.seed))
+
+
+def check_sweep(uri: str, experiment: Experiment, sweep_run_id: str) -> None:
+    """`--sweep` names a sweep's parent run of `experiment`, or the line lists the newest ones."""
+    run = find_run(uri, sweep_run_id)
+    if (
+        run is not None
+        and run.info.experiment_id == experiment.experiment_id
+        and "family" not in run.data.tags
+    ):
+        return
+    sweeps = connect(uri).search_runs(
+        [experiment.experiment_id],
+        filter_string="tags.role = 'sweep'",
+        max_results=SWEEPS_LISTED,
+        order_by=["attributes.start_time DESC"],
+    )
+    listed = ", ".join(f"{sweep.info.run_id} ({sweep.info.run_name})" for sweep in sweeps)
+    raise CompareError(
+        f"--sweep {sweep_run_id!r} is not a sweep run of experiment {experiment.name!r} at {redact(uri)!r}; "
+        "give the parent run id `mhf sweep` printed"
+        + (
+            f" (newest here: {listed})"
+            if listed
+            else " (the experiment has no sweep runs: check --experiment)"
+        )
+    )
 
 
 def run_group(
@@ -124,6 +194,62 @@ def run_group(
             "(e.g. topology.zero_stage, model.family) or a tag (e.g. family, group)"
         )
     return ",".join(f"{key}={params.get(key, tags.get(key))}" for key in group_by)
+
+
+def separate(curves: list[RunCurve], values: Callable[[RunCurve], Mapping[str, str]]) -> list[RunCurve]:
+    """Each group's runs split by the keys of `values` they differ in: `mhf` becomes `mhf,train.steps=50`
+    and `mhf,train.steps=6`, so no mean is taken over runs of different settings."""
+    split = []
+    for group, members in by_group(curves).items():
+        keys = sorted(
+            key
+            for key in set().union(*(values(member) for member in members))
+            if len({values(member).get(key, NOT_LOGGED) for member in members}) > 1
+        )
+        for member in members:
+            if not keys:
+                split.append(member)
+                continue
+            label = ",".join([group, *(f"{key}={values(member).get(key, NOT_LOGGED)}" for key in keys)])
+            split.append(
+                replace(
+                    member,
+                    group=label,
+                    split_from=member.split_from or group,
+                    split_by=(*member.split_by, *keys),
+                )
+            )
+    return split
+
+
+def check_distinct_seeds(curves: list[RunCurve]) -> None:
+    """A group's runs are its seeds: two runs of one seed (a repeated run, two sweeps of one experiment)
+    would be counted twice. One line names them and the ways out."""
+    for group, members in by_group(curves).items():
+        runs_of: dict[int, list[str]] = defaultdict(list)
+        for member in members:
+            runs_of[member.seed].append(member.run_id)
+        repeated = {seed: ids for seed, ids in runs_of.items() if len(ids) > 1}
+        if repeated:
+            seed, ids = min(repeated.items())
+            raise CompareError(
+                f"group {group!r} has {len(ids)} runs of seed {seed} ({', '.join(sorted(ids))}); a group's "
+                "runs must be distinct seeds: compare one sweep with --sweep PARENT_RUN_ID, tell the runs "
+                "apart with --group-by KEY, or delete the extra ones (mlflow runs delete --run-id ID)"
+            )
+
+
+def grouping_notes(curves: list[RunCurve]) -> list[str]:
+    """A line per group that `separate` split, naming the keys its runs differ in."""
+    keys_of: dict[str, dict[str, None]] = defaultdict(dict)  # ordered sets
+    for curve in curves:
+        if curve.split_by:
+            keys_of[curve.split_from].update(dict.fromkeys(curve.split_by))
+    notes = []
+    for group, keys in sorted(keys_of.items()):
+        pronoun = "them" if len(keys) > 1 else "it"
+        notes.append(f"grouped also by {', '.join(keys)}: the runs of {group!r} differ in {pronoun}")
+    return notes
 
 
 def by_group(curves: list[RunCurve]) -> dict[str, list[RunCurve]]:
@@ -145,7 +271,7 @@ def summarize(curves: list[RunCurve], unstable_cv: float) -> list[dict[str, Any]
                 "group": group,
                 "family": ",".join(sorted({member.family for member in members})),
                 "objective": ",".join(sorted({member.objective for member in members})),
-                "n_seeds": len(members),
+                "n_seeds": len({member.seed for member in members}),
                 "mean": mean,
                 "std": std,
                 "min": min(finals),
@@ -225,8 +351,14 @@ def _png(figure: Any) -> bytes:
 class Comparison:
     rows: list[dict[str, Any]]
     table: str
+    notes: list[str]  # `grouping_notes`: groups split because their runs differ in more than the seed
     # compare.md, compare.csv, curves.png, finals.png (and loss.png): Paths, Locations in a bucket
     files: list[Path | Location]
+
+    @property
+    def report(self) -> str:
+        """The table, then why any group was split: what the console shows."""
+        return "\n".join([self.table, *self.notes])
 
 
 def compare_runs(
@@ -244,9 +376,10 @@ def compare_runs(
     curves = read_runs(uri, experiment, metric, sweep_run_id, group_by)
     rows = summarize(curves, unstable_cv)
     table = markdown_table(rows, COLUMNS)
+    notes = grouping_notes(curves)
     heading = f"# {metric} by group ({experiment}{f', sweep {sweep_run_id}' if sweep_run_id else ''})\n\n"
     report = {
-        "compare.md": (heading + table + "\n").encode(),
+        "compare.md": (heading + table + "\n" + "".join(f"\n{note}\n" for note in notes)).encode(),
         "compare.csv": csv_text(rows).encode(),
         "curves.png": curves_png(curves, metric),
         "finals.png": finals_png(curves, metric),
@@ -261,16 +394,24 @@ def compare_runs(
         images = {name.removesuffix(".png"): data for name, data in report.items() if name.endswith(".png")}
         show_report(uri, sweep_run_id, report["compare.md"].decode(), images)
         set_tags(uri, sweep_run_id, stability_tags(rows))
-    return Comparison(rows, table, files)
+    return Comparison(rows, table, notes, files)
 
 
 def report_directory(out_dir: str | Path | Location) -> Location:
-    """Where the report goes: refused in one line, before anything is read, when it names a file."""
+    """Where the report goes: refused in one line, before anything is read, when it or a directory
+    above it (on the local disk) is a file."""
     out = Location.of(out_dir)
     if out.is_file():
         raise CompareError(
             f"the report directory {str(out)!r} is a file; give --out a directory (it gets compare.md, "
             "compare.csv and the plots)"
+        )
+    above = [] if out.remote else out.local.absolute().parents
+    blocking = next((parent for parent in above if parent.is_file()), None)
+    if blocking is not None:
+        raise CompareError(
+            f"the report directory {str(out)!r} cannot be created: {str(blocking)!r} is a file; give --out "
+            "a directory that is not under a file"
         )
     return out
 

@@ -11,7 +11,7 @@ import datetime
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -26,6 +26,7 @@ from pydantic import (
 
 from mhf_dist.errors import ConfigError
 from mhf_dist.plugins import BACKBONES, FAMILIES, Registry
+from mhf_dist.readers import read_yaml
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -45,15 +46,35 @@ def _registered(registry: Registry) -> AfterValidator:
 Family = Annotated[str, _registered(FAMILIES)]
 # The stacks a MultiHashFormer can run between its hash encoder and decoder (`register_backbone`).
 BackboneKind = Annotated[str, _registered(BACKBONES)]
+# The largest vocabulary a config may name: 64x the largest tokenizers in use, and the bound under
+# which `mhf plan` and `mhf count` can afford a table row per token.
+MAX_VOCAB = 2**24
 HASH_SPEC = re.compile(r"^H(\d+)B(\d+)(K?)$")
 # Overrides: dotted keys and their values, or `KEY=VALUE` texts (see `load_config`).
 Overrides = Mapping[str, Any] | Iterable[str]
 
 
 class StrictModel(BaseModel):
-    """Rejects unknown keys so that a typo is an error, never a silently ignored setting."""
+    """Rejects unknown keys so that a typo is an error, never a silently ignored setting; and numbers
+    that are not finite, or true/false given for a number (pydantic would read `true` as 1)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_truth_values_for_numbers(cls, value: Any, info: Any) -> Any:
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and _admits(annotation, (int, float)) and not _admits(annotation, (bool,)):
+            raise ValueError("true/false is not a number; write a number")
+        return value
+
+
+def _admits(annotation: Any, types: tuple[type, ...]) -> bool:
+    """Whether a field typed `annotation` takes values of `types` (directly or in a union, a list, an
+    `Annotated`); `Any` takes everything."""
+    if annotation is Any or annotation in types:
+        return True
+    return any(_admits(arg, types) for arg in get_args(annotation))
 
 
 # The paper's K-names whose B is not a multiple of 1024 (HUIYINXUE/MHF README: "MHF(H3B10K)" is the
@@ -231,7 +252,7 @@ class TripleConfig(StrictModel):
 
 class ModelConfig(StrictModel):
     family: Family = "mhf"
-    vocab_size: int = Field(32000, gt=0)
+    vocab_size: int = Field(32000, gt=0, le=MAX_VOCAB)
     backbone: BackboneConfig
     hash: HashConfig = HashConfig()
     triple: TripleConfig = TripleConfig()
@@ -537,13 +558,7 @@ def _load_source(source: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, A
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or "invalid YAML"
-        raise ConfigError(f"cannot parse {path}{where}: {problem}; fix the YAML syntax") from None
+    data = read_yaml(path, ConfigError, "fix the YAML syntax")
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,10 +25,11 @@ from mhf_dist.data.shards import MANIFEST, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import TrainingError
 from mhf_dist.export import ExportedModel, export_model, load_exported
-from mhf_dist.files import read_json, staged_file, write_json_atomic
+from mhf_dist.files import staged_file, write_json_atomic
 from mhf_dist.models import build_model, param_count
 from mhf_dist.models.base import CausalLM
 from mhf_dist.models.registry import resolved_config
+from mhf_dist.readers import read_json, read_text
 from mhf_dist.signatures import SignatureTable
 from mhf_dist.storage import Location, local_copy
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
@@ -160,10 +160,8 @@ def expanded_tokenizer(
         new.check_extends(parent)
         return new
     if add_tokens is not None:
-        path = Path(add_tokens)
-        if not path.is_file():
-            raise TrainingError(f"--add-tokens file {add_tokens!r} does not exist; check the path")
-        tokens = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = read_text(add_tokens, TrainingError, "give --add-tokens a UTF-8 file, one new token per line")
+        tokens = [line for line in text.splitlines() if line.strip()]
         return parent.with_added_tokens(tokens)
     if texts is None:
         raise TrainingError("--train-new-tokens needs --corpus: the text the new tokens are learned from")
@@ -265,7 +263,7 @@ def run_cpt(
     train_cfg = cfg.train.model_copy(update={"trainable": trainable})
     run_cfg = cfg.model_copy(update={"model": expansion.config, "data": data, "train": train_cfg})
     if not (workdir / "data" / MANIFEST).is_file():
-        prepare(run_cfg, data.path, log=log, verbose=options.verbose)
+        prepare(run_cfg, data.path, log=log, verbose=options.verbose, flag="--name")
     manifest = read_manifest(data.path)
     prepared_replay = manifest.config.data.get("replay", ReplayConfig().model_dump())
     if prepared_replay != recorded_data(data)["replay"]:

@@ -17,6 +17,7 @@ from mhf_dist.compare import Comparison
 from mhf_dist.config import Config, Overrides, load_config, parse_overrides
 from mhf_dist.data.prepare import prepare
 from mhf_dist.export import load_exported
+from mhf_dist.interrupts import Resumable
 from mhf_dist.models.generation import Sampling, generate
 from mhf_dist.models.registry import resolved_config
 from mhf_dist.sweep.runner import TRIALS_DIR, compare_sweep, run_sweep
@@ -57,9 +58,6 @@ def run_demo(
         elapsed = int(time.monotonic() - started)
         log(f"{text} ({elapsed // 60}:{elapsed % 60:02d} so far)")
 
-    stage(f"[1/3] preparing corpus {cfg.data.corpus!r} on Ray -> {data_dir}")
-    prepare(cfg, data_dir, overwrite=True, log=log, verbose=verbose)
-
     spec = parse_sweep(
         {
             "name": time.strftime("demo-%Y%m%d-%H%M%S"),
@@ -73,11 +71,24 @@ def run_demo(
         },
         "demo sweep",
     )
+    # Every trial's config is checked above (parse_sweep), before the minutes of work.
+    stage(f"[1/3] preparing corpus {cfg.data.corpus!r} on Ray -> {data_dir}")
+    # Replaces an earlier demo's shards; a WORKDIR/data that is not ours is refused, never deleted.
+    prepare(cfg, data_dir, overwrite=True, log=log, verbose=verbose, flag="--workdir")
     stage(
         f"[2/3] matched sweep on Ray Tune: {len(groups)} groups x seeds {list(seeds)}, "
         f"{cfg.topology.workers} Ray Train workers per trial"
     )
-    result = run_sweep(spec, log=log, verbose=verbose)
+    try:
+        result = run_sweep(spec, log=log, verbose=verbose)
+    except Resumable as stop:  # the sweep's `--resume` is not the demo's
+        raise Resumable(
+            f"{stop} (sweep {spec.name!r}); the demo does not resume: a rerun prepares the data again and "
+            "runs a new sweep",
+            stop.exit_code,
+            flag="",
+            lead="rerun",
+        ) from None
 
     stage("[3/3] comparing the runs from MLflow")
     out_dir = result.directory / "compare"
@@ -90,7 +101,7 @@ def run_demo(
         tokens = list(generate(exported.model, prompt, max_new_tokens=24, sampling=sampling))
         sample = exported.tokenizer.decode(prompt + tokens)
         log(f"{group} (seed {seeds[0]}, temperature {SAMPLING['temperature']}) sample: {sample!r}")
-    log("\n" + comparison.table)
+    log("\n" + comparison.report)
     log(
         f"{spec.metric}: exact validation NLL per token over the real vocabulary (mhf renormalised over "
         "V_actl); mean/std/min/max over seeds; param_residual: parameters minus mhf's; objective: what "

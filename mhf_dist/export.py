@@ -25,8 +25,9 @@ from mhf_dist.config import ModelConfig
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
 from mhf_dist.data.tokenizer import DOCUMENT_FORMATS, LEGACY_FORMAT, TextTokenizer, check_document_format
 from mhf_dist.errors import DataError, MhfError, SignatureError
-from mhf_dist.files import read_json, staged_directory
+from mhf_dist.files import staged_directory
 from mhf_dist.models.base import CausalLM
+from mhf_dist.readers import read_json
 from mhf_dist.signatures import SignatureTable, load_table, save_table
 from mhf_dist.storage import Location, local_copy
 

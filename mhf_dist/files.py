@@ -1,5 +1,5 @@
-"""Publishing files and directories so that a reader never sees half of one, and reading JSON files so
-that a damaged one is a one-line error.
+"""Publishing files and directories so that a reader never sees half of one (reading them:
+`mhf_dist.readers`).
 
 Every write that others may read goes through `staged_file` or `staged_directory`: the content is
 written to a private staging path, then published in one step. On a local disk that step is a rename
@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mhf_dist.errors import MhfError
 from mhf_dist.storage import Location, is_uri
 
 
@@ -82,14 +81,21 @@ def staged_directory(
 
 def publish_directory(staging: Path, path: Path, replace: bool = False) -> None:
     """Make the complete local directory `staging` visible as `path` by a rename; with `replace`, an
-    existing `path` is swapped out and deleted only once the new one is in place."""
-    if path.exists() and replace:
-        retired = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        path.rename(retired)
+    existing directory `path` is swapped out and deleted only once the new one is in place (put back
+    if that fails). A file or a link at `path` is never replaced."""
+    if not (replace and path.exists()):
         _publish(staging, path)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
+        return
+    if path.is_symlink() or not path.is_dir():
+        raise FileExistsError(f"{path} is not a directory; a directory does not replace it")
+    retired = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    path.rename(retired)
+    try:
         _publish(staging, path)
+    except BaseException:
+        retired.rename(path)
+        raise
+    shutil.rmtree(retired)
 
 
 def _remote(path: str | Path | Location) -> bool:
@@ -115,13 +121,3 @@ def write_text_atomic(path: str | Path | Location, text: str) -> Path | Location
 
 def write_json_atomic(path: str | Path | Location, payload: dict[str, Any]) -> Path | Location:
     return write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
-
-
-def read_json(path: str | Path | Location, error: type[MhfError], fix: str) -> Any:
-    """The parsed file (local or remote); invalid JSON is `error` naming the file, the line and `fix`."""
-    try:
-        return json.loads(Location.of(path).read_text())
-    except json.JSONDecodeError as err:
-        raise error(
-            f"{str(Location.of(path))!r} is damaged (invalid JSON at line {err.lineno}); {fix}"
-        ) from None

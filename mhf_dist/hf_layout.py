@@ -51,9 +51,10 @@ from mhf_dist.export import (
     load_exported,
     unique_tensors,
 )
-from mhf_dist.files import read_json, staged_directory
+from mhf_dist.files import staged_directory
 from mhf_dist.models import build_model
 from mhf_dist.models.qwen3 import qwen3_config
+from mhf_dist.readers import read_json
 from mhf_dist.signatures import NO_PAD, ReferenceScheme, SignatureTable, build_for_config
 from mhf_dist.storage import Location, local_copy
 
@@ -326,19 +327,19 @@ def export_hf(
     """An exported mhf-dist model -> the reference layout (mhf) or a plain transformers Qwen3 directory,
     its weights in safetensors shards of at most `max_shard_size` (bytes, or a size such as "500MB";
     one tensor larger than that is a shard of its own). Either directory may be in a bucket."""
-    shard_bytes = _shard_bytes(max_shard_size)
+    largest = shard_bytes(max_shard_size)
     out = Location.of(out)
     check_new_output(out, LayoutError, "another --out")
     exported = load_exported(model_dir)
     config, weights = _layout_for(exported.config)(exported)
     with staged_directory(out.uri, marker=CONFIG_FILE) as staging:
         config.save_pretrained(staging)
-        save_torch_state_dict(weights, staging, max_shard_size=shard_bytes)
+        save_torch_state_dict(weights, staging, max_shard_size=largest)
         exported.tokenizer.save(staging / TOKENIZER_FILE)
     return as_given(out)
 
 
-def _shard_bytes(size: int | str) -> int:
+def shard_bytes(size: int | str) -> int:
     """`size` in bytes: an int, a string of digits, or a number with KB, MB, GB (or KiB, MiB, GiB)."""
     try:
         if isinstance(size, str) and size.strip().isdigit():

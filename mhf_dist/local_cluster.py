@@ -31,6 +31,8 @@ from pathlib import Path
 
 from mhf_dist.errors import MhfError
 from mhf_dist.files import write_json_atomic
+from mhf_dist.interrupts import deferred
+from mhf_dist.readers import read_json
 
 STATE_FILE = "cluster.json"
 HOST = "127.0.0.1"
@@ -177,50 +179,46 @@ def start_local_cluster(
     gcs_port = free_port()
     resources = ["--num-cpus", str(cpus_per_node), "--num-gpus", str(gpus_per_node)]
     node = ["--node-ip-address", HOST, *resources]
-    head = _ray_start(
-        [
-            "--head",
-            "--port",
-            str(gcs_port),
-            "--dashboard-host",
-            HOST,
-            "--dashboard-port",
-            str(dashboard_port),
-            "--temp-dir",
-            str(Path(temp_dir) / "head"),
-            *node,
-            *_node_ports(),
-        ],
-        logs / "head.log",
-    )
+    head = [
+        "--head",
+        "--port",
+        str(gcs_port),
+        "--dashboard-host",
+        HOST,
+        "--dashboard-port",
+        str(dashboard_port),
+        "--temp-dir",
+        str(Path(temp_dir) / "head"),
+        *node,
+        *_node_ports(),
+    ]
     cluster = LocalCluster(
         directory=str(directory),
         address=f"{HOST}:{gcs_port}",
         dashboard_url=f"http://{HOST}:{dashboard_port}",
         temp_dir=temp_dir,
-        pids=[head],
+        pids=[],
     )
-    _write_state(cluster)
+    _write_state(cluster)  # from here on, whatever stops the start-up stops what it started
     try:
+        cluster = _add_node(cluster, head, logs / "head.log")
         _wait_for_nodes(cluster, 1, token, timeout)
         for index in range(workers):
-            pid = _ray_start(
-                [
-                    "--address",
-                    cluster.address,
-                    "--temp-dir",
-                    str(Path(temp_dir) / f"worker-{index}"),
-                    *node,
-                    *_node_ports(),
-                ],
-                logs / f"worker-{index}.log",
-            )
-            cluster = dataclasses.replace(cluster, pids=[*cluster.pids, pid])
-            _write_state(cluster)
+            worker = ["--address", cluster.address, "--temp-dir", str(Path(temp_dir) / f"worker-{index}")]
+            cluster = _add_node(cluster, [*worker, *node, *_node_ports()], logs / f"worker-{index}.log")
         _wait_for_nodes(cluster, 1 + workers, token, timeout)
     except BaseException:
-        stop_local_cluster(directory)
+        with deferred():  # a second Ctrl-C waits for the nodes to be stopped
+            stop_local_cluster(directory)
         raise
+    return cluster
+
+
+def _add_node(cluster: LocalCluster, args: list[str], log: Path) -> LocalCluster:
+    """Start one node and record it (no interrupt in between, which would leave it unrecorded)."""
+    with deferred():
+        cluster = dataclasses.replace(cluster, pids=[*cluster.pids, _ray_start(args, log)])
+        _write_state(cluster)
     return cluster
 
 
@@ -232,7 +230,7 @@ def read_local_cluster(directory: str | Path) -> LocalCluster:
     path = Path(directory).resolve() / STATE_FILE
     if not path.exists():
         raise ClusterError(f"no local cluster is recorded in {path.parent}; start one with mhf cluster start")
-    return LocalCluster(**json.loads(path.read_text()))
+    return LocalCluster(**read_json(path, ClusterError, "stop its nodes with `ray stop`, then remove it"))
 
 
 def _running(pid: int) -> bool:

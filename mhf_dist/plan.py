@@ -26,6 +26,7 @@ Throughput: tokens/s = MFU x peak FLOP/s x GPUs / (3 x forward FLOPs per token),
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mhf_dist.config import BackboneConfig, Config, ModelConfig
@@ -48,6 +49,13 @@ class Cluster:
     gpu_mem_gb: float
     peak_tflops: float = 989.0  # H100/H200 dense bf16
 
+    def __post_init__(self) -> None:
+        for flag, value in (("--gpus", self.gpus_per_node), ("--nodes", self.nodes)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{flag} is a count of at least 1, got {value!r}")
+        for flag, value in (("--gpu-mem-gb", self.gpu_mem_gb), ("--peak-tflops", self.peak_tflops)):
+            check_positive(flag, value)
+
     @property
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
@@ -64,9 +72,15 @@ class Plan:
     activation_gb_per_sequence: float
     stage: int | None  # None: nothing fits
     micro_batch: int
-    per_gpu_gb: float
-    tokens_per_s: float
-    days: float
+    per_gpu_gb: float  # at `stage`; when nothing fits, what ZeRO-3 would need
+    checkpointing: bool  # train.activation_checkpointing=layers
+    tokens_per_s: float | None  # None: nothing fits
+    days: float | None
+
+
+def check_positive(flag: str, value: float) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{flag} must be a positive finite number, got {value!r}")
 
 
 def model_state_bytes(
@@ -220,8 +234,10 @@ def plan(
         )
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu is a fraction of peak in (0, 1], got {mfu}")
-    if min(cluster.gpus_per_node, cluster.nodes) < 1 or cluster.gpu_mem_gb <= 0:
-        raise ConfigError("--gpus, --nodes and --gpu-mem-gb must be positive")
+    check_positive("--tokens", tokens)
+    for flag, count in (("--seq-len", seq_len), ("--micro-batch", micro_batch or 1)):
+        if count < 1:
+            raise ConfigError(f"{flag} is a count of at least 1, got {count!r}")
     model = resolved_config(cfg.model.model_copy(update={"family": family, "vocab_size": vocab_size}))
     params = param_count(model)
     largest = largest_layer_params(model)
@@ -231,7 +247,15 @@ def plan(
     per_sequence = activation_bytes(model, seq_len, 1, checkpointing=checkpointing)
     usable = cluster.gpu_mem_gb * GIB * (1 - MEMORY_RESERVE)
     stage, size = recommend(states, per_sequence, usable, micro_batch)
-    tokens_per_s = mfu * cluster.peak_tflops * 1e12 * cluster.gpus / train_flops_per_token(model, seq_len)
+    tokens_per_s = days = None
+    if stage is not None:  # no throughput for a run that cannot start
+        tokens_per_s = mfu * cluster.peak_tflops * 1e12 * cluster.gpus / train_flops_per_token(model, seq_len)
+        days = tokens / tokens_per_s / 86400 if tokens_per_s > 0 else math.inf
+        if not (math.isfinite(tokens_per_s) and math.isfinite(days)):  # over- or underflowed
+            raise ConfigError(
+                f"--mfu {mfu:g} of --peak-tflops {cluster.peak_tflops:g} for --tokens {tokens:g} gives "
+                f"{tokens_per_s:g} tokens/s and no finite number of days; give the MFU and peak of a real GPU"
+            )
     total = states[stage if stage is not None else 3] + size * per_sequence
     return Plan(
         family=family,
@@ -244,8 +268,9 @@ def plan(
         stage=stage,
         micro_batch=size,
         per_gpu_gb=total / GIB,
+        checkpointing=checkpointing,
         tokens_per_s=tokens_per_s,
-        days=tokens / tokens_per_s / 86400,
+        days=days,
     )
 
 
@@ -263,8 +288,31 @@ def plan_rows(plans: list[Plan]) -> list[dict[str, object]]:
                 "stage": "none fits" if item.stage is None else item.stage,
                 "micro-batch": item.micro_batch,
                 "GB/GPU": f"{item.per_gpu_gb:.1f}",
-                "tokens/s": round(item.tokens_per_s),
-                "days": f"{item.days:.2f}",
+                "tokens/s": "-" if item.tokens_per_s is None else round(item.tokens_per_s),
+                "days": "-" if item.days is None else f"{item.days:.2f}",
             }
         )
     return rows
+
+
+def check_fits(plans: list[Plan], cluster: Cluster) -> None:
+    """Nothing to run when no plan fits: one line with the least memory one needs and the ways out."""
+    if not plans or any(item.stage is not None for item in plans):
+        return
+    options = [
+        (gb + item.micro_batch * item.activation_gb_per_sequence, stage, item)
+        for item in plans
+        for stage, gb in item.state_gb.items()
+    ]
+    need, stage, smallest = min(options, key=lambda option: option[:2])
+    fixes = ["more GPUs (--gpus, --nodes: ZeRO-1 to 3 split the model states)", "a bigger --gpu-mem-gb"]
+    if smallest.micro_batch > 1:
+        fixes.append("a smaller --micro-batch")
+    fixes.append("a shorter --seq-len")
+    if not smallest.checkpointing:
+        fixes.append("--set train.activation_checkpointing=layers")
+    raise ConfigError(
+        f"no family and vocabulary fits in {1 - MEMORY_RESERVE:.0%} of {cluster.gpu_mem_gb:g} GiB per GPU "
+        f"(the least, {smallest.family} at V={smallest.vocab_size:,}, needs {need:.1f} GiB at ZeRO-{stage}, "
+        f"micro-batch {smallest.micro_batch}); give {', '.join(fixes[:-1])} or {fixes[-1]}"
+    )

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from mhf_dist.console import quiet_driver
+from mhf_dist.interrupts import deferred
 
 # Logical CPUs a local instance adds beyond the physical cores: Ray Train's workers each hold one CPU
 # for the whole run, and whatever runs beside them (a `--prepare` job's Ray Data tasks, a second sweep
@@ -35,15 +37,29 @@ def ensure_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
 
     if not ray.is_initialized():
         quiet_driver(verbose)  # Ray's own notices at start-up too
-        # ray.init replaces a driver's SIGTERM handler with sys.exit(15); the CLI's own (one line, exit
-        # 143, the same clean-up as Ctrl-C) is put back.
-        handler = signal.getsignal(signal.SIGTERM)
-        try:
+        # A signal raised inside Ray's start-up crashes the process (its C++ core worker half made):
+        # it waits for ray.init to return, then stops the command as anywhere else.
+        with deferred(), _caller_keeps_sigterm():
             _init(num_cpus, verbose)
-        finally:
-            if callable(handler) and threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, handler)
     quiet_driver(verbose=workers_print_to_console())
+
+
+@contextmanager
+def _caller_keeps_sigterm() -> Iterator[None]:
+    """ray.init sets SIGTERM handlers of its own (sys.exit, from its start-up on); the caller's stays
+    (the CLI's: one line, exit 143, the same clean-up as Ctrl-C). Ray's atexit clean-up still runs."""
+    from ray._private import utils  # Ray has no switch for it: its one registration point is patched
+
+    register = getattr(utils, "set_sigterm_handler", None)
+    handler = signal.getsignal(signal.SIGTERM)
+    if register is not None:
+        utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        if register is not None:
+            utils.set_sigterm_handler = register
+        signal.signal(signal.SIGTERM, handler)  # should a later Ray register elsewhere
 
 
 def workers_print_to_console() -> bool:
@@ -85,12 +101,17 @@ def _init(num_cpus: int | None, verbose: bool) -> None:
     _session_dir = context.address_info["session_dir"]
 
 
+def logs_dir() -> str | None:
+    """The logs directory of the Ray session this process started or joined (on this node)."""
+    return None if _session_dir is None else f"{_session_dir}/logs"
+
+
 def logs_hint() -> str | None:
     """The console's last line once this process started or joined Ray: where Ray's logs are."""
-    if _session_dir is None:
+    if (logs := logs_dir()) is None:
         return None
     where = " on each node" if os.environ.get("RAY_ADDRESS") else ""
-    return f"Ray's logs (what its workers printed among them): {_session_dir}/logs{where}"
+    return f"Ray's logs (what its workers printed among them): {logs}{where}"
 
 
 # Where storage is, for workers on other nodes (a local instance's workers inherit them).

@@ -558,9 +558,14 @@ def load_table(path: str | Path | Location) -> SignatureTable:
             f"formats {' and '.join(READABLE_VERSIONS)}; re-run `mhf prepare` (or re-export the model) "
             "to rebuild it"
         )
-    blob = tensors["token_bytes"].tobytes()
-    offsets = tensors["token_offsets"].tolist()
-    tokens = [blob[start:end].decode("utf-8") for start, end in itertools.pairwise(offsets)]
+    try:
+        blob = tensors["token_bytes"].tobytes()
+        offsets = tensors["token_offsets"].tolist()
+        tokens = [blob[start:end].decode("utf-8") for start, end in itertools.pairwise(offsets)]
+    except (KeyError, UnicodeDecodeError) as err:  # bytes flipped in the file, which safetensors never checks
+        raise SignatureError(
+            f"signature table {str(path)!r} is corrupted (its tokens cannot be read: {err}); rebuild it"
+        ) from None
     scheme = make_scheme(
         metadata["scheme"],
         int(metadata["num_hashes"]),

@@ -18,10 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mhf_dist.errors import ConfigError, MhfError
+from mhf_dist.readers import read_yaml
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -59,10 +59,9 @@ def load_job_spec(path: str | Path) -> JobSpec:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"job spec {str(path)!r} not found; see jobs/*.job.yaml")
+    raw = read_yaml(path, ConfigError, "fix the YAML syntax (see jobs/*.job.yaml)")
     try:
-        return JobSpec.model_validate(yaml.safe_load(path.read_text()) or {})
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        return JobSpec.model_validate(raw or {})
     except (ValidationError, TypeError, ValueError) as err:
         first = err.errors()[0] if isinstance(err, ValidationError) else {"loc": (), "msg": str(err)}
         where = ".".join(str(part) for part in first["loc"]) or "spec"

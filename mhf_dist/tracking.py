@@ -4,7 +4,9 @@ Tracking URI: `MLFLOW_TRACKING_URI` when set (on a cluster, the tracking server:
 cluster/README.md), else an embedded SQLite file `<storage>/mlflow.db` with artifacts in
 `<storage>/mlartifacts`. SQLite cannot live in a bucket: for storage in one (`s3://...`) the embedded file
 is `runs/mlflow.db` of the working directory. Either file is one machine's: a run whose workers span
-several machines needs a server (`train.ray_trainer.check_tracking_reaches_workers` says so).
+several machines needs a server (`train.ray_trainer.check_tracking_reaches_workers` says so). Commands
+that only read runs (`mhf compare`, `mhf eval --run-id`) create nothing: an embedded store that does not
+exist is an error (`reading_uri`), and a run id is looked up before the work (`check_run`).
 
 One run per training job, created by the driver before training starts (so an unreachable server fails
 fast); rank 0 logs the metrics of each step exactly once, in a batch at every log step, so steps re-run
@@ -31,6 +33,7 @@ from mhf_dist.errors import MhfError
 from mhf_dist.storage import Location, is_uri, redact, redact_text
 
 if TYPE_CHECKING:
+    from mlflow.entities import Run
     from mlflow.tracking import MlflowClient
 
 EXPERIMENT = "mhf"
@@ -60,14 +63,68 @@ class TrackingError(MhfError):
 
 
 def tracking_uri(storage: str | Path | Location) -> str:
-    """`MLFLOW_TRACKING_URI`, else the embedded SQLite store for `storage` (see the module's docstring)."""
+    """`MLFLOW_TRACKING_URI`, else the embedded SQLite store for `storage` (see the module's docstring),
+    its directory created for a command that writes runs."""
     uri = os.environ.get(URI_VARIABLE)
     if uri:
         return uri
+    store = _embedded_store(storage)
+    store.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{store}"
+
+
+def reading_uri(storage: str | Path | Location) -> str:
+    """`tracking_uri` for a command that only reads runs: nothing is created, and an embedded store
+    that does not exist is an error (MLflow would create an empty one and find no runs in it)."""
+    uri = os.environ.get(URI_VARIABLE) or f"sqlite:///{_embedded_store(storage)}"
+    require_store(uri)
+    return uri
+
+
+def _embedded_store(storage: str | Path | Location) -> Path:
     where = Location.of(storage)
-    directory = (Path(LOCAL_STORE_DIR) if where.remote else where.local).resolve()
-    directory.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{directory / 'mlflow.db'}"
+    return (Path(LOCAL_STORE_DIR) if where.remote else where.local).resolve() / "mlflow.db"
+
+
+def require_store(uri: str) -> None:
+    """Refuse to read an embedded SQLite store that does not exist: connecting would create it."""
+    if not uri.startswith("sqlite:///"):
+        return
+    store = Path(uri.removeprefix("sqlite:///"))
+    if store.is_file():
+        return
+    if os.environ.get(URI_VARIABLE) == uri:
+        raise TrackingError(
+            f"no MLflow store at {str(store)!r} ({URI_VARIABLE}); fix {URI_VARIABLE} to the store a run "
+            "wrote to, or unset it to read --storage's"
+        )
+    raise TrackingError(
+        f"no MLflow store at {str(store)!r}; give the --storage a run wrote to, or set {URI_VARIABLE}"
+    )
+
+
+def find_run(uri: str, run_id: str) -> Run | None:
+    """The run `run_id` of the store at `uri`, or None when it has none of that id (or it is deleted)."""
+    from mlflow.exceptions import MlflowException
+
+    with tracking_errors(uri):
+        require_store(uri)
+        try:
+            run = connect(uri).get_run(run_id)
+        except MlflowException as err:
+            if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                return None  # INVALID_PARAMETER_VALUE: not an id's form
+            raise
+    return None if run.info.lifecycle_stage == "deleted" else run
+
+
+def check_run(uri: str, run_id: str) -> None:
+    """Refuse a run id the store does not hold, before the work whose results would be logged to it."""
+    if find_run(uri, run_id) is None:
+        raise TrackingError(
+            f"no MLflow run {run_id!r} at {redact(uri)!r}; give --run-id the id `mhf train` printed "
+            f'("MLflow run ID at ..."), with the --storage or {URI_VARIABLE} that run wrote to'
+        )
 
 
 def browse_hint(uri: str, experiment: str) -> str:

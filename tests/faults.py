@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,3 +38,11 @@ class KillLastWorker(StepCallback):
         self.marker.parent.mkdir(parents=True, exist_ok=True)
         self.marker.write_text(f"the last worker was killed after step {self.step}\n")
         os._exit(1)
+
+
+def train_process(settings: list[str], storage: Path, name: str) -> subprocess.Popen:
+    """`mhf train --set S ... --storage STORAGE --name NAME` in a process of its own, to be signalled."""
+    sets = [arg for item in settings for arg in ("--set", item)]
+    command = [sys.executable, "-m", "mhf_dist.cli", "train", *sets, "--storage", str(storage)]
+    command += ["--name", name]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

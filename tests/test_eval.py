@@ -4,6 +4,11 @@ import copy
 import itertools
 import json
 import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -212,7 +217,7 @@ def test_mhf_generate_streams_reproducible_samples(exported, capsys):
     assert main(sampled) == 0
     assert capsys.readouterr().out == first and first.startswith("The")
     assert main([*args, "--top-p", "1.5"]) == 2
-    assert "top_p=1.5" in capsys.readouterr().err
+    assert "--top-p: '1.5': use a number above 0 and at most 1" in capsys.readouterr().err
 
 
 TINY_TASK = """task: mhf_tiny_choice
@@ -602,9 +607,7 @@ def test_mhf_eval_passes_a_batch_size_of_at_least_one_to_the_task(exported, tmp_
     monkeypatch.setattr(mhf_dist.eval.tasks, "run_task", recording_run_task)
     path = write_jsonl(tmp_path / "l.jsonl", [{"text": text} for text in MIXED_TEXTS])
     args = ["eval", "--model", str(exported.path), "--task", "lambada", "--data", str(path)]
-    with pytest.raises(SystemExit) as done:
-        main([*args, "--batch-size", "0"])
-    assert done.value.code == 2
+    assert main([*args, "--batch-size", "0"]) == 2
     assert "--batch-size: '0': use a whole number of at least 1" in capsys.readouterr().err
     assert main([*args, "--batch-size", "3"]) == main(args) == 0
     assert calls == [3, 16]
@@ -641,3 +644,111 @@ def test_harness_generation_is_alike_at_every_batch_size_and_cut_at_until(export
     for batch_size in (1, 4):
         lm = MhfHarnessLM(str(exported.path), max_length=30, batch_size=batch_size)
         assert lm.generate_until(requests) == expected
+
+
+@pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
+@pytest.mark.parametrize(
+    ("task", "name", "content"),
+    [
+        ("ppl", "t.txt", ""),
+        ("bpb", "t.txt", "\n  \n\n"),
+        ("ppl", "t.jsonl", ""),
+        ("lambada", "l.jsonl", "\n\n"),
+        ("hellaswag", "h.jsonl", ""),
+        ("card660", "c.tsv", "\n"),
+    ],
+)
+def test_a_file_without_examples_is_one_line_not_a_division_by_zero(exported, tmp_path, task, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(EvalDataError, match=rf"^{path} has no examples; give it ") as err:
+        run_task(exported, task, path, limit=3)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
+@pytest.mark.parametrize("task", ["ppl", "lambada", "hellaswag", "card660"])
+def test_an_eval_file_that_is_not_utf8_names_the_byte_offset(exported, tmp_path, task):
+    path = tmp_path / ("t.txt" if task in ("ppl", "card660") else "t.jsonl")
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9 au lait"}\n')
+    with pytest.raises(EvalDataError, match=r"is not UTF-8: byte 0xe9 at byte offset 28 \(line 2\)"):
+        run_task(exported, task, path)
+
+
+@pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
+def test_card660_refuses_scores_that_give_no_correlation(exported, tmp_path):
+    path = tmp_path / "card.tsv"
+    path.write_text("loop\tfor\t2.0\nclass\tdef\t2.0\nfile\topen\t2.0\n")
+    with pytest.raises(EvalDataError, match=r"all 3 scorable pairs of .*card.tsv have the score 2, so no"):
+        run_task(exported, "card660", path)
+    path.write_text("loop\tfor\t2.0\nclass\tdef\tnan\n")
+    with pytest.raises(EvalDataError, match=r"card.tsv:2: score 'nan' is not a finite number"):
+        run_task(exported, "card660", path)
+    flat = copy.deepcopy(exported)
+    for parameter in flat.model.parameters():
+        parameter.data.zero_()  # every word's hidden states alike: every cosine the same
+    path.write_text("loop\tfor\t2.0\nclass\tdef\t1.0\nfile\topen\t3.0\n")
+    with pytest.raises(EvalDataError, match=r"gives all 3 scorable pairs of .*card.tsv the same cosine"):
+        run_task(flat, "card660", path)
+
+
+@pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
+@pytest.mark.parametrize("task", ["ppl", "bpb", "lambada", "hellaswag", "card660", "recall"])
+def test_a_model_with_nan_weights_is_an_error_not_a_metric(exported, tmp_path, task):
+    broken = copy.deepcopy(exported)
+    with torch.no_grad():
+        next(broken.model.parameters()).fill_(float("nan"))
+    data = mixed_task_data(tmp_path)[task]
+    with pytest.raises(EvalDataError, match=r"nan or (inf|overflow) \(a diverged or damaged model") as err:
+        run_task(broken, task, data, limit=20 if task == "recall" else 0, seq_len=8)
+    assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def recall_model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("recall-model")
+    TextTokenizer.recall(40).save(directory / "tokenizer.json")
+    cfg = load_config("tiny", ["model.vocab_size=40", "model.hash.spec=H2B64", "model.family=qwen3"])
+    table = SignatureTable.build(TextTokenizer.recall(40).vocabulary(), 2, 64)
+    export_model(
+        build_model(cfg.model, table), cfg.model, table, directory / "tokenizer.json", directory / "model"
+    )
+    return directory / "model"
+
+
+def test_a_word_outside_a_word_level_vocabulary_is_an_error_for_generate_and_eval(
+    recall_model, tmp_path, capsys
+):
+    args = ["generate", "--model", str(recall_model), "--max-new-tokens", "2"]
+    assert main([*args, "--prompt", "k1 v0 k1"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--prompt", "k1 hello v0"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: unknown word(s) 'hello': the tokenizer is word-level with a fixed vocabulary of 40 words and "
+        "no <unk> token; use only its words"
+    )
+    data = write_jsonl(tmp_path / "l.jsonl", [{"text": "k1 v0 k1 v0"}, {"text": "k2 v1 k2 sunshine"}])
+    assert main(["eval", "--model", str(recall_model), "--task", "lambada", "--data", str(data)]) == 2
+    assert "error: unknown word(s) 'sunshine'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("model_args", "tasks", "message"),
+    [
+        ("path={missing}", "hellaswag", r"'.*nowhere' is not an exported model \(no config.json\)"),
+        ("path={model}", "no_such_task", r"Tasks not found: no_such_task; list them with `mhf-lm-eval ls"),
+        ("path={model},max_lenght=64", "hellaswag", r"unknown model argument\(s\) 'max_lenght' of model mhf"),
+        ("pth={model}", "hellaswag", r"unknown model argument\(s\) 'pth' of model mhf; its --model_args"),
+    ],
+)
+def test_mhf_lm_eval_reports_a_bad_model_task_or_argument_in_one_line(
+    recall_model, tmp_path, model_args, tasks, message
+):
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional extra mhf-dist[eval]")
+    args = model_args.format(missing=tmp_path / "nowhere", model=recall_model)
+    command = [str(Path(sys.executable).parent / "mhf-lm-eval"), "--model", "mhf", "--model_args", args]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([*command, "--tasks", tasks], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert re.match(rf"error: {message}", done.stderr.strip().splitlines()[-1])

@@ -73,3 +73,22 @@ def test_an_export_where_nothing_can_be_written_is_a_one_line_error(small_cfg, t
     table = SignatureTable.build(TextTokenizer.bytes().vocabulary(), 2, 64)
     with pytest.raises(ExportError, match=r"cannot write in '/proc' \(.*\); pick another directory"):
         export_model(build_model(cfg, table), cfg, table, tokenizer_file, "/proc/mhf-model")
+
+
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_an_export_never_replaces_a_folder_or_a_file_that_is_there(
+    small_cfg, tokenizer_file, tmp_path, request, where
+):
+    from mhf_dist.storage import Location
+
+    root = Location.of(tmp_path / "root" if where == "local" else request.getfixturevalue("bucket"))
+    (root / "thesis" / "chapter.txt").write_text("three years of work")
+    (root / "notes.txt").write_text("a plain file")
+    before = {name: (root / name).read_bytes() for name, _ in root.files()}
+    cfg = small_cfg.model.model_copy(update={"vocab_size": 259})
+    table = SignatureTable.build(TextTokenizer.bytes().vocabulary(), 2, 64)
+    model = build_model(cfg, table)
+    for taken in ("thesis", "notes.txt"):
+        with pytest.raises(ExportError, match=rf"output '.*{taken}' already exists; remove it or pick"):
+            export_model(model, cfg, table, tokenizer_file, root / taken)
+    assert {name: (root / name).read_bytes() for name, _ in root.files()} == before

@@ -366,7 +366,7 @@ def test_an_out_that_cannot_be_created_and_a_bad_shard_size_are_one_line_errors(
     for command in (["import-hf", str(reference_checkpoint[0])], ["export-hf", str(qwen3_export[0])]):
         assert main([*command, "--out", str(blocker / "out")]) == 2
         err = capsys.readouterr().err
-        assert f"cannot create the directory {str(blocker)!r} (File exists)" in err and err.count("\n") == 1
+        assert f"cannot be created: {str(blocker)!r} is a file" in err and err.count("\n") == 1
     for size in ("5XB", "-5MB", 0, "lots"):
         with pytest.raises(LayoutError, match=r"is not a size; give bytes or a number with KB, MB or GB"):
             export_hf(qwen3_export[0], tmp_path / "hf", size)
@@ -424,3 +424,24 @@ def test_shards_for_an_imported_model_carry_its_own_table(reference_checkpoint, 
     )
     with pytest.raises(DataError, match=r"seed 0 \(reference\) but model.hash says H3B32 seed 1"):
         signature_table(other_seed, tokenizer)
+
+
+def local_tree(root):
+    return {str(path.relative_to(root)): path.is_dir() or path.read_bytes() for path in root.rglob("*")}
+
+
+def test_export_hf_and_import_hf_never_replace_a_folder_or_a_file_at_out(
+    reference_checkpoint, qwen3_export, tmp_path
+):
+    (tmp_path / "thesis").mkdir()
+    (tmp_path / "thesis" / "chapter.txt").write_text("three years of work")
+    (tmp_path / "notes.txt").write_text("a plain file")
+    before = local_tree(tmp_path)
+    for taken in ("thesis", "notes.txt"):
+        for write in (
+            lambda out: export_hf(qwen3_export[0], out),
+            lambda out: import_hf(reference_checkpoint[0], out),
+        ):
+            with pytest.raises(LayoutError, match=rf"output '.*{taken}' already exists; remove it or pick"):
+                write(tmp_path / taken)
+    assert local_tree(tmp_path) == before

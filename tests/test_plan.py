@@ -12,6 +12,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
+from mhf_dist.errors import ConfigError
 from mhf_dist.models import build_model, param_count
 from mhf_dist.models.checkpointing import checkpoint_layers
 from mhf_dist.plan import (
@@ -215,7 +216,83 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
     out = capsys.readouterr().out
     assert "| bf16-pure " in out and "bf16-pure: bf16 weights, grads and Adam moments, no fp32 copy" in out
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--mfu", "2"]) == 2
-    assert "error: --mfu is a fraction of peak" in capsys.readouterr().err
+    assert "--mfu" in capsys.readouterr().err  # the flag's own range check
+    with pytest.raises(ConfigError, match=r"^--mfu is a fraction of peak in \(0, 1\], got 2"):
+        plan(load_config("tiny"), "mhf", 2048, Cluster(2, 1, 1.0), 64, None, 1e9, 2.0)
     triple = ["--set", "model.backbone.kind=triple_hybrid"]
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", *triple]) == 2
     assert "model.backbone.kind=triple_hybrid has no activation model" in capsys.readouterr().err
+
+
+def _table_rows(out):
+    return [
+        [cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")
+    ]
+
+
+def test_a_row_where_nothing_fits_shows_no_throughput_or_days(capsys):
+    argv = [
+        "plan",
+        "--config",
+        "tiny",
+        "--gpus",
+        "2",
+        "--gpu-mem-gb",
+        "0.01",
+        "--vocab",
+        "2048",
+        "--vocab",
+        "151936",
+    ]
+    assert main(argv) == 0  # the other rows fit
+    header, *rows = _table_rows(capsys.readouterr().out)
+    rows = {(row[0], row[1]): dict(zip(header, row, strict=True)) for row in rows}
+    assert rows[("qwen3", "151,936")]["stage"] == "none fits"
+    assert (rows[("qwen3", "151,936")]["tokens/s"], rows[("qwen3", "151,936")]["days"]) == ("-", "-")
+    fitting = rows[("qwen3", "2,048")]
+    assert fitting["stage"] != "none fits" and int(fitting["tokens/s"].replace(",", "")) > 0
+    assert float(fitting["days"]) >= 0
+
+
+def test_when_nothing_fits_at_all_plan_exits_2_with_the_least_need_and_the_fixes(capsys):
+    assert main(["plan", "--config", "tiny", "--gpus", "1", "--gpu-mem-gb", "0.0001", "--tokens", "1e9"]) == 2
+    captured = capsys.readouterr()
+    header, *rows = _table_rows(captured.out)  # the table still says what each would need
+    assert len(rows) == 4 and all(row[header.index("tokens/s")] == "-" for row in rows)
+    (line,) = captured.err.splitlines()
+    assert line.startswith("error: no family and vocabulary fits in 90% of 0.0001 GiB per GPU (the least, ")
+    assert line.endswith(
+        "give more GPUs (--gpus, --nodes: ZeRO-1 to 3 split the model states), a bigger --gpu-mem-gb, "
+        "a shorter --seq-len or --set train.activation_checkpointing=layers"
+    )
+    # The least need is the smallest stage's states plus one sequence's activations of the smallest plan.
+    cfg = load_config("tiny")
+    plans = [plan(cfg, family, vocab, Cluster(1, 1, 0.0001), 64, None, 1e9, 0.4)
+             for vocab in (cfg.model.vocab_size, 151_936) for family in ("mhf", "qwen3")]  # fmt: skip
+    least = min(min(p.state_gb.values()) + p.activation_gb_per_sequence for p in plans)
+    assert f"needs {least:.1f} GiB at ZeRO-" in line
+
+
+@pytest.mark.parametrize("field", ["gpu_mem_gb", "peak_tflops"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_cluster_refuses_memory_or_peak_that_is_not_positive_and_finite(field, value):
+    flag = {"gpu_mem_gb": "--gpu-mem-gb", "peak_tflops": "--peak-tflops"}[field]
+    with pytest.raises(ConfigError, match=rf"^{flag} must be a positive finite number, got {value!r}$"):
+        Cluster(**{"gpus_per_node": 1, "nodes": 1, "gpu_mem_gb": 80.0, field: value})
+    with pytest.raises(ConfigError, match=r"^--nodes is a count of at least 1, got 0$"):
+        Cluster(1, 0, 80.0)
+
+
+def test_plan_refuses_a_token_count_that_is_not_positive_and_finite():
+    cfg = load_config("tiny")
+    for tokens in (0.0, float("nan")):
+        with pytest.raises(ConfigError, match=r"^--tokens must be a positive finite number"):
+            plan(cfg, "mhf", 2048, Cluster(1, 1, 80.0), 64, None, tokens, 0.4)
+
+
+@pytest.mark.parametrize("mfu, peak", [(1e-310, 989.0), (0.5, 1e300)])
+def test_a_throughput_that_overflows_is_one_line_not_inf_days(mfu, peak):
+    with pytest.raises(
+        ConfigError, match=r"tokens/s and no finite number of days; give the MFU and peak of a real"
+    ):
+        plan(load_config("tiny"), "mhf", 2048, Cluster(1, 1, 80.0, peak), 64, None, 1e9, mfu)

@@ -1,5 +1,6 @@
 """`mhf prepare` on Ray: packing, signatures, split stability, determinism, resuming, bad input."""
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -12,7 +13,13 @@ from mhf_dist.config import load_config
 from mhf_dist.data.corpus import corpus_files
 from mhf_dist.data.prepare import plan_parts, prepare, prepare_if_missing
 from mhf_dist.data.reader import RowReader
-from mhf_dist.data.shards import check_compatible, is_validation, read_manifest, verify_shards
+from mhf_dist.data.shards import (
+    check_compatible,
+    check_tokenizer,
+    is_validation,
+    read_manifest,
+    verify_shards,
+)
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
 from mhf_dist.signatures import load_table
@@ -143,22 +150,6 @@ def test_a_bucket_output_holds_the_local_outputs_bytes_and_verify_data_reads_it(
     assert lines == [f"prepared shards found in {out}; not preparing again"]
 
 
-def test_overwrite_in_a_bucket_replaces_only_an_mhf_dataset(prepared, bucket):
-    cfg = byte_cfg(prepared[0].data.corpus, "unused")
-    out = Location.of(f"{bucket}/data")
-    prepare(cfg, out, log=lambda _: None)
-    (out / "stale.txt").write_text("from before")
-    with pytest.raises(DataError, match=r"exists and is not empty; pass --overwrite"):
-        prepare(cfg, out, log=lambda _: None)
-    prepare(cfg, out, overwrite=True, log=lambda _: None)
-    assert (out / "manifest.json").is_file() and not (out / "stale.txt").exists()
-    foreign = Location.of(f"{bucket}/foreign")
-    (foreign / "keep.txt").write_text("someone else's")
-    with pytest.raises(DataError, match=r"holds files that are not an mhf dataset .*; choose another --out"):
-        prepare(cfg, foreign, overwrite=True, log=lambda _: None)
-    assert [name for name, _ in foreign.files()] == ["keep.txt"]
-
-
 def test_the_shards_are_checked_against_the_model_config(prepared):
     cfg, out, _ = prepared
     with pytest.raises(
@@ -187,18 +178,6 @@ def test_shard_files_hold_fixed_size_rows_one_per_row_group(prepared):
     assert pq.ParquetFile(out / manifest.splits["train"].shards[0].file).num_row_groups == 16
     assert first.schema.field("input_ids").type.list_size == 33
     assert first.schema.field("signatures").type.list_size == 33 * 2
-
-
-def test_existing_output_needs_overwrite_and_is_replaced_whole(prepared, tmp_path):
-    cfg, _, _ = prepared
-    target = tmp_path / "shards"
-    target.mkdir()
-    (target / "old.txt").write_text("x")
-    with pytest.raises(DataError, match="pass --overwrite"):
-        prepare(byte_cfg(cfg.data.corpus, target), target, log=lambda _: None)
-    prepare(byte_cfg(cfg.data.corpus, target), target, overwrite=True, log=lambda _: None)
-    assert not (target / "old.txt").exists() and (target / "manifest.json").is_file()
-    assert not list(tmp_path.glob(".shards.*"))
 
 
 def test_a_failed_run_leaves_nothing_that_looks_prepared(ray_session, tmp_path):
@@ -508,3 +487,277 @@ def test_an_interrupted_prepare_leaves_no_manifest_and_a_rerun_resumes_to_the_sa
     uninterrupted = prepare(cfg, tmp_path / "whole", log=lambda _: None)
     assert resumed.content_sha256 == uninterrupted.content_sha256
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "whole").iterdir())
+
+
+# --- what --overwrite may replace ---------------------------------------------------------------------
+
+RECALL = ["data.corpus=recall", "model.vocab_size=40", "train.seq_len=32", "data.rows_per_shard=20"]
+
+
+def recall_cfg(examples: int = 50):
+    return load_config("tiny", [*RECALL, f"data.recall.examples={examples}"])
+
+
+def local_tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root`, hidden ones too, with a file's bytes (None: a directory)."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def bucket_tree(root: Location) -> dict[str, bytes]:
+    return {name: (root / name).read_bytes() for name, _ in root.files()}
+
+
+def _a_thesis_folder(out: Location) -> None:
+    (out / "thesis.txt").write_text("three years of work")
+    (out / "chapters" / "one.txt").write_text("chapter one")
+
+
+def _another_tools_manifest(out: Location) -> None:
+    (out / "manifest.json").write_text(json.dumps({"format": "someone-elses", "files": ["tokenizer.json"]}))
+    (out / "tokenizer.json").write_text("{}")
+
+
+def _our_shards_and_a_note(out: Location) -> None:
+    prepare(recall_cfg(), out, log=lambda _: None)
+    (out / "notes.txt").write_text("kept beside the shards")
+
+
+def _a_plain_file(out: Location) -> None:
+    out.write_text("not a directory")
+
+
+@pytest.fixture(params=["local", "bucket"])
+def root(request, tmp_path) -> Location:
+    """Where a test's outputs go: a local directory or a new bucket."""
+    if request.param == "local":
+        return Location.of(tmp_path)
+    return Location.of(request.getfixturevalue("bucket"))
+
+
+def snapshot(root: Location) -> dict:
+    return bucket_tree(root) if root.remote else local_tree(root.local)
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (_a_thesis_folder, r"is not shards mhf prepare wrote \(it holds 'chapters'\)"),
+        (_another_tools_manifest, r"is not shards mhf prepare wrote \(its manifest\.json is not an mhf"),
+        (_our_shards_and_a_note, r"is not shards mhf prepare wrote \(it holds 'notes\.txt'\)"),
+        (_a_plain_file, "is a file, not a directory of shards"),
+    ],
+)
+def test_overwrite_refuses_what_prepare_did_not_write_and_leaves_it_byte_identical(root, make, why):
+    out = root / "out"
+    make(out)
+    before = snapshot(root)
+    with pytest.raises(DataError, match=why) as info:
+        prepare(recall_cfg(), out, overwrite=True, log=lambda _: None)
+    message = str(info.value)
+    assert message.startswith(f"output {str(out)!r} ") and "\n" not in message
+    assert message.endswith("; choose another --out or remove it yourself")
+    assert snapshot(root) == before  # nothing moved aside, nothing deleted, nothing written
+
+
+def test_the_cli_refuses_overwrite_of_a_foreign_folder_with_one_line_and_exit_2(tmp_path, capsys):
+    out = tmp_path / "out"
+    _a_thesis_folder(Location.of(out))
+    before = local_tree(tmp_path)
+    flags = [arg for setting in RECALL for arg in ("--set", setting)]
+    assert main(["prepare", *flags, "--out", str(out), "--overwrite"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error[-1] == (
+        f"error: output {str(out)!r} is not shards mhf prepare wrote (it holds 'chapters'); choose another "
+        "--out or remove it yourself"
+    )
+    assert local_tree(tmp_path) == before
+
+
+def test_overwrite_replaces_shards_prepare_wrote_and_leaves_nothing_beside_them(root):
+    out = root / "out"
+    prepare(recall_cfg(), out, log=lambda _: None)
+    with pytest.raises(DataError, match=r"holds prepared shards; pass --overwrite or choose another --out$"):
+        prepare(recall_cfg(60), out, log=lambda _: None)
+    manifest = prepare(recall_cfg(60), out, overwrite=True, log=lambda _: None)
+    assert read_manifest(out) == manifest and manifest.splits["train"].rows == 60
+    named = {shard.file for info in manifest.splits.values() for shard in info.shards}
+    written = {"manifest.json", "tokenizer.json", "signatures.safetensors"} | named
+    assert set(snapshot(root)) == {f"out/{name}" for name in written} | (
+        {"out"} if not root.remote else set()
+    )
+
+
+def test_overwrite_replaces_an_empty_directory_and_our_shards_around_a_damaged_manifest(tmp_path):
+    """The damaged manifest's own error advises --overwrite: that must then work."""
+    out = tmp_path / "out"
+    out.mkdir()
+    prepare(recall_cfg(), out, log=lambda _: None)  # an empty directory needs no --overwrite
+    (out / "manifest.json").write_text((out / "manifest.json").read_text()[:-10])
+    with pytest.raises(DataError, match=r"re-run `mhf prepare --overwrite --out"):
+        read_manifest(out)
+    prepare(recall_cfg(), out, overwrite=True, log=lambda _: None)
+    assert verify_shards(out) == 4 and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_overwrite_on_a_bucket_replaces_a_dataset_prepared_on_ray_but_not_one_with_a_stray_file(
+    prepared, bucket
+):
+    cfg = byte_cfg(prepared[0].data.corpus, "unused")
+    out = Location.of(f"{bucket}/data")
+    prepare(cfg, out, log=lambda _: None)
+    stale = dict(bucket_tree(out))
+    prepare(byte_cfg(prepared[0].data.corpus, "unused", "data.val_percent=30"), out, overwrite=True,
+            log=lambda _: None)  # fmt: skip
+    assert bucket_tree(out) != stale and verify_shards(out) == sum(
+        len(info.shards) for info in read_manifest(out).splits.values()
+    )
+    (out / "stale.txt").write_text("from before")
+    before = bucket_tree(Location.of(bucket))
+    with pytest.raises(DataError, match=r"\(it holds 'stale\.txt'\); choose another --out or remove it"):
+        prepare(cfg, out, overwrite=True, log=lambda _: None)
+    assert bucket_tree(Location.of(bucket)) == before
+
+
+def test_the_demo_refuses_a_data_folder_it_did_not_write_and_names_workdir(tmp_path, monkeypatch):
+    from mhf_dist import demo
+
+    monkeypatch.setattr(demo, "run_sweep", lambda *_, **__: pytest.fail("the demo went on to its sweep"))
+    _a_thesis_folder(Location.of(tmp_path / "data"))
+    before = local_tree(tmp_path)
+    with pytest.raises(DataError, match=r"; choose another --workdir or remove it yourself$") as info:
+        demo.run_demo("tiny", RECALL, tmp_path, log=lambda _: None)
+    assert repr(str(tmp_path / "data")) in str(info.value)
+    assert local_tree(tmp_path) == before
+
+
+def test_a_directory_never_replaces_a_file_and_a_failed_swap_puts_the_old_one_back(tmp_path, monkeypatch):
+    import mhf_dist.files as files
+
+    staging, out = tmp_path / ".staging", tmp_path / "out"
+    (staging / "sub").mkdir(parents=True)
+    (staging / "sub" / "new.txt").write_text("new")
+    out.write_text("a file")
+    before = local_tree(tmp_path)
+    with pytest.raises(FileExistsError, match="is not a directory"):
+        files.publish_directory(staging, out, replace=True)
+    assert local_tree(tmp_path) == before
+    out.unlink()
+    (out / "old").mkdir(parents=True)
+    (out / "old" / "old.txt").write_text("old")
+    before = local_tree(tmp_path)
+
+    def disk_full(staging: Path, path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files, "_publish", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        files.publish_directory(staging, out, replace=True)
+    assert local_tree(tmp_path) == before  # the old directory back in place, no .out.old-* beside it
+
+
+# --- verify-data and the tokenizer every run checks ---------------------------------------------------
+
+
+def _truncate_tokenizer(data: Path) -> None:
+    (data / "tokenizer.json").write_bytes((data / "tokenizer.json").read_bytes()[:-20])
+
+
+def _another_tokenizer(data: Path) -> None:
+    TextTokenizer.bytes().save(data / "tokenizer.json")
+
+
+def _flip_a_signature_row(data: Path) -> None:
+    path = data / "signatures.safetensors"
+    blob = path.read_bytes()
+    header_size = int.from_bytes(blob[:8], "little")
+    start = json.loads(blob[8 : 8 + header_size])["rows"]["data_offsets"][0]
+    flip_byte(path, 8 + header_size + start + 3)
+
+
+def _edit_vocab_size(data: Path) -> None:
+    edit_manifest(data, lambda manifest: manifest["tokenizer"].update(vocab_size=41))
+
+
+def _edit_seq_len(data: Path) -> None:
+    edit_manifest(data, lambda manifest: manifest.update(seq_len=31))
+
+
+def _edit_num_hashes(data: Path) -> None:
+    edit_manifest(data, lambda manifest: manifest["signatures"].update(num_hashes=3))
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (_truncate_tokenizer, r"tokenizer\.json does not match the manifest's sha256"),
+        (_another_tokenizer, r"tokenizer\.json does not match the manifest's sha256"),
+        (_flip_a_signature_row, r"signature table .*signatures\.safetensors is damaged"),
+        (_edit_vocab_size, r"tokenizer\.json has vocab_size 40 but the manifest says 41"),
+        (_edit_seq_len, r"train-00000\.parquet column input_ids is .*\[33\], but the manifest means seq_len"),
+        (_edit_num_hashes, r"signatures\.safetensors has num_hashes 2 but the manifest says 3"),
+    ],
+)
+def test_verify_data_checks_every_file_the_manifest_lists_and_its_fields(tmp_path, capsys, damage, problem):
+    data = recall_data(tmp_path)
+    assert verify_shards(data) == 4
+    damage(data)
+    with pytest.raises(DataError, match=problem) as info:
+        verify_shards(data)
+    assert "\n" not in str(info.value)
+    assert str(info.value).endswith(f"re-run `mhf prepare --overwrite --out {data}`")
+    assert main(["verify-data", str(data)]) == 2 and "error: " in capsys.readouterr().err
+
+
+def test_a_run_refuses_a_broken_tokenizer_json_before_any_ray_work(tmp_path, monkeypatch):
+    import mhf_dist.train.ray_trainer as ray_trainer
+
+    data = recall_data(tmp_path)
+    _truncate_tokenizer(data)
+    monkeypatch.setattr(ray_trainer, "ensure_ray", lambda **_: pytest.fail("Ray started"))
+    cfg = load_config(
+        "tiny",
+        [*RECALL, f"data.path={data}", f"topology.storage={tmp_path / 'runs'}", "train.precision=fp32"],
+    )
+    with pytest.raises(DataError) as info:
+        ray_trainer.train(cfg, ray_trainer.TrainOptions())
+    assert str(info.value) == (
+        f"{data / 'tokenizer.json'} does not match the manifest's sha256; "
+        f"re-run `mhf prepare --overwrite --out {data}`"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_tokenizer_check_takes_the_file_prepare_wrote_and_one_an_earlier_version_saved_pretty(tmp_path):
+    data = recall_data(tmp_path)
+    manifest = read_manifest(data)
+    written = (data / "tokenizer.json").read_bytes()
+    assert hashlib.sha256(written).hexdigest() == manifest.tokenizer.sha256  # the bytes are what it records
+    check_tokenizer(data, manifest)
+    TextTokenizer.load(data / "tokenizer.json").save(data / "tokenizer.json")  # pretty, as before
+    assert (data / "tokenizer.json").read_bytes() != written
+    check_tokenizer(data, manifest)
+    assert verify_shards(data) == 4
+
+
+def test_an_empty_corpus_says_it_is_empty_not_to_change_the_vocab_size(tmp_path):
+    """A BPE learned from no text has the 257 byte tokens alone: the error is the corpus, not the size."""
+    (tmp_path / "empty.txt").write_text("\n\n")
+    held_out = next(p for p in PARAGRAPHS if is_validation(p, 20))
+    (tmp_path / "held-out.txt").write_text(held_out + "\n")
+    out = tmp_path / "out"
+    for corpus, problem in (
+        (
+            "empty.txt",
+            f"corpus {str(tmp_path / 'empty.txt')!r} holds no text; pass a corpus with at least one",
+        ),
+        ("held-out.txt", r"all 1 documents are held out for validation \(data.val_percent=20\)"),
+    ):
+        cfg = load_config(
+            "tiny",
+            [f"data.corpus={tmp_path / corpus}", "data.tokenizer=bpe", "model.vocab_size=300",
+             "data.val_percent=20"],
+        )  # fmt: skip
+        with pytest.raises(DataError, match=problem) as info:
+            prepare(cfg, out, log=lambda _: None)
+        assert "vocab_size" not in str(info.value)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "held-out.txt"]

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from faults import KillLastWorker
+from faults import KillLastWorker, train_process
 
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
@@ -311,8 +311,6 @@ def test_sigint_stops_a_two_worker_fit_in_seconds_and_resume_continues_it(ray_se
     """Ctrl-C: exit 130 with one line naming the last checkpoint, the MLflow run KILLED, no staging left."""
     import json
     import signal
-    import subprocess
-    import sys
     import time
 
     from mlflow.tracking import MlflowClient
@@ -320,20 +318,8 @@ def test_sigint_stops_a_two_worker_fit_in_seconds_and_resume_continues_it(ray_se
     recall = ["data.corpus=recall", "model.vocab_size=40", "train.seq_len=32", "data.recall.examples=2000"]
     cfg = load_config("tiny", [*recall, f"data.path={tmp_path / 'data'}", "train.checkpoint_every=20"])
     prepare(cfg, tmp_path / "data", log=lambda _: None)
-    sets = [arg for item in [*recall, f"data.path={tmp_path / 'data'}", "train.checkpoint_every=20",
-            "train.steps=5000"] for arg in ("--set", item)]  # fmt: skip
-    command = [
-        sys.executable,
-        "-m",
-        "mhf_dist.cli",
-        "train",
-        *sets,
-        "--storage",
-        str(tmp_path),
-        "--name",
-        "cut",
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    settings = [*recall, f"data.path={tmp_path / 'data'}", "train.checkpoint_every=20", "train.steps=5000"]
+    process = train_process(settings, tmp_path, "cut")
     deadline = time.monotonic() + 300
     while not list((tmp_path / "cut").glob("checkpoint-*/run.json")) and time.monotonic() < deadline:
         time.sleep(1)

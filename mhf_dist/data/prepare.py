@@ -23,7 +23,8 @@ decide the shards; each part and shard task writes its own record after its file
 key skips every part and shard whose record and file check out (a shard by its sha256) and does the
 rest; with another key it starts over. At the end the tokenized parts and records are removed, the
 manifest is written, and only then the key: an interrupted run never leaves a manifest, and a bucket
-prefix holding neither a manifest nor our key is not ours to replace.
+prefix holding neither a manifest nor our key is not ours to replace. Nor is an output holding anything
+prepare does not write (`check_output`): `--overwrite` refuses it, in one line, and touches nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -62,21 +64,23 @@ from mhf_dist.data.shards import (
     Mixture,
     PreparedWith,
     ShardEntry,
-    SignaturesInfo,
     SourceInfo,
     SplitInfo,
-    TokenizerInfo,
     content_hash,
     file_sha256,
     is_validation,
+    save_tokenizer,
     shard_name,
+    signatures_info,
+    tokenizer_info,
     write_manifest,
     write_shard,
 )
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError, MhfError
-from mhf_dist.files import publish_directory, read_json, staged_directory, staged_file
+from mhf_dist.files import publish_directory, staged_directory, staged_file
 from mhf_dist.ray_utils import ensure_ray
+from mhf_dist.readers import read_json
 from mhf_dist.signatures import SignatureTable, build_for_config, load_table, save_table
 from mhf_dist.storage import Location, local_copy, redact, storage_errors
 
@@ -89,6 +93,7 @@ PARTS, SHARDS = "parts", "shards"
 PROGRESS_VERSION = 1
 PART_COMPRESSION = "zstd"
 TRAIN, VALIDATION = 0, 1  # the split codes of a tokenized part's `split` column
+SHARD_NAME = re.compile(rf"({'|'.join(SPLITS)})-\d{{5,}}\.parquet")  # shard_name's
 T = TypeVar("T")
 
 
@@ -110,7 +115,7 @@ def prepare_if_missing(cfg: Config, log: Callable[[str], None] = print, verbose:
     if (Location.of(cfg.data.path) / MANIFEST).is_file():
         log(f"prepared shards found in {redact(cfg.data.path)}; not preparing again")
         return
-    prepare(cfg, cfg.data.path, log=log, verbose=verbose)
+    prepare(cfg, cfg.data.path, log=log, verbose=verbose, flag="data.path")
 
 
 def prepare(
@@ -120,14 +125,16 @@ def prepare(
     num_cpus: int | None = None,
     log: Callable[[str], None] = print,
     verbose: bool = False,
+    flag: str = "--out",
 ) -> Manifest:
     """Prepare the config's corpus (or its sources) into shards at `out` (local or a bucket); returns
     the manifest. A partial run of the same inputs and settings is resumed. `verbose`: Ray's own lines
-    on the console too (`ensure_ray`)."""
+    on the console too (`ensure_ray`). `flag`: what the user gave `out` as (`--out`, `--workdir`), for
+    the advice of a refused output."""
     out = Location.of(out)
     if num_cpus is not None and num_cpus < 1:
         raise DataError(f"--num-cpus {num_cpus}: Ray needs at least one CPU")
-    check_output(out, overwrite)
+    check_output(out, overwrite, flag)
     if cfg.data.corpus == recall.CORPUS:
         return _prepare_recall(cfg, out, log)
     data = cfg.data
@@ -136,12 +143,12 @@ def prepare(
     for source, source_files in zip(sources, files, strict=True):
         for _ in read_documents(source_files[0], source.text_field):  # a missing field: before any work
             break
-    tokenizer = None if data.tokenizer == "bpe" else _resolve_tokenizer(cfg, [])
+    tokenizer = None if data.tokenizer == "bpe" else _resolve_tokenizer(cfg)
     work = work_directory(out)
     _open_work(work, _inputs_key(cfg, files, tokenizer), log)
     tokenizer = tokenizer or _learned_tokenizer(cfg, work, sources, files)
     with staged_file((work / TOKENIZER_FILE).uri) as staging:  # first: a rerun reuses a learned BPE
-        tokenizer.save(staging)
+        save_tokenizer(tokenizer, staging)
     document_format = tokenizer.resolve_format(data.document_format)
     table = signature_table(cfg, tokenizer)
     _check_model_documents(cfg, document_format)
@@ -160,35 +167,60 @@ def prepare(
     return manifest
 
 
-def check_output(out: Location, overwrite: bool) -> None:
-    """Before any work: an existing output needs `overwrite`; a local one must be writable; a bucket
-    prefix that holds files but neither a manifest nor our key is never touched."""
-    exists = f"output {str(out)!r} exists and is not empty; pass --overwrite or choose another --out"
+def check_output(out: Location, overwrite: bool, flag: str = "--out") -> None:
+    """Before any work: `out` (named by the option `flag`) is absent, an empty directory, or shards this
+    command wrote, replaced only with `overwrite` (a bucket prefix holding a partial run of ours is
+    resumed); anything else is never touched. A local one must be writable."""
+    keep_out = f"choose another {flag} or remove it yourself"
+    if out.remote:
+        out.check_bucket()
+    elif out.local.is_symlink():
+        raise DataError(f"output {str(out)!r} is a symbolic link, not a directory of shards; {keep_out}")
+    if out.is_file():
+        raise DataError(f"output {str(out)!r} is a file, not a directory of shards; {keep_out}")
+    entries = out.children()
+    if entries:
+        foreign = _foreign(out, entries)
+        if foreign is not None:
+            raise DataError(f"output {str(out)!r} is not shards mhf prepare wrote ({foreign}); {keep_out}")
+        if (out / MANIFEST).is_file() and not overwrite:
+            raise DataError(
+                f"output {str(out)!r} holds prepared shards; pass --overwrite or choose another {flag}"
+            )
     if not out.remote:
-        path = out.local
-        if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
-            raise DataError(exists)
-        check_writable(path.parent)
-        return
-    out.check_bucket()
-    if (out / MANIFEST).is_file():
-        if not overwrite:
-            raise DataError(exists)
-    elif out.is_file():
-        raise DataError(f"output {str(out)!r} is a file; choose a prefix for --out")
-    elif out.children() and not (out / PROGRESS / KEY_FILE).is_file():
-        raise DataError(
-            f"output {str(out)!r} holds files that are not an mhf dataset (no {MANIFEST}, no "
-            f"{PROGRESS}/{KEY_FILE}); choose another --out"
-        )
+        check_writable(out.local.parent, flag)
 
 
-def check_writable(directory: Path) -> None:
+def _foreign(out: Location, entries: list[Location]) -> str | None:
+    """Why the non-empty directory `out` is not shards of ours (to replace, or in a bucket to resume),
+    or None when it is."""
+    stranger = next((entry.name for entry in entries if not _written_here(entry.name)), None)
+    if stranger is not None:
+        return f"it holds {stranger!r}"
+    if out.remote and (out / PROGRESS / KEY_FILE).is_file():
+        return None  # a bucket run of ours that did not finish
+    if not (out / MANIFEST).is_file():
+        return f"it has no {MANIFEST}"
+    try:
+        raw = json.loads((out / MANIFEST).read_bytes())
+    except ValueError:
+        return None  # our files around a damaged manifest: reading it advises --overwrite
+    if isinstance(raw, dict) and raw.get("format") == FORMAT:
+        return None
+    return f"its {MANIFEST} is not an mhf shard manifest"
+
+
+def _written_here(name: str) -> bool:
+    """A name this command writes at the top of its output."""
+    return name in (MANIFEST, TOKENIZER_FILE, SIGNATURES_FILE, PROGRESS) or bool(SHARD_NAME.fullmatch(name))
+
+
+def check_writable(directory: Path, flag: str = "--out") -> None:
     """The output's parent must exist or be creatable, and take new files, before any work starts."""
     existing = next(parent for parent in (directory, *directory.parents) if parent.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise DataError(
-            f"cannot write under {str(existing)!r} (not a writable directory); choose another --out"
+            f"cannot write under {str(existing)!r} (not a writable directory); choose another {flag}"
         )
 
 
@@ -241,8 +273,12 @@ def recorded_data(data: DataConfig) -> dict[str, Any]:
     return record
 
 
-def _resolve_tokenizer(cfg: Config, training_texts: Any) -> TextTokenizer:
-    tokenizer = TextTokenizer.resolve(cfg.data.tokenizer, cfg.model.vocab_size, training_texts)
+def _resolve_tokenizer(cfg: Config) -> TextTokenizer:
+    """The tokenizer `data.tokenizer` names when it is not learned from the corpus."""
+    return _check_vocab_size(cfg, TextTokenizer.resolve(cfg.data.tokenizer, cfg.model.vocab_size, []))
+
+
+def _check_vocab_size(cfg: Config, tokenizer: TextTokenizer) -> TextTokenizer:
     if tokenizer.vocab_size != cfg.model.vocab_size:
         raise DataError(
             f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}; "
@@ -260,15 +296,34 @@ def _learned_tokenizer(
     if saved.is_file():
         return TextTokenizer.load(local_copy(saved))
     val_percent = cfg.data.val_percent
-    texts = (
-        text
-        for source, source_files in zip(sources, files, strict=True)
-        for file in source_files
-        for batch in read_documents(file, source.text_field)
-        for text in batch["text"].to_pylist()
-        if not is_validation(text, val_percent)
-    )
-    return _resolve_tokenizer(cfg, texts)
+    documents = [0] * len(sources)  # each source's, held out or not
+    learned_from = 0
+
+    def training_texts() -> Iterator[str]:
+        nonlocal learned_from
+        for index, (source, source_files) in enumerate(zip(sources, files, strict=True)):
+            for file in source_files:
+                for batch in read_documents(file, source.text_field):
+                    for text in batch["text"].to_pylist():
+                        documents[index] += 1
+                        if not is_validation(text, val_percent):
+                            learned_from += 1
+                            yield text
+
+    learned = TextTokenizer.train_bpe(training_texts(), cfg.model.vocab_size)
+    for source, count in zip(sources, documents, strict=True):
+        if count == 0:  # a BPE learned from nothing has the bytes alone: not a vocab_size to advise
+            raise _discard(work, _no_text(source))
+    if learned_from == 0:
+        raise _discard(
+            work,
+            DataError(
+                f"all {sum(documents)} documents are held out for validation (data.val_percent="
+                f"{val_percent:g}), none is left to learn the BPE from; use more text or a smaller "
+                "data.val_percent"
+            ),
+        )
+    return _check_vocab_size(cfg, learned)
 
 
 def _log_tables(
@@ -661,13 +716,13 @@ def _check_text(
             if part.source == index
         )
         if documents == 0:
-            raise _discard(
-                work,
-                DataError(
-                    f"corpus {redact(source.corpus)!r} holds no text; pass a corpus with at least one "
-                    "document"
-                ),
-            )
+            raise _discard(work, _no_text(source))
+
+
+def _no_text(source: Source) -> DataError:
+    return DataError(
+        f"corpus {redact(source.corpus)!r} holds no text; pass a corpus with at least one document"
+    )
 
 
 def _check_rows(cfg: Config, work: Location, selection: Selection) -> None:
@@ -823,25 +878,8 @@ def _manifest(
         splits=splits,
         content_sha256=content_hash(splits),
         document_format=document_format,
-        tokenizer=TokenizerInfo(
-            file=TOKENIZER_FILE,
-            sha256=tokenizer.sha256,
-            vocab_size=tokenizer.vocab_size,
-            eos_id=tokenizer.eos_id,
-            bos_id=tokenizer.bos_id if document_format == "bos" else None,
-        ),
-        signatures=SignaturesInfo(
-            file=SIGNATURES_FILE,
-            spec=table.spec,
-            num_hashes=table.num_hashes,
-            num_buckets=table.num_buckets,
-            seed=table.seed,
-            scheme=table.scheme.name,
-            fingerprint=table.fingerprint,
-            dtype=str(table.rows.dtype),
-            num_lsh=table.num_lsh,
-            duplicate_signatures=table.duplicate_signatures,
-        ),
+        tokenizer=tokenizer_info(tokenizer, document_format),
+        signatures=signatures_info(table),
         config=PreparedWith(
             data=recorded_data(cfg.data),
             seq_len=cfg.train.seq_len,
@@ -903,7 +941,7 @@ def _prepare_recall(cfg: Config, out: Location, log: Callable[[str], None]) -> M
     _log_tables(log, tokenizer, table, "eos")
     with staged_directory(out.uri, replace=True, marker=MANIFEST) as staging:  # replaceable: check_output
         splits = _write_recall_shards(cfg, table, staging)
-        tokenizer.save(staging / TOKENIZER_FILE)
+        save_tokenizer(tokenizer, staging / TOKENIZER_FILE)
         save_table(table, staging / SIGNATURES_FILE)
         manifest = _manifest(cfg, tokenizer, table, splits, "eos", [])
         write_manifest(staging, manifest)

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mhf_dist.config import Config, DataConfig
@@ -124,7 +125,7 @@ class RowReader:
             at = np.flatnonzero(shards == shard)
             local = rows[at] - self.offsets[shard]
             groups = np.unique(local)
-            table = self._handle(int(shard)).read_row_groups(groups.tolist(), columns=self.columns)
+            table = self._row_groups(int(shard), groups.tolist())
             self.rows_decoded += len(groups)
             where = np.searchsorted(groups, local)
             for column, key in zip(self.columns, batch, strict=True):
@@ -146,6 +147,19 @@ class RowReader:
             self._handles.popitem()[1].close()
         if self.cache is not None:
             self.cache.close()
+
+    def _row_groups(self, shard: int, groups: list[int]) -> pa.Table:
+        """The shard's row groups (its rows); a damaged data page is one line naming the shard (its footer
+        was checked on opening, its pages are decoded only now)."""
+        handle = self._handle(shard)
+        try:
+            return handle.read_row_groups(groups, columns=self.columns)
+        except (OSError, pa.ArrowException) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise DataError(
+                f"shard {self.directory / self.shards[shard].file} is damaged ({reason}); "
+                f"re-run `mhf prepare --overwrite --out {self.directory}`"
+            ) from None
 
     def _handle(self, shard: int) -> pq.ParquetFile:
         """A bucket's shard: the cache's copy. A local one: open files are kept (their footers parsed once),

@@ -1,7 +1,8 @@
 """Prepared shards on disk: parquet files of packed rows with their signatures, and the manifest.
 
 A prepared directory holds `manifest.json` (written last: its presence means the directory is
-complete), `tokenizer.json`, `signatures.safetensors` and `{split}-{index:05d}.parquet` shards with the
+complete), `tokenizer.json` (the text whose sha256 the manifest records: every run checks it,
+`check_tokenizer`), `signatures.safetensors` and `{split}-{index:05d}.parquet` shards with the
 columns `input_ids` (fixed-size list of seq_len+1 int32) and `signatures` (fixed-size list of
 (seq_len+1)*H unsigned ints, row-major [T+1, H], in the smallest type that holds B), one row per row
 group (`rows_per_group` in the manifest; `mhf_dist.data.reader` reads rows by index through it).
@@ -27,14 +28,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from tokenizers import Tokenizer
 
 from mhf_dist.config import Config
 from mhf_dist.data.packing import Packing
-from mhf_dist.data.tokenizer import FORMAT_TEXT, LEGACY_FORMAT
-from mhf_dist.errors import DataError
-from mhf_dist.files import read_json, write_json_atomic
-from mhf_dist.signatures import SignatureTable
-from mhf_dist.storage import Location, storage_errors
+from mhf_dist.data.tokenizer import FORMAT_TEXT, LEGACY_FORMAT, TextTokenizer
+from mhf_dist.errors import DataError, SignatureError
+from mhf_dist.files import write_json_atomic
+from mhf_dist.readers import read_json
+from mhf_dist.signatures import SignatureTable, load_table
+from mhf_dist.storage import Location, local_copy, storage_errors
 
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -172,6 +175,39 @@ class Manifest(_Record):
         return self
 
 
+def tokenizer_info(tokenizer: TextTokenizer, document_format: str) -> TokenizerInfo:
+    """What the manifest records of the tokenizer its shards were prepared with."""
+    return TokenizerInfo(
+        file=TOKENIZER_FILE,
+        sha256=tokenizer.sha256,
+        vocab_size=tokenizer.vocab_size,
+        eos_id=tokenizer.eos_id,
+        bos_id=tokenizer.bos_id if document_format == "bos" else None,
+    )
+
+
+def signatures_info(table: SignatureTable) -> SignaturesInfo:
+    """What the manifest records of the signature table its shards were looked up in."""
+    return SignaturesInfo(
+        file=SIGNATURES_FILE,
+        spec=table.spec,
+        num_hashes=table.num_hashes,
+        num_buckets=table.num_buckets,
+        seed=table.seed,
+        scheme=table.scheme.name,
+        fingerprint=table.fingerprint,
+        dtype=str(table.rows.dtype),
+        num_lsh=table.num_lsh,
+        duplicate_signatures=table.duplicate_signatures,
+    )
+
+
+def save_tokenizer(tokenizer: TextTokenizer, path: Path) -> None:
+    """tokenizer.json as exactly the text `TextTokenizer.sha256` hashes: the file's bytes then check
+    against the manifest whatever version of `tokenizers` reads them (`check_tokenizer`)."""
+    Path(path).write_bytes(tokenizer.tokenizer.to_str().encode())
+
+
 def write_shard(
     rows: np.ndarray,
     table: SignatureTable,
@@ -238,7 +274,7 @@ def read_manifest(path: str | Path | Location) -> Manifest:
         if not directory.is_dir():
             raise DataError(f"prepared data {path!r} does not exist; run `mhf prepare` first")
         raise DataError(f"{path!r} is not a complete prepared dataset (no {MANIFEST}); rerun `mhf prepare`")
-    fix = f"re-run `mhf prepare --overwrite --out {path}`"
+    fix = _reprepare(path)
     raw = read_json(manifest_path, DataError, fix)
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise DataError(
@@ -319,7 +355,7 @@ def check_shard(directory: Path | Location, shard: ShardEntry) -> pq.FileMetaDat
     """
     directory = Location.of(directory)
     path = directory / shard.file
-    fix = f"re-run `mhf prepare --overwrite --out {directory}`"
+    fix = _reprepare(directory)
     if not path.is_file():
         raise DataError(f"shard {path} is missing; {fix}")
     try:
@@ -336,18 +372,113 @@ def check_shard(directory: Path | Location, shard: ShardEntry) -> pq.FileMetaDat
     return metadata
 
 
+def check_tokenizer(path: str | Path | Location, manifest: Manifest) -> None:
+    """The prepared directory's tokenizer.json is the one its manifest records (one small file read;
+    every run checks it before it starts, since a model is exported with it). A file written by an
+    earlier mhf-dist (saved pretty) is compared by the tokenizer it parses to."""
+    directory = Location.of(path)
+    where = directory / manifest.tokenizer.file
+    mismatch = DataError(f"{where} does not match the manifest's sha256; {_reprepare(directory)}")
+    if not where.is_file():
+        raise DataError(f"{where} is missing; {_reprepare(directory)}")
+    data = where.read_bytes()
+    if hashlib.sha256(data).hexdigest() == manifest.tokenizer.sha256:
+        return
+    try:
+        parsed = Tokenizer.from_str(data.decode())
+    except Exception:  # tokenizers raises a bare Exception for text it cannot parse
+        raise mismatch from None
+    if hashlib.sha256(parsed.to_str().encode()).hexdigest() != manifest.tokenizer.sha256:
+        raise mismatch
+
+
 def verify_shards(path: str | Path | Location) -> int:
-    """Every shard of every split against the manifest's sha256 (reads all the data); returns the count."""
+    """Every file the manifest lists against it, reading all of them: each shard's sha256 and columns
+    (rows of seq_len+1 tokens, H signatures a token in the table's dtype, a count per source), the
+    tokenizer's sha256 and what the manifest says of it, the signature table's fingerprint and settings.
+    Returns the number of shards."""
     directory = Location.of(path)
     manifest = read_manifest(directory)
+    check_tokenizer(directory, manifest)
+    tokenizer = TextTokenizer.load(local_copy(directory / manifest.tokenizer.file))
+    _check_recorded(
+        directory,
+        tokenizer_info(tokenizer, manifest.document_format),
+        manifest.tokenizer,
+        exclude=("sha256",),  # checked above, on the file's bytes
+    )
+    table_path = directory / manifest.signatures.file
+    try:
+        table = load_table(table_path)
+    except SignatureError:
+        raise DataError(
+            f"signature table {table_path} is damaged or not one mhf-dist wrote; {_reprepare(directory)}"
+        ) from None
+    _check_recorded(directory, signatures_info(table), manifest.signatures)
+    if table.tokens != tuple(tokenizer.vocabulary()):
+        raise DataError(
+            f"signature table {table_path} is of another vocabulary than {manifest.tokenizer.file}; "
+            f"{_reprepare(directory)}"
+        )
     count = 0
     for split in SPLITS:
         for shard in manifest.splits[split].shards:
-            check_shard(directory, shard)
+            metadata = check_shard(directory, shard)
             if file_sha256(directory / shard.file) != shard.sha256:
                 raise DataError(
                     f"shard {directory / shard.file} differs from the one prepared (sha256 mismatch); "
-                    f"re-run `mhf prepare --overwrite --out {directory}`"
+                    f"{_reprepare(directory)}"
                 )
+            _check_columns(directory, shard.file, metadata.schema.to_arrow_schema(), manifest)
             count += 1
     return count
+
+
+def _check_recorded(
+    directory: Location,
+    have: TokenizerInfo | SignaturesInfo,
+    recorded: TokenizerInfo | SignaturesInfo,
+    exclude: tuple[str, ...] = (),
+) -> None:
+    """What a file of `directory` is (`have`) against what the manifest records of it, field by field."""
+    actual, wanted = have.model_dump(exclude=set(exclude)), recorded.model_dump(exclude=set(exclude))
+    for field, value in actual.items():
+        if value != wanted[field]:
+            raise DataError(
+                f"{directory / recorded.file} has {field} {value!r} but the manifest says "
+                f"{wanted[field]!r}; {_reprepare(directory)}"
+            )
+
+
+def _check_columns(directory: Location, name: str, schema: pa.Schema, manifest: Manifest) -> None:
+    """A shard's columns have the widths and types the manifest's seq_len, signatures and sources imply."""
+    path = directory / name
+    width = manifest.seq_len + 1
+    sources = len(manifest.sources)
+    wanted = {
+        "input_ids": (pa.int32(), width, f"seq_len+1 = {width} tokens"),
+        "signatures": (
+            pa.from_numpy_dtype(np.dtype(manifest.signatures.dtype)),
+            width * manifest.signatures.num_hashes,
+            f"(seq_len+1) x num_hashes = {width} x {manifest.signatures.num_hashes} "
+            f"{manifest.signatures.dtype} signatures",
+        ),
+    }
+    if sources > 1:
+        wanted["source_tokens"] = (pa.int32(), sources, f"a token count for each of the {sources} sources")
+    if sorted(schema.names) != sorted(wanted):
+        raise DataError(
+            f"shard {path} has the columns {', '.join(schema.names)}, not the manifest's "
+            f"{', '.join(wanted)}; {_reprepare(directory)}"
+        )
+    for column, (value_type, size, meaning) in wanted.items():
+        have = schema.field(column).type
+        if not pa.types.is_fixed_size_list(have) or (have.value_type, have.list_size) != (value_type, size):
+            raise DataError(
+                f"shard {path} column {column} is {have}, but the manifest means {meaning} a row; "
+                f"{_reprepare(directory)}"
+            )
+
+
+def _reprepare(directory: str | Path | Location) -> str:
+    return f"re-run `mhf prepare --overwrite --out {directory}`"

@@ -16,16 +16,19 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Encoding, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mhf_dist.data.recall import recall_vocabulary
 from mhf_dist.errors import DataError
+from mhf_dist.readers import read_text
 
 EOS = "<|endoftext|>"
 EOS_CANDIDATES = (EOS, "</s>", "<eos>")
 BYTE_SPECIALS = ("<bos>", "<eos>", "<pad>")
 PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
 BOS_CANDIDATES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>")
+UNK_TOKENS = ("<unk>", "[UNK]", "<|unk|>")  # a word-level tokenizer with one of these may meet unknown words
+SHOWN_WORDS = 5  # unknown words an error names
 DOCUMENT_FORMATS = ("bos", "eos")
 LEGACY_FORMAT = "eos"  # what manifests and exported models written before the format was recorded hold
 FORMAT_TEXT = {"bos": "BOS first, no EOS", "eos": "EOS after each"}
@@ -41,6 +44,20 @@ def check_document_format(
             f"trained on {model_format}-format documents ({FORMAT_TEXT[model_format]}); re-prepare the "
             f"data with --set data.document_format={model_format}"
         )
+
+
+def check_utf8(texts: Iterable[str]) -> None:
+    """Each text must be encodable as UTF-8: bytes a command line could not decode are kept as surrogate
+    characters (U+DC80..U+DCFF), which no tokenizer reads."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            char = text[err.start]
+            byte = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else repr(char)
+            raise DataError(
+                f"text {text[:40]!r} is not valid UTF-8 ({byte} at character {err.start}); pass UTF-8 text"
+            ) from None
 
 
 def byte_level_alphabet() -> list[str]:
@@ -72,16 +89,24 @@ class TextTokenizer:
         if eos_id is None:
             raise DataError(f"tokenizer has no end-of-text token {eos_token!r}; add it as a special token")
         self.eos_id = eos_id
+        model = tokenizer.model
+        # A word-level model maps a word outside its vocabulary to its unk_token: a silently wrong id
+        # unless that token is an explicit unknown (the recall tokenizer's is EOS).
+        fixed_words = isinstance(model, models.WordLevel) and not (
+            model.unk_token in UNK_TOKENS and tokenizer.token_to_id(model.unk_token) is not None
+        )
+        self.unknown_word = model.unk_token if fixed_words else None
 
     @classmethod
     def load(cls, path: str | Path) -> TextTokenizer:
         """A tokenizer.json file; EOS is the first of EOS_CANDIDATES in its vocabulary."""
+        fix = "pass a tokenizer.json file"
+        text = read_text(path, DataError, fix)
         try:
-            tokenizer = Tokenizer.from_file(str(path))
-        except Exception as err:  # tokenizers raises a bare Exception for unreadable files
-            raise DataError(
-                f"cannot read tokenizer {str(path)!r}: {err}; pass a tokenizer.json file"
-            ) from None
+            tokenizer = Tokenizer.from_str(text)
+        except Exception as err:  # tokenizers raises a bare Exception for a damaged file
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise DataError(f"cannot read tokenizer {str(path)!r}: {reason}; {fix}") from None
         eos = next((token for token in EOS_CANDIDATES if tokenizer.token_to_id(token) is not None), None)
         if eos is None:
             raise DataError(
@@ -299,9 +324,47 @@ class TextTokenizer:
         return [by_id[index] for index in range(len(by_id))]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's ids. Text that is not UTF-8 (undecodable bytes of a command line kept as
+        surrogates) and, for a fixed-vocabulary word-level tokenizer, a word outside its vocabulary are
+        one-line errors."""
+        texts = list(texts)
+        try:
+            encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        except TypeError:  # what tokenizers raises for a str with surrogates
+            check_utf8(texts)
+            raise
+        except Exception:  # tokenizers' refusal of an unknown word when unk_token is not in the vocabulary
+            if self.unknown_word is not None:
+                self._refuse_unknown(self._words_outside_vocabulary(texts))
+            raise
+        if self.unknown_word is not None:
+            self._refuse_unknown(self._words_read_as_unknown(texts, encodings))
+        return [encoding.ids for encoding in encodings]
+
+    def _words_read_as_unknown(self, texts: Sequence[str], encodings: Sequence[Encoding]) -> list[str]:
+        unknown_id = self.tokenizer.token_to_id(self.unknown_word)
         return [
-            encoding.ids for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+            text[start:end]
+            for text, encoding in zip(texts, encodings, strict=True)
+            for index, (start, end) in zip(encoding.ids, encoding.offsets, strict=True)
+            if index == unknown_id and text[start:end] != self.unknown_word
         ]
+
+    def _words_outside_vocabulary(self, texts: Sequence[str]) -> list[str]:
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        split = self.tokenizer.pre_tokenizer
+        words = [word for text in texts for word, _ in split.pre_tokenize_str(text)] if split else texts
+        return [word for word in words if word not in vocab]
+
+    def _refuse_unknown(self, words: Sequence[str]) -> None:
+        unknown = dict.fromkeys(words)
+        if unknown:
+            shown = ", ".join(repr(word) for word in list(unknown)[:SHOWN_WORDS])
+            more = f" and {len(unknown) - SHOWN_WORDS} more" if len(unknown) > SHOWN_WORDS else ""
+            raise DataError(
+                f"unknown word(s) {shown}{more}: the tokenizer is word-level with a fixed vocabulary of "
+                f"{self.vocab_size} words and no <unk> token; use only its words"
+            )
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """(context ids, continuation ids) as the continuation is tokenized after the context.

@@ -21,8 +21,9 @@ command line with this model registered. Needs `pip install 'mhf-dist[eval]'`.
 from __future__ import annotations
 
 import re
+import signal
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
@@ -34,13 +35,17 @@ from lm_eval.models.utils import (
 )
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
-from mhf_dist.errors import MhfError
+from mhf_dist import interrupts
+from mhf_dist.errors import Interrupted, MhfError
 from mhf_dist.eval.scoring import ScoringError, score_continuations
 from mhf_dist.export import load_exported
 from mhf_dist.models.generation import Sampling, generate_batch
 
 AUTO_BATCH_SIZE = 16  # what `--batch_size auto` (or auto:N) means here
+MODEL_ARGS = ("path", "max_length", "batch_size")
+RUNNER_ARGS = ("device", "max_batch_size")  # lm-eval passes them to every model; the scoring needs neither
 DEFAULT_MAX_GEN_TOKS = 128  # a generate_until request without max_gen_toks
+UNKNOWN_TASKS = "Tasks not found:"  # how lm-eval's task manager refuses a task name
 DECODE_CONTEXT = 8  # prompt ids decoded before a continuation (a SentencePiece space, a split character)
 
 
@@ -57,15 +62,22 @@ def harness_batch_size(value: int | str) -> int:
 @register_model("mhf")
 class MhfHarnessLM(LM):
     def __init__(
-        self, path: str, max_length: int = 1024, batch_size: int | str = 1, **_: Any
-    ) -> None:  # device, max_batch_size: unused
+        self,
+        path: str,
+        max_length: int | str = 1024,
+        batch_size: int | str = 1,
+        device: str | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
         super().__init__()
         self.batch_size = harness_batch_size(batch_size)
+        if not str(max_length).isdigit() or int(max_length) < 2:
+            raise ScoringError(f"max_length={max_length!r}; use an integer of at least 2 (ids read at once)")
+        self.max_length = int(max_length)
         exported = load_exported(path)
         self.model = exported.model.eval()
         self.tokenizer = exported.tokenizer
         self.document_format = exported.document_format
-        self.max_length = int(max_length)
         self.prefix_token_id = self.tokenizer.empty_context(self.document_format)[0]
 
     @classmethod
@@ -78,6 +90,14 @@ class MhfHarnessLM(LM):
     def create_from_arg_obj(
         cls, arg_dict: dict[str, Any], additional_config: dict | None = None
     ) -> MhfHarnessLM:
+        unknown = [name for name in arg_dict if name not in (*MODEL_ARGS, *RUNNER_ARGS)]
+        if unknown:
+            raise ScoringError(
+                f"unknown model argument(s) {', '.join(map(repr, unknown))} of model mhf; its --model_args "
+                f"are {', '.join(MODEL_ARGS)}"
+            )
+        if "path" not in arg_dict:
+            raise ScoringError("model mhf needs --model_args path=DIR (an exported model directory)")
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
         return cls(**arg_dict, **extra)
 
@@ -170,10 +190,25 @@ class MhfHarnessLM(LM):
 
 def cli() -> None:
     """`mhf-lm-eval`: lm-eval's command line with the `mhf` model registered."""
-    from lm_eval.__main__ import cli_evaluate
-
+    previous = signal.signal(signal.SIGTERM, interrupts.terminated)
     try:
+        from lm_eval.__main__ import cli_evaluate
+
         cli_evaluate()
     except MhfError as err:  # a bad batch size, a model that is not there: one line, as `mhf` prints it
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(err))
+    except ValueError as err:  # lm-eval's own refusal of a task name, else not a user's mistake
+        if not str(err).startswith(UNKNOWN_TASKS):
+            raise
+        fail(f"{err}; list them with `mhf-lm-eval ls tasks`, or pass --include_path DIR for your own")
+    except (KeyboardInterrupt, Interrupted) as err:
+        stop = interrupts.as_interrupted(err)
+        print(f"interrupted: {stop}", file=sys.stderr)
+        sys.exit(stop.exit_code)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)

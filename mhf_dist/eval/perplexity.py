@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -12,6 +13,8 @@ from mhf_dist.data.packing import pack_rows
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
 from mhf_dist.models.base import CausalLM, split_rows
+
+MAX_EXP = math.log(sys.float_info.max)
 
 
 @torch.no_grad()
@@ -31,9 +34,14 @@ def nll_totals(
     return total, count
 
 
+def perplexity(mean_nll: float) -> float:
+    """exp(mean NLL); inf past float range (math.exp raises there) rather than an OverflowError."""
+    return math.exp(mean_nll) if mean_nll < MAX_EXP else math.inf
+
+
 def nll_summary(total: float, count: int) -> dict[str, float]:
     mean = total / count
-    return {"val_nll": mean, "val_ppl": math.exp(mean), "val_tokens": count}
+    return {"val_nll": mean, "val_ppl": perplexity(mean), "val_tokens": count}
 
 
 def evaluate_rows(model: CausalLM, rows: np.ndarray, batch_size: int = 16) -> dict[str, float]:

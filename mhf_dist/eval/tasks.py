@@ -21,11 +21,10 @@ Texts follow the model's document format: `bos` models read `<s>` before each do
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -34,52 +33,62 @@ from mhf_dist.config import RecallDataConfig
 from mhf_dist.data.corpus import split_documents
 from mhf_dist.data.recall import EVAL_SEED, make_recall
 from mhf_dist.errors import MhfError
-from mhf_dist.eval.perplexity import text_scores
+from mhf_dist.eval import TASKS
+from mhf_dist.eval.perplexity import perplexity, text_scores
 from mhf_dist.eval.scoring import mean_layer_states, score_continuations, score_rows
 from mhf_dist.export import ExportedModel
+from mhf_dist.readers import read_jsonl, read_text
 from mhf_dist.storage import Location
 
-TASKS = ("ppl", "bpb", "lambada", "hellaswag", "card660", "recall")
+TEXT_FORM = 'text (documents separated by blank lines), or .jsonl {"text": ...} lines'
+CARD660_FORM = "word1<TAB>word2<TAB>score"
 RECALL_SEQ_LEN = 64  # `mhf eval --task recall`: rows of the generator's default settings and this length
+
+
+T = TypeVar("T")
 
 
 class EvalDataError(MhfError):
     """An evaluation file is missing or malformed."""
 
 
-def _lines(path: str | Path | Location) -> list[str]:
+def _existing(path: str | Path | Location) -> Location:
     where = Location.of(path)
     if not where.is_file():
         raise EvalDataError(f"evaluation file {str(where)!r} does not exist; pass --data with a file")
-    return where.read_text().splitlines()
+    return where
 
 
-def read_jsonl(path: Location, fields: dict[str, type]) -> list[dict[str, Any]]:
-    records = []
-    for number, line in enumerate(_lines(path), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise EvalDataError(
-                f"{path}:{number}: not valid JSON ({err.msg}); write one object per line"
-            ) from None
-        for name, kind in fields.items():
-            if not isinstance(record, dict) or name not in record:
-                raise EvalDataError(
-                    f"{path}:{number}: missing field {name!r}; each line needs {', '.join(fields)}"
-                )
-            if not isinstance(record[name], kind):
-                raise EvalDataError(f"{path}:{number}: field {name!r} must be a {kind.__name__}")
-        records.append(record)
-    return records
+def _lines(path: str | Path | Location) -> list[str]:
+    return read_text(_existing(path), EvalDataError, "save it as UTF-8 text").splitlines()
+
+
+def read_records(path: str | Path | Location, fields: dict[str, type]) -> list[dict[str, Any]]:
+    """The file's JSON lines, each holding `fields` of their types."""
+    return read_jsonl(_existing(path), EvalDataError, "write UTF-8 JSON, one object per line", fields)
 
 
 def read_texts(path: str | Path | Location) -> list[str]:
     if str(path).endswith(".jsonl"):
-        return [record["text"] for record in read_jsonl(path, {"text": str})]
+        return [record["text"] for record in read_records(path, {"text": str})]
     return split_documents("\n".join(_lines(path)))
+
+
+def _examples(path: Location, examples: list[T], limit: int, form: str) -> list[T]:
+    """The first `limit` examples (0: all); a file with none is an error saying what one looks like."""
+    if not examples:
+        raise EvalDataError(f"{path} has no examples; give it {form}")
+    return examples[: limit or None]
+
+
+def _check_finite(source: str | Location, what: str, values: Iterable[float]) -> None:
+    """Scores of a diverged or damaged model can be nan or infinite; every metric built on them would be
+    too, or silently wrong (an argmax over nan)."""
+    if not all(math.isfinite(value) for value in values):
+        raise EvalDataError(
+            f"the model's {what} on {source} hold nan or inf (a diverged or damaged model); evaluate a "
+            "model whose training loss stayed finite"
+        )
 
 
 def eval_text(
@@ -87,7 +96,7 @@ def eval_text(
 ) -> dict[str, float]:
     if path.is_dir():
         return eval_prepared(exported, path, limit, batch_size)
-    texts = read_texts(path)[: limit or None]
+    texts = _examples(path, read_texts(path), limit, TEXT_FORM)
     scores = text_scores(
         exported.model, exported.tokenizer, texts, seq_len, batch_size, exported.document_format
     )
@@ -131,7 +140,7 @@ def _framed_pair(exported: ExportedModel, context: str, continuation: str) -> tu
 
 
 def eval_lambada(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:
-    records = read_jsonl(path, {"text": str})[: limit or None]
+    records = _examples(path, read_records(path, {"text": str}), limit, '{"text": ...} lines')
     pairs = []
     for number, record in enumerate(records, start=1):
         context, _, word = record["text"].strip().rpartition(" ")
@@ -139,21 +148,25 @@ def eval_lambada(exported: ExportedModel, path: Location, limit: int, batch_size
             raise EvalDataError(f"{path}: example {number} has no context before its last word")
         pairs.append(_framed_pair(exported, context, " " + word))
     scores = score_continuations(exported.model, pairs, batch_size)
+    _check_finite(path, "log-likelihoods", (logprob for logprob, _ in scores))
     return {
         "acc": sum(greedy for _, greedy in scores) / len(records),
-        "ppl": math.exp(-math.fsum(logprob for logprob, _ in scores) / len(records)),
+        "ppl": perplexity(-math.fsum(logprob for logprob, _ in scores) / len(records)),
         "examples": len(records),
     }
 
 
 def eval_hellaswag(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:
-    records = read_jsonl(path, {"ctx": str, "endings": list, "label": int})[: limit or None]
+    fields = {"ctx": str, "endings": list, "label": int}
+    records = _examples(path, read_records(path, fields), limit, '{"ctx", "endings", "label"} lines')
     for number, record in enumerate(records, start=1):
         endings, label = record["endings"], record["label"]
         if len(endings) < 2 or not 0 <= label < len(endings):
             raise EvalDataError(f"{path}: example {number} has label {label} for {len(endings)} endings")
     pairs = [_framed_pair(exported, r["ctx"], " " + e) for r in records for e in r["endings"]]
-    logprobs = iter(score_continuations(exported.model, pairs, batch_size))
+    scores = score_continuations(exported.model, pairs, batch_size)
+    _check_finite(path, "log-likelihoods", (logprob for logprob, _ in scores))
+    logprobs = iter(scores)
     correct = correct_norm = 0
     for record in records:
         endings, label = record["endings"], record["label"]
@@ -192,8 +205,10 @@ def eval_card660(
         try:
             pairs.append((columns[0], columns[1], float(columns[2])))
         except (IndexError, ValueError):
-            raise EvalDataError(f"{path}:{number}: expected word1<TAB>word2<TAB>score") from None
-    pairs = pairs[: limit or None]
+            raise EvalDataError(f"{path}:{number}: expected {CARD660_FORM}") from None
+        if not math.isfinite(pairs[-1][2]):
+            raise EvalDataError(f"{path}:{number}: score {columns[2].strip()!r} is not a finite number")
+    pairs = _examples(path, pairs, limit, f"{CARD660_FORM} lines")
     words = sorted({word for first, second, _ in pairs for word in (first, second)})
     vectors = word_vectors(exported, words, layer, batch_size)
     cosines, gold = [], []
@@ -204,12 +219,28 @@ def eval_card660(
             gold.append(score)
     if len(gold) < 2:
         raise EvalDataError(f"{path}: fewer than two scorable pairs; check the file")
+    _check_correlatable(path, cosines, gold)
     return {
         "pearson": float(pearsonr(cosines, gold).statistic),
         "spearman": float(spearmanr(cosines, gold).statistic),
         "coverage": len(gold) / len(pairs),
         "pairs": len(pairs),
     }
+
+
+def _check_correlatable(path: Location, cosines: list[float], gold: list[float]) -> None:
+    """Pearson and Spearman are nan when either side is constant."""
+    _check_finite(path, "word-vector cosines", cosines)
+    if len(set(cosines)) == 1:
+        raise EvalDataError(
+            f"the model gives all {len(cosines)} scorable pairs of {path} the same cosine "
+            f"({cosines[0]:.4g}), so no correlation is defined; try another --layer"
+        )
+    if len(set(gold)) == 1:
+        raise EvalDataError(
+            f"all {len(gold)} scorable pairs of {path} have the score {gold[0]:g}, so no correlation is "
+            "defined; give pairs of varied scores"
+        )
 
 
 def eval_recall(
@@ -223,7 +254,8 @@ def eval_recall(
     data = make_recall(
         limit or 32, settings.num_pairs, settings.num_queries, seq_len, exported.config.vocab_size, seed
     )
-    _, greedy = score_rows(exported.model, data.rows, data.query_mask, batch_size)
+    logprobs, greedy = score_rows(exported.model, data.rows, data.query_mask, batch_size)
+    _check_finite("the generated recall rows", "log-likelihoods", logprobs)
     return {"acc": float(np.mean(greedy)), "queries": len(greedy), "examples": len(data.rows)}
 
 
@@ -260,4 +292,12 @@ def run_task(
             "shards)"
         )
     exported.model.eval()
-    return runners[task]()
+    results = runners[task]()
+    broken = [f"{name}={value}" for name, value in results.items() if not math.isfinite(value)]
+    if broken:
+        raise EvalDataError(
+            f"task {task!r} gives {', '.join(broken)}: the model's scores are nan or overflow (a diverged or "
+            "damaged model, or text it gives almost no probability); evaluate a model whose training loss "
+            "stayed finite"
+        )
+    return results

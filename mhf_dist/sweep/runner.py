@@ -11,10 +11,11 @@ ASHA stops trials on. Everything lives under `<storage>/<name>/` (a local direct
 from __future__ import annotations
 
 import dataclasses
-import json
+import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import nullcontext
+import signal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,9 @@ from mhf_dist.console import ConsoleRelay, WorkerLines
 from mhf_dist.data.shards import read_manifest
 from mhf_dist.errors import MhfError
 from mhf_dist.files import write_json_atomic
-from mhf_dist.ray_utils import ensure_ray, workers_print_to_console
+from mhf_dist.interrupts import Resumable, tune_stops_gracefully
+from mhf_dist.ray_utils import ensure_ray, logs_dir, workers_print_to_console
+from mhf_dist.readers import read_json
 from mhf_dist.storage import Location
 from mhf_dist.sweep.spec import STORAGE_KEY, SweepConfig, Trial, expand_trials, trial_configs
 from mhf_dist.tracking import end_run, log_dataset, log_steps, reopen_run, start_run, tracking_uri
@@ -36,6 +39,8 @@ SWEEP_FILE = "sweep.json"
 TUNE_DIR = "tune"
 TRIALS_DIR = "trials"
 TRIAL_DRIVER_CPUS = 0.25  # a trial's own process only waits on its TorchTrainer
+TUNE_DRIVER_LOGGER = "ray.tune"
+TUNE_DRIVER_LOG = "mhf-sweep-tune.log"  # in Ray's session logs
 
 
 class SweepError(MhfError):
@@ -145,8 +150,13 @@ def run_sweep(
             ),
             run_config=tune.RunConfig(name=TUNE_DIR, verbose=int(verbose), **tune_storage),
         )
-    with relay or nullcontext():
-        grid = tuner.fit()
+    with tune_stops_gracefully() as stop, relay or nullcontext(), _tune_driver_lines_logged(verbose):
+        try:
+            grid = tuner.fit()
+        except KeyboardInterrupt:  # before Tune could stop gracefully, or a second signal
+            grid = None
+    if grid is None or stop.signal is not None:
+        raise _stopped(stop.signal or signal.SIGINT, directory, configs, uri, parent_run_id)
     outcomes = []
     for result in grid:
         trial = result.config["trial"]
@@ -161,6 +171,44 @@ def run_sweep(
             "`mhf sweep --config ... --resume`"
         )
     return SweepResult(spec.name, spec.experiment, parent_run_id, uri, directory, outcomes)
+
+
+def _stopped(
+    sig: int, directory: Location, configs: dict[str, Config], uri: str, parent_run_id: str
+) -> Resumable:
+    """The one line of an interrupted sweep, once its parent run is marked KILLED and every trial's
+    directory holds at most its train.keep_checkpoints (Tune stops a trial without its clean-up)."""
+    from mhf_dist.train.ray_trainer import tidy_stopped_run
+
+    end_run(uri, parent_run_id, "KILLED")
+    for name, cfg in configs.items():  # a finished trial keeps what it has
+        tidy_stopped_run(directory / TRIALS_DIR / name, cfg.train.keep_checkpoints)
+    return Resumable(
+        f"{signal.Signals(sig).name}; the finished trials and the others' newest checkpoints are kept in "
+        f"{str(directory / TRIALS_DIR)!r}",
+        128 + sig,
+        "--resume",
+    )
+
+
+@contextmanager
+def _tune_driver_lines_logged(verbose: bool) -> Iterator[None]:
+    """Unless `verbose`, what Tune's driver logs (on an interrupt: that it stops, and a
+    `Tuner.restore(...)` hint where `--resume` is mhf's way) goes to Ray's session logs, not the console."""
+    if verbose or (logs := logs_dir()) is None:
+        yield
+        return
+    tune_logger = logging.getLogger(TUNE_DRIVER_LOGGER)
+    handler = logging.FileHandler(os.path.join(logs, TUNE_DRIVER_LOG))
+    propagates = tune_logger.propagate
+    tune_logger.addHandler(handler)
+    tune_logger.propagate = False
+    try:
+        yield
+    finally:
+        tune_logger.propagate = propagates
+        tune_logger.removeHandler(handler)
+        handler.close()
 
 
 def run_trial(
@@ -305,7 +353,7 @@ def _check_resume(spec: SweepConfig, directory: Location) -> str:
         raise SweepError(
             f"there is no sweep {spec.name!r} to resume in {str(directory)!r}; start it without --resume"
         )
-    saved = json.loads(record.read_text())
+    saved = read_json(record, SweepError, "start the sweep again without --resume, under another name")
     if saved["spec"] != spec.model_dump(mode="json"):
         raise SweepError(
             f"the sweep file differs from the one sweep {spec.name!r} started with; resume with the same "

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mhf_dist.config import Config, StrictModel, check_topology, load_config
 from mhf_dist.errors import ConfigError
+from mhf_dist.readers import read_yaml
 
 TOPOLOGY_KEYS = ("workers", "gpus_per_worker", "zero_stage")
 VARIANT_FORM = "a variant mapping {group: NAME, family: FAMILY, set: {key: value}} (NAME: [A-Za-z0-9._-])"
@@ -173,13 +173,7 @@ def load_sweep(path: str | Path) -> SweepConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"sweep file {str(path)!r} does not exist; check the path")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        raise ConfigError(
-            f"sweep file {str(path)!r} is not valid YAML ({str(err).splitlines()[0]})"
-        ) from None
-    return parse_sweep(raw, str(path))
+    return parse_sweep(read_yaml(path, ConfigError, "fix the YAML syntax"), str(path))
 
 
 def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:

@@ -24,6 +24,7 @@ from typing import Any
 
 from mhf_dist.config import Config
 from mhf_dist.errors import TrainingError
+from mhf_dist.readers import read_json
 from mhf_dist.storage import Location, redact
 
 HISTORY_FILE = "history.jsonl"
@@ -143,7 +144,7 @@ def check_resumable(path: Path | Location, cfg: Config, fingerprint: str) -> Non
     ZeRO-0 checkpoint resumes on another worker count (the batches do not depend on it)."""
     workers, zero_stage = cfg.topology.workers, cfg.topology.zero_stage
     path = Location.of(path)
-    run = json.loads((path / RUN_FILE).read_text())
+    run = read_json(path / RUN_FILE, TrainingError, "resume from another checkpoint (mhf train --resume)")
     saved_stage, saved_workers = run.get("zero_stage", zero_stage), run.get("workers", workers)
     if saved_stage != zero_stage:
         raise TrainingError(

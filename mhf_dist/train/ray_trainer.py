@@ -11,11 +11,9 @@ no shared disk.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -26,11 +24,13 @@ from typing import Any
 from mhf_dist.config import Config, ModelConfig, TopologyConfig, check_topology
 from mhf_dist.console import ConsoleRelay, WorkerLines
 from mhf_dist.data.reader import RowReader, training_plan
-from mhf_dist.data.shards import SIGNATURES_FILE, Manifest, check_compatible, read_manifest
+from mhf_dist.data.shards import SIGNATURES_FILE, Manifest, check_compatible, check_tokenizer, read_manifest
 from mhf_dist.errors import Interrupted, MhfError, TrainingError
 from mhf_dist.files import write_json_atomic
+from mhf_dist.interrupts import sigterm_as_sigint
 from mhf_dist.plugins import outside_registrations
 from mhf_dist.ray_utils import ensure_ray, workers_print_to_console
+from mhf_dist.readers import read_json
 from mhf_dist.signatures import load_table
 from mhf_dist.storage import Location, local_copy, redact
 from mhf_dist.tracking import end_run, log_artifact, log_dataset, reopen_run, start_run, tracking_uri
@@ -112,10 +112,11 @@ def check_resources(
     per_worker = 1 if resource == "CPU" else topology.gpus_per_worker
     hint = " (--gpus-per-worker 0 trains on CPUs)" if resource == "GPU" else ""
     waited = f" after {wait_s:g} s of autoscaling" if autoscaling else ""
+    fitting = count // per_worker  # below the workers asked for: they are what does not fit
+    fewer = f"use --workers {fitting} or a larger cluster" if fitting else "use a larger cluster"
     raise TrainingError(
         f"--workers {topology.workers} x {per_worker} {resource} asks for {wanted[resource]} {resource}s but "
-        f"the Ray cluster has {count}{waited}; use --workers {max(1, count // per_worker)} or a larger "
-        f"cluster{hint}"
+        f"the Ray cluster has {count}{waited}; {fewer}{hint}"
     )
 
 
@@ -143,6 +144,7 @@ def train(
                 "endpoint through the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) instead"
             )
     manifest = read_manifest(cfg.data.path)
+    check_tokenizer(cfg.data.path, manifest)  # the exported model carries it
     storage = Location.of(topology.storage)
     storage.make_dirs()  # a missing bucket or an unreachable endpoint fails here, in one line
     ensure_ray(verbose=options.verbose)
@@ -224,26 +226,24 @@ def train(
     # Ray Train routes the workers' print() through logging and, with stdout redirected as Ray's workers
     # have it, also prints it: every progress line twice. Off, each line reaches the console once.
     os.environ[PRINT_PATCH_VARIABLE] = "1" if options.verbose else "0"
-    stopped_by = {"signal": signal.SIGINT}
-    restore = _hand_sigterm_to_ray(stopped_by)
-    try:
-        with relay or nullcontext():
-            result = trainer.fit()
-    except (KeyboardInterrupt, SystemExit):
-        # Ray Train's own SIGINT handler aborts the run and exits (before it is installed, Ctrl-C is a
-        # KeyboardInterrupt): the run is stopped on purpose, not failed.
-        end_run(uri, run_id, "KILLED")
-        raise _interrupted(stopped_by["signal"], run_dir, options.name, cfg.train.keep_checkpoints) from None
-    except BaseException as err:
-        end_run(uri, run_id, "FAILED")
-        user_error = _worker_user_error(err)
-        if user_error is None:
-            raise
-        last_good = newest_checkpoint(run_dir)
-        kept = f"; last good checkpoint: {last_good}" if last_good else "; no checkpoint was written"
-        raise TrainingError(f"{user_error}{kept}") from None
-    finally:
-        restore()
+    with sigterm_as_sigint() as stop:  # SIGTERM takes Ray Train's graceful SIGINT path
+        try:
+            with relay or nullcontext():
+                result = trainer.fit()
+        except (KeyboardInterrupt, SystemExit):
+            # Ray Train's own SIGINT handler aborts the run and exits (before it is installed, Ctrl-C is a
+            # KeyboardInterrupt): the run is stopped on purpose, not failed.
+            end_run(uri, run_id, "KILLED")
+            sig = stop.signal or signal.SIGINT
+            raise _interrupted(sig, run_dir, options.name, cfg.train.keep_checkpoints) from None
+        except BaseException as err:
+            end_run(uri, run_id, "FAILED")
+            user_error = _worker_user_error(err)
+            if user_error is None:
+                raise
+            last_good = newest_checkpoint(run_dir)
+            kept = f"; last good checkpoint: {last_good}" if last_good else "; no checkpoint was written"
+            raise TrainingError(f"{user_error}{kept}") from None
     if result.checkpoint is None:
         end_run(uri, run_id, "FAILED")
         raise TrainingError(
@@ -270,33 +270,18 @@ def check_tracking_reaches_workers(uri: str, nodes: list[dict[str, Any]]) -> Non
         )
 
 
-def _hand_sigterm_to_ray(stopped_by: dict[str, int]) -> Callable[[], None]:
-    """SIGTERM during a fit takes Ray Train's graceful SIGINT path (abort the workers, keep the last
-    checkpoint), remembering which signal it was; returns what restores the previous handlers."""
-    if threading.current_thread() is not threading.main_thread():  # a Tune trial: Tune owns signals
-        return lambda: None
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        stopped_by["signal"] = signal.SIGTERM
-        signal.raise_signal(signal.SIGINT)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-
-    def restore() -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    return restore
-
-
-def _interrupted(sig: int, run_dir: Location, name: str, keep: int) -> Interrupted:
-    """The one line of a stopped run (where it stopped, how to go on); leftover staging removed and
-    train.keep_checkpoints applied."""
+def tidy_stopped_run(run_dir: Location, keep: int) -> None:
+    """What a run stopped mid-way leaves, cleared: its ranks' staging directories, incomplete
+    checkpoints and any beyond the newest `keep` (train.keep_checkpoints)."""
     if not run_dir.remote:  # a run in a bucket stages in local temporary directories
         for staging in run_dir.local.glob(f"{STAGING_PREFIX}*"):
             shutil.rmtree(staging, ignore_errors=True)
     prune_checkpoints(run_dir, keep)
+
+
+def _interrupted(sig: int, run_dir: Location, name: str, keep: int) -> Interrupted:
+    """The one line of a stopped run (where it stopped, how to go on), once it is tidied."""
+    tidy_stopped_run(run_dir, keep)
     last = newest_checkpoint(run_dir)
     name_of = signal.Signals(sig).name
     if last is None:
@@ -315,7 +300,7 @@ def _tracking_run(
     logged before are not logged again)."""
     record = run_dir / TRACKING_FILE
     if options.continue_run and record.is_file():
-        run_id = json.loads(record.read_text())["run_id"]
+        run_id = read_json(record, TrainingError, "start a new run with another --name")["run_id"]
         reopen_run(uri, run_id)
         return run_id
     run_id = start_run(uri, options.experiment, options.name, cfg.flat(), tags)

@@ -1,0 +1,56 @@
+"""The console scripts' entry points: `mhf` and `mhf-lm-eval` answer Ctrl-C and SIGTERM from their
+first instant.
+
+Importing a command line (pyarrow, pydantic; lm-eval's) takes most of a second, before its own signal
+handling is in place. A signal in that time ends the process here, with the one line the command lines
+print later; nothing has been done yet, so there is nothing to clean up. (Before this module runs, in
+the interpreter's own start, a signal has Python's default effect.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from mhf_dist.interrupts import SIGNALS  # stdlib and mhf_dist.errors only: quick to import
+
+
+def _while_starting(signum: int, frame: object) -> None:
+    sys.stderr.write(f"interrupted: {signal.Signals(signum).name} while starting; nothing was done\n")
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+def _imported(module: str, name: str) -> Callable[[], Any]:
+    """`module.name`, imported with the start-up handlers in place, which are restored after (a signal
+    the process was started to ignore, as `nohup` does, stays ignored)."""
+    answered = [sig for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, _while_starting) for sig in answered}
+    try:
+        return getattr(importlib.import_module(module), name)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _finished() -> None:
+    """The command is done and has said so: a signal while the interpreter exits changes nothing."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def mhf() -> int:
+    status = _imported("mhf_dist.cli", "main")()
+    _finished()
+    return status
+
+
+def mhf_lm_eval() -> None:
+    try:
+        _imported("mhf_dist.eval.harness", "cli")()
+    finally:
+        _finished()

@@ -1,0 +1,90 @@
+"""Reading the files a user hands in, one reader per kind (local or in a bucket).
+
+Each turns a missing, damaged, empty or non-UTF-8 file into one line of the caller's `MhfError` that
+names the file, where in it the problem is (a line, a byte offset) and the caller's `fix`, never a
+`JSONDecodeError`, `UnicodeDecodeError` or `YAMLError` traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mhf_dist.errors import MhfError
+from mhf_dist.storage import Location
+
+PathLike = str | Path | Location
+
+
+def read_text(path: PathLike, error: type[MhfError], fix: str) -> str:
+    """The file as strict UTF-8; an undecodable byte is `error` naming its offset and line."""
+    where = Location.of(path)
+    try:
+        data = where.read_bytes()
+    except FileNotFoundError:
+        raise error(f"{str(where)!r} does not exist; check the path") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise error(
+            f"{str(where)!r} is not UTF-8: byte 0x{data[err.start]:02x} at byte offset {err.start} "
+            f"(line {line}) cannot be decoded; {fix}"
+        ) from None
+
+
+def read_json(path: PathLike, error: type[MhfError], fix: str) -> Any:
+    """The parsed file; an empty file or invalid JSON is `error` naming the file, the line and `fix`."""
+    where = Location.of(path)
+    text = read_text(where, error, fix)
+    if not text.strip():
+        raise error(f"{str(where)!r} is empty; {fix}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise error(f"{str(where)!r} is damaged (invalid JSON at line {err.lineno}); {fix}") from None
+
+
+def read_jsonl(
+    path: PathLike, error: type[MhfError], fix: str, fields: Mapping[str, type] | None = None
+) -> list[dict[str, Any]]:
+    """One JSON object per line (blank lines skipped), each holding `fields` of their types; the first
+    line that fails is `error` naming `file:line`. An empty file gives no rows."""
+    where = Location.of(path)
+    fields = fields or {}
+    rows = []
+    for number, line in enumerate(read_text(where, error, fix).splitlines(), start=1):
+        if not line.strip():
+            continue
+        at = f"{where}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise error(f"{at}: not valid JSON ({err.msg}, column {err.colno}); {fix}") from None
+        if not isinstance(row, dict):
+            raise error(f"{at}: a JSON {type(row).__name__}, not an object; {fix}")
+        for name, kind in fields.items():
+            if name not in row:
+                raise error(f"{at}: missing field {name!r}; each line needs {', '.join(fields)}")
+            value = row[name]
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                raise error(f"{at}: field {name!r} must be {kind.__name__}, not {type(value).__name__}")
+        rows.append(row)
+    return rows
+
+
+def read_yaml(path: PathLike, error: type[MhfError], fix: str) -> Any:
+    """`yaml.safe_load` of the file (an empty one is None); invalid YAML is `error` naming the line and
+    column."""
+    where = Location.of(path)
+    try:
+        return yaml.safe_load(read_text(where, error, fix))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise error(f"cannot parse {where}{at}: {problem}; {fix}") from None

@@ -1,0 +1,175 @@
+"""SIGINT and SIGTERM at any moment of a command: one line `interrupted: ...`, exit 130 or 143."""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from faults import train_process
+
+from mhf_dist import cli, local_cluster
+from mhf_dist.cli import main
+from mhf_dist.config import load_config
+from mhf_dist.data.prepare import prepare
+from mhf_dist.errors import Interrupted
+from mhf_dist.interrupts import Resumable, console_line, deferred
+
+BYTES = ["data.tokenizer=bytes", "model.vocab_size=259", "model.hash.spec=H2B64", "train.seq_len=32"]
+
+
+def test_a_signal_in_a_deferred_block_stops_the_command_once_the_block_has_ended():
+    done = []
+
+    def terminated(signum, frame):
+        raise Interrupted("SIGTERM", 143)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        with pytest.raises(Interrupted), deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # time for the signal to arrive
+            done.append("the block ran to its end")
+        assert done == ["the block ran to its end"]
+        assert signal.getsignal(signal.SIGTERM) is terminated
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_ctrl_c_in_any_command_is_one_interrupted_line_and_exit_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_count", interrupted)
+    assert main(["count"]) == 130
+    assert capsys.readouterr().err == "interrupted: SIGINT; rerun the command to start again\n"
+
+
+def test_a_resumable_interrupt_names_the_command_that_goes_on_with_its_flag_once():
+    stop = Resumable("SIGTERM; trials kept", 143, "--resume")
+    assert console_line(stop, ["sweep", "--config", "my sweep.yaml"]) == (
+        "SIGTERM; trials kept; go on with: mhf sweep --config 'my sweep.yaml' --resume"
+    )
+    assert console_line(stop, ["sweep", "--config", "s.yaml", "--resume"]).endswith(
+        "mhf sweep --config s.yaml --resume"
+    )
+    rerun = Resumable("SIGINT; no resume", 130, "", lead="rerun")
+    assert console_line(rerun, ["demo", "--workdir", "w"]) == "SIGINT; no resume; rerun: mhf demo --workdir w"
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), Interrupted("SIGTERM; rerun the command", 143)])
+def test_an_interrupted_submit_wait_says_the_job_goes_on_and_how_to_follow_or_stop_it(
+    stop, monkeypatch, capsys
+):
+    import mhf_dist.submit as submit
+
+    def follow(client, job_id, write):
+        raise stop
+
+    monkeypatch.setattr(submit, "submit_job", lambda *args: (None, "job-7"))
+    monkeypatch.setattr(submit, "follow_job", follow)
+    code = 130 if isinstance(stop, KeyboardInterrupt) else 143
+    assert main(["submit", "jobs/pretrain.job.yaml", "--address", "http://h:8265", "--wait"]) == code
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"interrupted: {signal.Signals(code - 128).name}; job job-7 goes on; follow it with `ray job logs "
+        "--address http://h:8265 --follow job-7`, stop it with `ray job stop --address http://h:8265 job-7`"
+    )
+
+
+@pytest.mark.parametrize("moment", ["recording the head", "waiting for the nodes"])
+def test_an_interrupted_cluster_start_leaves_no_node_running(moment, tmp_path, monkeypatch):
+    started = []
+    write_state = local_cluster._write_state
+
+    def start_node(args, log):  # a stand-in node: a process in a session of its own, as Ray's are
+        process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        started.append(process)
+        return process.pid
+
+    def record(cluster):
+        if cluster.pids and moment == "recording the head":
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C between a node's start and its record
+            time.sleep(0.1)
+        write_state(cluster)
+
+    def wait(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local_cluster, "auth_token", lambda: "token")
+    monkeypatch.setattr(local_cluster, "_ray_start", start_node)
+    monkeypatch.setattr(local_cluster, "_write_state", record)
+    monkeypatch.setattr(local_cluster, "_wait_for_nodes", wait)
+    with pytest.raises(KeyboardInterrupt):
+        local_cluster.start_local_cluster(tmp_path / "cluster", dashboard_port=local_cluster.free_port())
+    assert len(started) == 1
+    started[0].wait(timeout=30)  # the head was stopped
+    assert not (tmp_path / "cluster" / local_cluster.STATE_FILE).exists()
+
+
+def _children(pid):
+    import psutil
+
+    try:
+        return [child.name() for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _one_interrupted_line(process, sig):
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + sig, stderr
+    assert "Traceback" not in stderr, stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("interrupted")]
+    assert stderr.strip().splitlines()[-1] == line and line.startswith(f"interrupted: {sig.name}")
+    return line
+
+
+@pytest.fixture(scope="module")
+def byte_shards(ray_session, tmp_path_factory):
+    path = tmp_path_factory.mktemp("interrupts") / "data"
+    prepare(load_config("tiny", BYTES), path, log=lambda _: None)
+    return path
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_ray_start_up_stops_train_with_one_line(sig, byte_shards, tmp_path):
+    """Sent once Ray's raylet exists, i.e. inside ray.init: before, SIGINT could abort the process
+    inside Ray's C++ start-up and SIGTERM ended it through Ray's own handler (exit 15, no line)."""
+    process = train_process([*BYTES, f"data.path={byte_shards}", "train.steps=5"], tmp_path, "t")
+    deadline = time.monotonic() + 120
+    while process.poll() is None and "raylet" not in _children(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, "train ended before Ray started"
+    process.send_signal(sig)
+    _one_interrupted_line(process, sig)
+
+
+def test_sigterm_mid_sweep_names_the_resume_command_and_keeps_keep_checkpoints(byte_shards, tmp_path):
+    """Tune stops the trial gracefully; its directory keeps train.keep_checkpoints (Tune kills a
+    trial before Ray Train prunes), and Tune's own restore hint stays off the console."""
+    (tmp_path / "s.yaml").write_text(
+        "name: cut\nkind: grid\nconfig: tiny\nseeds: [0]\ngrid: {train.lr: [0.003]}\nstorage: sweeps\n"
+        f"set: {{{', '.join(item.replace('=', ': ') for item in BYTES)}, data.path: {byte_shards}, "
+        "train.steps: 2000, train.checkpoint_every: 1, train.keep_checkpoints: 2, topology.workers: 1}\n"
+    )
+    command = [sys.executable, "-m", "mhf_dist.cli", "sweep", "--config", "s.yaml"]
+    process = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    trial = tmp_path / "sweeps" / "cut" / "trials" / "train.lr=0.003-seed0"
+    deadline = time.monotonic() + 240
+    while process.poll() is None and len(glob.glob(f"{trial}/checkpoint-*/run.json")) < 3:
+        assert time.monotonic() < deadline, "the trial wrote no checkpoints"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143 and "Traceback" not in stderr, stderr
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith("interrupted: SIGTERM") and line.endswith(
+        "go on with: mhf sweep --config s.yaml --resume"
+    )
+    assert "Tuner.restore" not in stdout + stderr
+    assert 1 <= len(list(trial.glob("checkpoint-*"))) <= 2
