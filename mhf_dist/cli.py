@@ -317,7 +317,7 @@ def add_cpt_parser(commands: argparse._SubParsersAction) -> None:
         "--from",
         dest="parent",
         required=True,
-        type=kinds.FILE_OR_DIRECTORY,
+        type=kinds.NAME_OR_PATH,  # a path on the cluster that runs it (jobs/cpt.job.yaml); checked there
         help="exported model, checkpoint or run directory",
     )
     cpt.add_argument(

@@ -43,21 +43,26 @@ def store(tmp_path_factory):
     """A store holding four finished mhf runs (experiment `stages`: ZeRO stages 0 and 2, seeds 0 and 1),
     the issue's seven runs of one seed (`repeats`), runs of two lengths (`lengths`), two seeds whose
     curves stop at different steps (`stopped`) and a sweep of two trials (`sweeps`)."""
-    uri = tracking_uri(tmp_path_factory.mktemp("mlflow"))
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = tracking_uri(root)
     client = MlflowClient(tracking_uri=uri)
-    experiment = client.create_experiment("stages")
+
+    def create_experiment(name: str) -> str:  # artifacts in the test's folder, not the working directory's
+        return client.create_experiment(name, artifact_location=str(root / "artifacts" / name))
+
+    experiment = create_experiment("stages")
     for (stage, seed), values in FINALS.items():
         log_run(client, experiment, {"topology.zero_stage": stage, "train.seed": seed}, values)
-    repeats = client.create_experiment("repeats")
+    repeats = create_experiment("repeats")
     for steps, seed in REPEATS:
         log_run(client, repeats, {"train.steps": steps, "train.seed": seed}, [3.0, 2.0 + steps / 100])
-    lengths = client.create_experiment("lengths")
+    lengths = create_experiment("lengths")
     for steps, seed in LENGTHS:
         log_run(client, lengths, {"train.steps": steps, "train.seed": seed}, [3.0, 2.0 + steps / 100 + seed])
-    stopped = client.create_experiment("stopped")
+    stopped = create_experiment("stopped")
     log_run(client, stopped, {"train.seed": 0}, [3.0, 2.5, 2.0])
     log_run(client, stopped, {"train.seed": 1}, [3.0, 2.6])
-    sweeps = client.create_experiment("sweeps")
+    sweeps = create_experiment("sweeps")
     parent = client.create_run(sweeps, run_name="seeds-a", tags={"role": "sweep"}).info.run_id
     client.set_terminated(parent, "FINISHED")
     for seed in (0, 1):

@@ -280,10 +280,21 @@ def test_mhf_cpt_refuses_an_unknown_trainable_pattern_before_preparing(english_t
     assert err.count("\n") == 1 and not (storage / "mhf-cpt" / "data").exists()
 
 
-def test_mhf_cpt_reports_a_missing_parent_in_one_line(tmp_path, capsys):
+def test_mhf_cpt_reports_a_parent_that_is_no_model_in_one_line(tmp_path, capsys):
     from mhf_dist.cli import main
 
-    code = main(["cpt", "--from", str(tmp_path / "nowhere"), "--data", "builtin", "--add-tokens", "x.txt"])
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "x.txt").write_text("new\n")
+    argv = [
+        "cpt",
+        "--from",
+        str(tmp_path / "nothing"),
+        "--data",
+        "builtin",
+        "--add-tokens",
+        str(tmp_path / "x.txt"),
+    ]
+    code = main(argv)
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "is not an exported model" in err and err.count("\n") == 1

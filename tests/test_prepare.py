@@ -144,7 +144,9 @@ def test_a_bucket_output_holds_the_local_outputs_bytes_and_verify_data_reads_it(
     assert load_table(f"{out}/signatures.safetensors").fingerprint == manifest.signatures.fingerprint
     assert main(["verify-data", out]) == 0
     shards = sum(len(info.shards) for info in manifest.splits.values())
-    assert f"{shards} shards in {out} match" in capsys.readouterr().out
+    assert (
+        f"{shards} shards, tokenizer.json and the signature table in {out} match" in capsys.readouterr().out
+    )
     lines = []
     prepare_if_missing(byte_cfg(cfg.data.corpus, out), log=lines.append)
     assert lines == [f"prepared shards found in {out}; not preparing again"]
@@ -243,7 +245,8 @@ def test_a_hugging_face_name_without_network_says_to_pass_a_local_path(ray_sessi
 
 def test_cli_prepare_reports_errors_in_one_line(ray_session, tmp_path, capsys):
     code = main(["prepare", "--corpus", str(tmp_path / "nothing.txt"), "--out", str(tmp_path / "o")])
-    assert code == 2 and capsys.readouterr().err.startswith("error: corpus")
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: mhf prepare: argument --corpus: ") and "does not exist" in err
 
 
 @needs_shared
@@ -283,7 +286,7 @@ def test_a_missing_truncated_or_swapped_shard_is_named_before_any_row_is_read(tm
     cfg = load_config("tiny", [*overrides, "data.rows_per_shard=20"])
     prepare(cfg, tmp_path / "data", log=lambda _: None)
     assert main(["verify-data", str(tmp_path / "data")]) == 0
-    assert "4 shards in" in capsys.readouterr().out  # 20 + 20 + 10 train rows, 2 validation rows
+    assert "4 shards, tokenizer.json" in capsys.readouterr().out  # 20 + 20 + 10 train rows, 2 validation rows
     first, second = tmp_path / "data" / "train-00000.parquet", tmp_path / "data" / "train-00002.parquet"
     whole = first.read_bytes()
     first.write_bytes(whole[:-100])
@@ -439,9 +442,9 @@ def test_an_unwritable_output_or_zero_cpus_fails_before_any_work(tmp_path, capsy
     recall = ["--set", "data.corpus=recall", "--set", "model.vocab_size=40", "--set", "train.seq_len=32"]
     (tmp_path / "a-file").write_text("not a directory")
     assert main(["prepare", *recall, "--out", str(tmp_path / "a-file" / "data")]) == 2
-    assert "cannot write under" in capsys.readouterr().err
+    assert "a-file' is a file; choose a path under a directory" in capsys.readouterr().err
     assert main(["prepare", *recall, "--out", str(tmp_path / "data"), "--num-cpus", "0"]) == 2
-    assert "--num-cpus 0: Ray needs at least one CPU" in capsys.readouterr().err
+    assert "argument --num-cpus: '0': use a whole number of at least 1" in capsys.readouterr().err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]  # nothing staged or written
 
 

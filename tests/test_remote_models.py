@@ -139,10 +139,11 @@ BAD_LOCATIONS = {
     "unknown-scheme": ("nosuch://bucket/model", {}, "pyarrow knows no filesystem for nosuch://"),
     "prefix-without-a-model": ("{bucket}/nothing", {}, "is not an exported model (no config.json)"),
 }  # fmt: skip
+THIS = __file__  # an existing file for --add-tokens: the rows fail at --from first
 COMMANDS = {
     "eval": lambda uri, model, out: ["eval", "--model", uri, "--task", "recall"],
     "generate": lambda uri, model, out: ["generate", "--model", uri, "--prompt", "x"],
-    "cpt --from": lambda uri, model, out: ["cpt", "--from", uri, "--data", "builtin", "--add-tokens", "x"],
+    "cpt --from": lambda uri, model, out: ["cpt", "--from", uri, "--data", "builtin", "--add-tokens", THIS],
     "export-hf (reading)": lambda uri, model, out: ["export-hf", uri, "--out", out],
     "import-hf (reading)": lambda uri, model, out: ["import-hf", uri, "--out", out],
     "export-hf --out": lambda uri, model, out: ["export-hf", model, "--out", uri],  # refused before any work
