@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from mhf_dist.config import MAX_VOCAB
+from mhf_dist.config import MAX_VOCAB, MIN_VOCAB
 from mhf_dist.errors import MhfError
 from mhf_dist.storage import is_uri
 
@@ -94,9 +94,9 @@ def _assignment(text: str) -> str:
 
 
 def _size(text: str) -> str:
-    from mhf_dist.hf_layout import shard_bytes  # imports transformers: only for `mhf export-hf`
+    from mhf_dist.sizes import byte_size  # imports transformers' hub helpers: only for `mhf export-hf`
 
-    shard_bytes(text)
+    byte_size(text)
     return text
 
 
@@ -237,9 +237,9 @@ RETRIES = Kind(
 )
 VOCABULARY = Kind(
     "vocabulary",
-    f"use a vocabulary size from 2 to {MAX_VOCAB:,}",
-    lambda text: _whole(text, 2, MAX_VOCAB),
-    ("1", "0", str(MAX_VOCAB + 1), "x"),
+    f"use a vocabulary size from {MIN_VOCAB} to {MAX_VOCAB:,}",
+    lambda text: _whole(text, MIN_VOCAB, MAX_VOCAB),
+    (str(MIN_VOCAB - 1), "0", str(MAX_VOCAB + 1), "x"),
     ("259", "151936"),
 )
 ZERO_STAGE = Kind(

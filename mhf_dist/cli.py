@@ -23,6 +23,7 @@ from mhf_dist import arguments as kinds
 from mhf_dist import interrupts
 from mhf_dist.arguments import MhfParser
 from mhf_dist.config import (
+    INIT_NEW_ROWS,
     Config,
     TopologyConfig,
     check_topology,
@@ -297,17 +298,6 @@ def cmd_train(args: argparse.Namespace) -> None:
     _print_result(result, args.experiment)
 
 
-def _init_new_rows(value: str) -> str:
-    from mhf_dist.cpt import INIT_NEW_ROWS  # imports torch: only when `mhf cpt` parses its arguments
-
-    if value not in INIT_NEW_ROWS:
-        raise argparse.ArgumentTypeError(f"{value!r}: use one of {', '.join(INIT_NEW_ROWS)}")
-    return value
-
-
-INIT_NEW_ROWS = kinds.Kind("row initialisation", "", _init_new_rows, ("nope", ""), ("subword", "mean"))
-
-
 def add_cpt_parser(commands: argparse._SubParsersAction) -> None:
     cpt = commands.add_parser(
         "cpt", help="continued pretraining with an expanded vocabulary (mhf: zero new parameters)"
@@ -335,7 +325,7 @@ def add_cpt_parser(commands: argparse._SubParsersAction) -> None:
     )
     cpt.add_argument(
         "--init-new-rows",
-        type=INIT_NEW_ROWS,
+        choices=INIT_NEW_ROWS,
         default="subword",
         help="a baseline's new embedding/head rows: subword, the mean of the token's old pieces' rows "
         "(the authors'), or mean, of all old rows (mhf adds no rows; default: subword)",

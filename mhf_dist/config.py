@@ -24,9 +24,9 @@ from pydantic import (
     model_validator,
 )
 
-from mhf_dist.errors import ConfigError
+from mhf_dist.errors import ConfigError, first_problem
 from mhf_dist.plugins import BACKBONES, FAMILIES, Registry
-from mhf_dist.readers import read_yaml
+from mhf_dist.readers import load_yaml, read_yaml
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -49,6 +49,7 @@ BackboneKind = Annotated[str, _registered(BACKBONES)]
 # The largest vocabulary a config may name: 64x the largest tokenizers in use, and the bound under
 # which `mhf plan` and `mhf count` can afford a table row per token.
 MAX_VOCAB = 2**24
+MIN_VOCAB = 2  # an id to predict besides one other: a model of one token has nothing to learn
 HASH_SPEC = re.compile(r"^H(\d+)B(\d+)(K?)$")
 # Overrides: dotted keys and their values, or `KEY=VALUE` texts (see `load_config`).
 Overrides = Mapping[str, Any] | Iterable[str]
@@ -252,7 +253,7 @@ class TripleConfig(StrictModel):
 
 class ModelConfig(StrictModel):
     family: Family = "mhf"
-    vocab_size: int = Field(32000, gt=0, le=MAX_VOCAB)
+    vocab_size: int = Field(32000, ge=MIN_VOCAB, le=MAX_VOCAB)
     backbone: BackboneConfig
     hash: HashConfig = HashConfig()
     triple: TripleConfig = TripleConfig()
@@ -331,6 +332,10 @@ class RecallDataConfig(StrictModel):
     examples: int = Field(4096, gt=0, description="training rows; validation gets val_percent of this")
     num_pairs: int = Field(8, gt=0, description="key-value pairs at the start of each row")
     num_queries: int = Field(4, gt=0, description="keys asked again later in the row")
+
+
+# How `mhf cpt` starts a baseline's new embedding/head rows (mhf adds none).
+INIT_NEW_ROWS = ("subword", "mean")
 
 
 class ReplayConfig(StrictModel):
@@ -580,7 +585,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     PyYAML's 1.1: `010` is 10 (not octal 8), `1e-3` a float, `1:30` and `yes` stay text."""
     key, value = split_assignment(text)
     try:
-        loaded = yaml.safe_load(value)
+        loaded = load_yaml(value)
     except yaml.YAMLError:
         return key, value
     return key, _core_scalar(value.strip(), loaded)
@@ -667,9 +672,9 @@ def _section_keys(section: type[BaseModel], value: Any, path: str) -> dict[str, 
     try:
         return section.model_validate(value).model_dump(mode="json", exclude_unset=True)
     except ValidationError as err:
-        first = err.errors()[0]
-        if first["loc"]:  # read as the shorthand, but a bad one (`model.hash=X9`)
-            raise ConfigError(f"{path}: {first['msg'].removeprefix('Value error, ')}") from None
+        where, message = first_problem(err)
+        if where:  # read as the shorthand, but a bad one (`model.hash=X9`)
+            raise ConfigError(f"{path}: {message}") from None
     example = next(iter(section.model_fields))
     raise ConfigError(f"{path} is a section; set one of its keys, e.g. --set {path}.{example}=...") from None
 
@@ -702,14 +707,13 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, A
 
 def _describe(err: ValidationError) -> str:
     first = err.errors()[0]
-    location = ".".join(str(part) for part in first["loc"])
+    location, message = first_problem(err)
     if first["type"] == "extra_forbidden":
         parent = _model_at(first["loc"][:-1])
         allowed = ", ".join(parent.model_fields) if parent else "see the preset files"
         return f"unknown key {location!r}; allowed keys there: {allowed}"
     if first["type"] == "missing":
         return f"missing key {location!r}; add it to the config or pass --set {location}=..."
-    message = first["msg"].removeprefix("Value error, ")
     value = first.get("input")
     shown = f" (got {value!r})" if location and not isinstance(value, dict) else ""
     return f"{location}: {message}{shown}" if location else message  # a check across sections names its keys

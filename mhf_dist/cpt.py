@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mhf_dist.config import Config, ModelConfig, ReplayConfig
+from mhf_dist.config import INIT_NEW_ROWS, Config, ModelConfig, ReplayConfig
 from mhf_dist.data.shards import MANIFEST, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import TrainingError
@@ -36,7 +36,6 @@ from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 from mhf_dist.train.trainable import AUTHORS_VE, authors_ve_trainable, trainable_split
 
 INIT_DIR = "init"  # the expanded model training starts from, under <storage>/<name>/
-INIT_NEW_ROWS = ("subword", "mean")  # how a baseline's new embedding/head rows start
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,13 @@
 The CLI prints them as `error: <message>` and exits non-zero; library callers catch `MhfError`.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 
 class MhfError(Exception):
     """A mistake in the user's input, reported as one line without a traceback."""
@@ -24,9 +31,21 @@ class TrainingError(MhfError):
     """A run that cannot go on: a non-finite loss, a checkpoint that does not fit the run."""
 
 
+class ModelOutputError(MhfError):
+    """A model whose outputs hold nan or inf: a diverged or damaged checkpoint."""
+
+
 class Interrupted(Exception):
     """A run stopped by SIGINT or SIGTERM; its one line says where it stopped and how to go on."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def first_problem(err: ValidationError) -> tuple[str, str]:
+    """Where pydantic's validation first failed (dotted keys; "" for a check of the whole model) and its
+    message, without pydantic's "Value error, " prefix: one problem, as a one-line error names it."""
+    problem = err.errors()[0]
+    where = ".".join(str(part) for part in problem["loc"])
+    return where, " ".join(problem["msg"].removeprefix("Value error, ").split())

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from mhf_dist.config import ModelConfig
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
 from mhf_dist.data.tokenizer import DOCUMENT_FORMATS, LEGACY_FORMAT, TextTokenizer, check_document_format
-from mhf_dist.errors import DataError, MhfError, SignatureError
+from mhf_dist.errors import DataError, MhfError, SignatureError, first_problem
 from mhf_dist.files import staged_directory
 from mhf_dist.models.base import CausalLM
 from mhf_dist.readers import read_json
@@ -184,11 +184,15 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
     where = Location.of(directory)
     description = read_export_config(where)
     local = local_copy(where, marker=CONFIG_FILE)
+    if not isinstance(description.get("model"), dict):
+        raise ExportError(f"{str(where)!r}: config.json has no `model` section; re-export the model")
     try:
         config = ModelConfig.model_validate(description["model"])
-    except (KeyError, ValidationError) as err:
+    except ValidationError as err:
+        key, message = first_problem(err)
         raise ExportError(
-            f"{str(where)!r}: config.json holds no valid model config ({err!s:.80}); re-export"
+            f"{str(where)!r}: config.json's model.{key or 'config'} is not one mhf-dist builds ({message}); "
+            "re-export the model"
         ) from None
     table = load_table(local / SIGNATURES_FILE)
     if table.fingerprint != description["signature_fingerprint"]:

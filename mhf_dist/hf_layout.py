@@ -35,12 +35,11 @@ from huggingface_hub.errors import StrictDataclassError
 from pydantic import ValidationError
 from safetensors.torch import load_file
 from transformers import Qwen3Config
-from transformers.utils.hub import convert_file_size_to_int
 
 from mhf_dist.config import ModelConfig, format_hash_spec
 from mhf_dist.data.shards import TOKENIZER_FILE
 from mhf_dist.data.tokenizer import TextTokenizer
-from mhf_dist.errors import MhfError
+from mhf_dist.errors import MhfError, first_problem
 from mhf_dist.export import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -56,6 +55,7 @@ from mhf_dist.models import build_model
 from mhf_dist.models.qwen3 import qwen3_config
 from mhf_dist.readers import read_json
 from mhf_dist.signatures import NO_PAD, ReferenceScheme, SignatureTable, build_for_config
+from mhf_dist.sizes import byte_size
 from mhf_dist.storage import Location, local_copy
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -189,11 +189,10 @@ def _model_config(section: dict) -> ModelConfig:
     try:
         return ModelConfig.model_validate(section)
     except ValidationError as err:
-        problem = err.errors()[0]
-        where = ".".join(str(part) for part in problem["loc"]) or "config"
+        where, message = first_problem(err)
         raise LayoutError(
-            f"config.json does not describe a model mhf-dist builds ({where}: "
-            f"{problem['msg'].removeprefix('Value error, ')}); fix or re-download the checkpoint"
+            f"config.json does not describe a model mhf-dist builds ({where or 'config'}: {message}); fix or "
+            "re-download the checkpoint"
         ) from None
 
 
@@ -327,7 +326,7 @@ def export_hf(
     """An exported mhf-dist model -> the reference layout (mhf) or a plain transformers Qwen3 directory,
     its weights in safetensors shards of at most `max_shard_size` (bytes, or a size such as "500MB";
     one tensor larger than that is a shard of its own). Either directory may be in a bucket."""
-    largest = shard_bytes(max_shard_size)
+    largest = byte_size(max_shard_size, LayoutError)
     out = Location.of(out)
     check_new_output(out, LayoutError, "another --out")
     exported = load_exported(model_dir)
@@ -337,21 +336,6 @@ def export_hf(
         save_torch_state_dict(weights, staging, max_shard_size=largest)
         exported.tokenizer.save(staging / TOKENIZER_FILE)
     return as_given(out)
-
-
-def shard_bytes(size: int | str) -> int:
-    """`size` in bytes: an int, a string of digits, or a number with KB, MB, GB (or KiB, MiB, GiB)."""
-    try:
-        if isinstance(size, str) and size.strip().isdigit():
-            size = int(size)
-        value = None if isinstance(size, bool) else convert_file_size_to_int(size)
-    except (ValueError, AttributeError):  # AttributeError: neither an int nor a string
-        value = None
-    if not isinstance(value, int) or value <= 0:
-        raise LayoutError(
-            f"max shard size {size!r} is not a size; give bytes or a number with KB, MB or GB, e.g. 500MB"
-        )
-    return value
 
 
 HfLayout = Callable[[ExportedModel], tuple[Qwen3Config, dict[str, torch.Tensor]]]

@@ -82,6 +82,26 @@ def console_line(stop: Interrupted, argv: Sequence[str]) -> str:
     return f"{stop}; {stop.lead}: {shlex.join(words)}"
 
 
+def delivered_again_when_swallowed() -> None:
+    """C code that cannot pass an exception on (a Cython module's start-up, an object's `__del__`)
+    hands it to `sys.unraisablehook`, which prints a traceback and goes on: a Ctrl-C or SIGTERM that
+    lands there would be lost. Such an interrupt is sent again as its signal, a moment later from a
+    timer thread: raising it here would only be swallowed again, inside the hook."""
+    shown = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        stop = as_interrupted(unraisable.exc_value) if unraisable.exc_value is not None else None
+        if stop is None:
+            shown(unraisable)
+            return
+        main_thread = threading.main_thread().ident
+        again = threading.Timer(0.05, signal.pthread_kill, (main_thread, stop.exit_code - 128))
+        again.daemon = True  # a process that has finished by then does not wait for it
+        again.start()
+
+    sys.unraisablehook = hook
+
+
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 

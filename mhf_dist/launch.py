@@ -16,7 +16,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from mhf_dist.interrupts import SIGNALS  # stdlib and mhf_dist.errors only: quick to import
+# stdlib and mhf_dist.errors only: quick to import
+from mhf_dist.interrupts import SIGNALS, delivered_again_when_swallowed
 
 
 def _while_starting(signum: int, frame: object) -> None:
@@ -44,12 +45,14 @@ def _finished() -> None:
 
 
 def mhf() -> int:
+    delivered_again_when_swallowed()
     status = _imported("mhf_dist.cli", "main")()
     _finished()
     return status
 
 
 def mhf_lm_eval() -> None:
+    delivered_again_when_swallowed()
     try:
         _imported("mhf_dist.eval.harness", "cli")()
     finally:

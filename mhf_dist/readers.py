@@ -18,6 +18,7 @@ from mhf_dist.errors import MhfError
 from mhf_dist.storage import Location
 
 PathLike = str | Path | Location
+MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 def read_text(path: PathLike, error: type[MhfError], fix: str) -> str:
@@ -77,12 +78,43 @@ def read_jsonl(
     return rows
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is an error: PyYAML keeps the last
+    one silently, so a setting written twice would be half ignored."""
+
+
+def _mapping_of_unique_keys(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == MERGE_TAG:  # `<<: *anchor` merges another mapping (its keys may be overridden)
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            repeated = key in seen
+        except TypeError:  # an unhashable key: construct_mapping names it
+            break
+        if repeated:
+            raise yaml.constructor.ConstructorError(
+                "while reading a mapping", node.start_mark, f"key {key!r} is given twice", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_of_unique_keys)
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load(text)`, refusing a key given twice in a mapping (a `yaml.YAMLError`)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def read_yaml(path: PathLike, error: type[MhfError], fix: str) -> Any:
-    """`yaml.safe_load` of the file (an empty one is None); invalid YAML is `error` naming the line and
-    column."""
+    """`load_yaml` of the file (an empty one is None); invalid YAML, or a key given twice, is `error`
+    naming the line and column."""
     where = Location.of(path)
     try:
-        return yaml.safe_load(read_text(where, error, fix))
+        return load_yaml(read_text(where, error, fix))
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

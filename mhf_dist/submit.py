@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from mhf_dist.errors import ConfigError, MhfError
+from mhf_dist.errors import ConfigError, MhfError, first_problem
 from mhf_dist.readers import read_yaml
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -63,9 +63,8 @@ def load_job_spec(path: str | Path) -> JobSpec:
     try:
         return JobSpec.model_validate(raw or {})
     except (ValidationError, TypeError, ValueError) as err:
-        first = err.errors()[0] if isinstance(err, ValidationError) else {"loc": (), "msg": str(err)}
-        where = ".".join(str(part) for part in first["loc"]) or "spec"
-        raise ConfigError(f"{path}: {where}: {first['msg']}") from None
+        where, message = first_problem(err) if isinstance(err, ValidationError) else ("", str(err))
+        raise ConfigError(f"{path}: {where or 'spec'}: {message}") from None
 
 
 def expand_env_vars(env_vars: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:

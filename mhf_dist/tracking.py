@@ -304,3 +304,23 @@ def set_tags(uri: str, run_id: str, tags: dict[str, Any]) -> None:
 def end_run(uri: str, run_id: str, status: str) -> None:
     with tracking_errors(uri):
         connect(uri).set_terminated(run_id, status=status)
+
+
+def end_running_children(uri: str, parent_run_id: str, status: str) -> None:
+    """Mark the child runs of `parent_run_id` still RUNNING as `status`: a sweep's trials, which Tune
+    stops without their own clean-up when the sweep is interrupted."""
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+    with tracking_errors(uri):
+        client = connect(uri)
+        experiment = client.get_run(parent_run_id).info.experiment_id
+        query = f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}' and attributes.status = 'RUNNING'"
+        running, token = [], None
+        while True:  # every page first: ending a run takes it out of the query's later pages
+            page = client.search_runs([experiment], query, page_token=token)
+            running += [run.info.run_id for run in page]
+            token = page.token
+            if not token:
+                break
+        for run_id in running:
+            client.set_terminated(run_id, status=status)

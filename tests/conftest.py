@@ -1,4 +1,5 @@
 import os
+import signal
 import socket
 
 import pytest
@@ -8,6 +9,12 @@ from mhf_dist.config import Config, load_config
 from mhf_dist.signatures import SignatureTable
 
 servers.install_s3_environment()  # before any Ray instance starts: its workers inherit the endpoint
+
+# A test run started in the background (`bash .ci/run &`, nohup) ignores SIGINT, as POSIX shells start
+# background jobs, and every process the tests start would inherit that and rightly keep ignoring it (the
+# console scripts respect an ignored signal). The tests send SIGINT as a terminal's Ctrl-C does.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SMALL_VOCAB = 300
 

@@ -94,7 +94,8 @@ def test_plan_reads_its_config_and_defaults_to_its_vocabulary_and_qwen3s(capsys)
 
 def test_an_unknown_init_new_rows_is_refused_while_parsing(capsys):
     assert main(["cpt", "--from", ".", "--data", "builtin", "--init-new-rows", "zeros"]) == 2
-    assert "--init-new-rows: 'zeros': use one of subword, mean" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--init-new-rows: invalid choice: 'zeros' (choose from 'subword', 'mean')" in err
 
 
 def test_submit_env_must_be_key_value(capsys):

@@ -12,6 +12,7 @@ and run the real command.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import subprocess
 import sys
@@ -282,6 +283,19 @@ def model_with(ws: dict[str, str], root: Path, name: str, damage: dict[str, byte
     return str(copy)
 
 
+def nan_safetensors(path: Path) -> bytes:
+    """The weights file at `path` with every floating-point tensor nan (a diverged run's checkpoint)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save
+
+    with safe_open(path, "pt") as weights:
+        metadata = weights.metadata()
+    tensors = {
+        name: t.fill_(float("nan")) if t.is_floating_point() else t for name, t in load_file(path).items()
+    }
+    return save(tensors, metadata)
+
+
 def file_rows(ws: dict[str, str], root: Path) -> list[tuple[str, list[str]]]:
     """(row name, argv): every argument that reads a file, handed one that is damaged, empty or not
     UTF-8, and every store or run looked up that is not there."""
@@ -291,6 +305,12 @@ def file_rows(ws: dict[str, str], root: Path) -> list[tuple[str, list[str]]]:
     damaged_config = model_with(ws, root, "model-config", {"config.json": b'{"family": "mh'})
     truncated_weights = model_with(ws, root, "model-weights", {weights: b"\x08\x00\x00\x00\x00\x00\x00\x00{"})
     broken_tokenizer = model_with(ws, root, "model-tokenizer", {"tokenizer.json": b'{"model": '})
+    config = json.loads((Path(model) / "config.json").read_text())
+    config["model"]["family"] = "no-such-family"
+    unknown_family = model_with(ws, root, "model-family", {"config.json": json.dumps(config).encode()})
+    nan_weights = model_with(ws, root, "model-nan", {weights: nan_safetensors(Path(model) / weights)})
+    lambada = root / "lambada.jsonl"
+    lambada.write_text('{"text": "the cat sat on the mat"}\n')
     shards = root / "shards"
     shards.mkdir()
     (shards / "manifest.json").write_text('{"format": "mhf-shards", "spl')
@@ -310,6 +330,7 @@ def file_rows(ws: dict[str, str], root: Path) -> list[tuple[str, list[str]]]:
         ("config", damaged_config),
         ("weights", truncated_weights),
         ("tokenizer", broken_tokenizer),
+        ("family", unknown_family),
     ):
         rows.append(
             (f"eval model {label}", ["eval", "--model", broken, "--task", "ppl", "--data", ws["text"]])
@@ -318,6 +339,14 @@ def file_rows(ws: dict[str, str], root: Path) -> list[tuple[str, list[str]]]:
         rows.append((f"export-hf model {label}", ["export-hf", broken, "--out", ws["new"]]))
         rows.append(
             (f"cpt from {label}", ["cpt", "--from", broken, "--data", "builtin", "--add-tokens", ws["text"]])
+        )
+    for label, extra in (("greedy", []), ("sampling", ["--temperature", "0.8"])):
+        rows.append(
+            (f"generate nan model {label}", ["generate", "--model", nan_weights, "--prompt", "hi", *extra])
+        )
+    for task, data in (("ppl", ws["text"]), ("lambada", str(lambada))):
+        rows.append(
+            (f"eval nan model {task}", ["eval", "--model", nan_weights, "--task", task, "--data", data])
         )
     rows += [
         ("verify-data damaged manifest", ["verify-data", str(shards)]),
@@ -507,9 +536,7 @@ def test_an_interrupt_while_starting_is_one_line(sig, ws):
     one `interrupted:` line last, or done before the signal came (exit 0, or 2 for a refusal such as
     submit's absent cluster); never a traceback, a crash or a signal's bare death."""
     scripts = Path(sys.executable).parent
-    # The demo is left out: once, on a loaded machine, a SIGINT at 1.2 s was lost in it (the defect
-    # tests/test_interrupts.py marks LOST_SIGINT); its sweep's interrupt is tested there.
-    runs = [[str(scripts / "mhf"), *filled(argv, ws)] for command, argv in VALID.items() if command != "demo"]
+    runs = [[str(scripts / "mhf"), *filled(argv, ws)] for argv in VALID.values()]
     runs.append([str(scripts / "mhf-lm-eval"), "--model", "mhf", "--model_args", f"path={ws['model']}"])
     failures = []
     for batch_start in range(0, len(runs) * len(STARTING), 6):

@@ -21,6 +21,7 @@ from mhf_dist.config import RecallDataConfig, load_config
 from mhf_dist.data.corpus import builtin_documents
 from mhf_dist.data.recall import EVAL_SEED, make_recall
 from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.errors import MhfError
 from mhf_dist.eval.scoring import ScoringError, score_continuations
 from mhf_dist.eval.tasks import RECALL_SEQ_LEN, EvalDataError, run_task
 from mhf_dist.export import export_model, load_exported
@@ -699,7 +700,7 @@ def test_a_model_with_nan_weights_is_an_error_not_a_metric(exported, tmp_path, t
     with torch.no_grad():
         next(broken.model.parameters()).fill_(float("nan"))
     data = mixed_task_data(tmp_path)[task]
-    with pytest.raises(EvalDataError, match=r"nan or (inf|overflow) \(a diverged or damaged model") as err:
+    with pytest.raises(MhfError, match=r"nan or (inf|overflow) \(a diverged or damaged") as err:
         run_task(broken, task, data, limit=20 if task == "recall" else 0, seq_len=8)
     assert "\n" not in str(err.value)
 
@@ -737,6 +738,7 @@ def test_a_word_outside_a_word_level_vocabulary_is_an_error_for_generate_and_eva
     [
         ("path={missing}", "hellaswag", r"'.*nowhere' is not an exported model \(no config.json\)"),
         ("path={model}", "no_such_task", r"Tasks not found: no_such_task; list them with `mhf-lm-eval ls"),
+        ("path={model}", None, r"no task given; pass --tasks NAME"),
         ("path={model},max_lenght=64", "hellaswag", r"unknown model argument\(s\) 'max_lenght' of model mhf"),
         ("pth={model}", "hellaswag", r"unknown model argument\(s\) 'pth' of model mhf; its --model_args"),
     ],
@@ -748,7 +750,43 @@ def test_mhf_lm_eval_reports_a_bad_model_task_or_argument_in_one_line(
     args = model_args.format(missing=tmp_path / "nowhere", model=recall_model)
     command = [str(Path(sys.executable).parent / "mhf-lm-eval"), "--model", "mhf", "--model_args", args]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([*command, "--tasks", tasks], capture_output=True, text=True, env=env, timeout=300)
+    command += ["--tasks", tasks] if tasks else []
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert re.match(rf"error: {message}", done.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("exported", ["mhf", "qwen3"], indirect=True)
+def test_a_nan_model_is_refused_by_every_scorer_and_by_the_sampler(exported):
+    """What the harness, `mhf eval` and `mhf generate` score or decode with: a diverged model's nan
+    would give acc 1 (greedy flags over nan) or a sampler's traceback."""
+    from mhf_dist.errors import ModelOutputError
+    from mhf_dist.eval.scoring import score_rows
+    from mhf_dist.models.generation import Sampling
+
+    model = copy.deepcopy(exported.model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(float("nan"))
+    rows = np.array([[1, 5, 6, 7]])
+    scorers = {
+        "continuations": lambda: score_continuations(model, [([1, 5], [6, 7])], batch_size=1),
+        "rows": lambda: score_rows(model, rows, np.ones((1, 3), dtype=bool), batch_size=1),
+        "greedy": lambda: list(generate(model, [1, 5], 3)),
+        "sampling": lambda: list(generate(model, [1, 5], 3, Sampling(temperature=0.8, seed=0))),
+    }
+    for name, score in scorers.items():
+        with pytest.raises(ModelOutputError, match="hold nan or inf"):
+            score()
+            pytest.fail(f"{name} scored a nan model")
+
+
+def test_mhf_lm_eval_reports_a_bad_flag_in_one_line_not_a_usage_block():
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional extra mhf-dist[eval]")
+    command = [str(Path(sys.executable).parent / "mhf-lm-eval"), "--tasks", "hellaswag", "--bogus"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: mhf-lm-eval: unrecognized arguments: --bogus; see `mhf-lm-eval --help`"
+    ]

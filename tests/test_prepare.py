@@ -173,6 +173,22 @@ def test_the_shards_are_checked_against_the_model_config(prepared):
         check_compatible(read_manifest(out), cfg, fingerprint="0" * 64)
 
 
+def test_mhf_train_refuses_shards_that_do_not_fit_before_ray_starts(prepared, tmp_path, monkeypatch, capsys):
+    import mhf_dist.train.ray_trainer as ray_trainer
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started before the shards were checked")
+
+    monkeypatch.setattr(ray_trainer, "ensure_ray", no_ray)
+    _, out, _ = prepared
+    sets = ["data.tokenizer=bytes", "model.vocab_size=259", "model.hash.spec=H2B64", f"data.path={out}"]
+    argv = ["train", *(arg for item in sets for arg in ("--set", item)), "--storage", str(tmp_path / "runs")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: shards have seq_len 32 but the model has 64; set --set train.seq_len=32 or re-prepare"
+    )
+
+
 def test_shard_files_hold_fixed_size_rows_one_per_row_group(prepared):
     _, out, manifest = prepared
     first = pq.read_table(out / manifest.splits["train"].shards[0].file)

@@ -390,3 +390,28 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_removes_incomplete_on
     prune_checkpoints(tmp_path, keep=2)
     assert sorted(path.name for path in tmp_path.iterdir()) == [paths[2].name, paths[4].name]
     assert newest_checkpoint(tmp_path).local == paths[4]
+
+
+def test_a_worker_out_of_memory_is_one_line_saying_what_to_change():
+    """What the fit raises when a worker's allocator fails or Ray's memory monitor kills it; any other
+    failure of a worker stays Ray's own error (a defect, with its traceback)."""
+    import ray.exceptions
+    import torch
+    from ray.train import WorkerGroupError
+
+    from mhf_dist.train.ray_trainer import _worker_user_error
+
+    killed = ray.exceptions.ActorDiedError()  # as Ray builds it: its message set from the raylet's
+    killed.error_msg = "The actor died: 1 worker(s) were killed due to the node running low on memory."
+    failures = [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail"),
+        ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory."),
+        killed,
+    ]
+    for failure in failures:
+        error = _worker_user_error(WorkerGroupError("failed", {1: failure}))
+        assert isinstance(error, TrainingError) and "\n" not in str(error)
+        assert str(error).startswith("worker 1 ran out of memory (")
+        assert "lower train.micro_batch_size" in str(error)
+    assert "Tried to allocate 2.00 GiB)" in str(_worker_user_error(WorkerGroupError("f", {1: failures[0]})))
+    assert _worker_user_error(WorkerGroupError("failed", {0: RuntimeError("a bug")})) is None

@@ -96,6 +96,16 @@ def test_yaml_names_line_and_column_and_an_empty_file_is_none(tmp_path):
     assert read_yaml(path, ConfigError, "fix the YAML") is None
 
 
+def test_a_yaml_key_given_twice_is_one_line_and_merge_keys_still_merge(tmp_path):
+    """PyYAML keeps the last of two equal keys: `steps: 5 ... steps: 7` would silently drop one."""
+    path = tmp_path / "x.yaml"
+    path.write_text("train:\n  steps: 5\n  lr: 0.1\n  steps: 7\n")
+    with pytest.raises(ConfigError, match=r"x.yaml at line 4, column 3: key 'steps' is given twice"):
+        read_yaml(path, ConfigError, "fix the YAML")
+    path.write_text("base: &base {steps: 5, lr: 0.1}\ntrain:\n  <<: *base\n  steps: 7\n")
+    assert read_yaml(path, ConfigError, "fix the YAML")["train"] == {"steps": 7, "lr": 0.1}
+
+
 def test_config_sweep_and_job_files_are_read_through_the_yaml_reader(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nseeds: [1\n")

@@ -68,6 +68,15 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
     [
         ({"name": "x", "kind": "matched", "families": ["mhf", "gpt2"]}, "families: unknown family 'gpt2'"),
         ({"name": "x", "kind": "matched", "seeds": []}, "seeds: List should have at least 1 item"),
+        ({"name": "x", "kind": "seeds", "seeds": [0, 1, 0]}, "seeds: seed 0 comes twice"),
+        (
+            {"name": "x", "kind": "grid", "grid": {"train.lr": [1e-3, 0.001]}},
+            r"trial 'train.lr=0.001-seed0' comes twice",
+        ),
+        (
+            {"name": "x", "kind": "grid", "grid": {"data.corpus": ["a b", "a_b"]}},
+            r"trial 'data.corpus=a_b-seed0' comes twice .*name the same directory",
+        ),
         ({"name": "x", "kind": "matched", "sedes": [1]}, "sedes: unknown key; allowed: name, kind"),
         ({"name": "x", "kind": "seeds", "set": {"train.stpes": 5}}, "unknown key 'train.stpes'"),
         (

@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 from mhf_dist.config import Config
 from mhf_dist.data.packing import Packing
 from mhf_dist.data.tokenizer import FORMAT_TEXT, LEGACY_FORMAT, TextTokenizer
-from mhf_dist.errors import DataError, SignatureError
+from mhf_dist.errors import DataError, SignatureError, first_problem
 from mhf_dist.files import write_json_atomic
 from mhf_dist.readers import read_json
 from mhf_dist.signatures import SignatureTable, load_table
@@ -288,13 +288,11 @@ def read_manifest(path: str | Path | Location) -> Manifest:
     try:
         return Manifest.model_validate(raw)
     except ValidationError as err:
-        raise DataError(f"{manifest_path} is damaged or was edited ({_first_problem(err)}); {fix}") from None
+        raise DataError(f"{manifest_path} is damaged or was edited ({_problem(err)}); {fix}") from None
 
 
-def _first_problem(err: ValidationError) -> str:
-    problem = err.errors()[0]
-    where = ".".join(str(part) for part in problem["loc"])
-    message = problem["msg"].removeprefix("Value error, ")
+def _problem(err: ValidationError) -> str:
+    where, message = first_problem(err)
     return f"{where}: {message}" if where else message
 
 

@@ -20,6 +20,7 @@ command line with this model registered. Needs `pip install 'mhf-dist[eval]'`.
 
 from __future__ import annotations
 
+import argparse
 import re
 import signal
 import sys
@@ -46,6 +47,7 @@ MODEL_ARGS = ("path", "max_length", "batch_size")
 RUNNER_ARGS = ("device", "max_batch_size")  # lm-eval passes them to every model; the scoring needs neither
 DEFAULT_MAX_GEN_TOKS = 128  # a generate_until request without max_gen_toks
 UNKNOWN_TASKS = "Tasks not found:"  # how lm-eval's task manager refuses a task name
+NO_TASKS = "No tasks specified"  # and how its evaluator refuses a command line without --tasks
 DECODE_CONTEXT = 8  # prompt ids decoded before a continuation (a SentencePiece space, a split character)
 
 
@@ -192,12 +194,12 @@ def cli() -> None:
     """`mhf-lm-eval`: lm-eval's command line with the `mhf` model registered."""
     previous = signal.signal(signal.SIGTERM, interrupts.terminated)
     try:
-        from lm_eval.__main__ import cli_evaluate
-
-        cli_evaluate()
+        _evaluate()
     except MhfError as err:  # a bad batch size, a model that is not there: one line, as `mhf` prints it
         fail(str(err))
-    except ValueError as err:  # lm-eval's own refusal of a task name, else not a user's mistake
+    except ValueError as err:  # lm-eval's own refusal of the task names, else not a user's mistake
+        if str(err).startswith(NO_TASKS):
+            fail("no task given; pass --tasks NAME[,NAME...] (list them with `mhf-lm-eval ls tasks`)")
         if not str(err).startswith(UNKNOWN_TASKS):
             raise
         fail(f"{err}; list them with `mhf-lm-eval ls tasks`, or pass --include_path DIR for your own")
@@ -207,6 +209,25 @@ def cli() -> None:
         sys.exit(stop.exit_code)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _evaluate() -> None:
+    """lm-eval's `cli_evaluate`, with its argparse errors (a usage block) as one `error:` line. The
+    parsers are HarnessCLI's private attributes: should they move, its own usage block is printed."""
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    setup_logging()
+    harness = HarnessCLI()
+    commands = getattr(getattr(harness, "_subparsers", None), "choices", {})
+    for parser in [getattr(harness, "_parser", None), *commands.values()]:
+        if isinstance(parser, argparse.ArgumentParser):
+            parser.error = _usage_error  # type: ignore[method-assign]
+    harness.execute(harness.parse_args())
+
+
+def _usage_error(message: str) -> NoReturn:
+    fail(f"mhf-lm-eval: {message}; see `mhf-lm-eval --help`")
 
 
 def fail(message: str) -> NoReturn:

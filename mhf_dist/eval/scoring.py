@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from mhf_dist.errors import MhfError
-from mhf_dist.models.base import CausalLM, split_rows
+from mhf_dist.models.base import CausalLM, split_rows, usable
 
 PAD_ID = 0  # an id of every vocabulary; no real position reads a padded one
 
@@ -91,9 +91,8 @@ def score_continuations(
         positions = torch.arange(inputs.shape[1], device=device)
         mask = (positions < ends) & (positions >= ends - torch.tensor(counts, device=device)[:, None])
         logprobs, greedy = model.score_targets(inputs, targets, mask)
-        for index, logprob, hit in zip(
-            batch, logprobs.double().split(counts), greedy.split(counts), strict=True
-        ):
+        logprobs = usable(logprobs, "log-probabilities").double()
+        for index, logprob, hit in zip(batch, logprobs.split(counts), greedy.split(counts), strict=True):
             results[index] = (float(logprob.sum()), bool(hit.all()))
     return results
 
@@ -111,7 +110,7 @@ def score_rows(
         batch = slice(start, start + batch_size)
         inputs, targets = split_rows(torch.from_numpy(rows[batch]).to(device))
         logprob, hit = model.score_targets(inputs, targets, torch.from_numpy(mask[batch]).to(device))
-        logprobs.append(logprob.double().cpu().numpy())
+        logprobs.append(usable(logprob, "log-probabilities").double().cpu().numpy())
         greedy.append(hit.cpu().numpy())
     return np.concatenate(logprobs), np.concatenate(greedy)
 

@@ -15,9 +15,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mhf_dist.errors import ModelOutputError
+
 # Logits that exist at once while scoring (elements of a [rows, V] block): at V = 151,936 a block is
 # 883 positions, 512 MiB in float32, however many positions a batch scores.
 SCORED_LOGITS_PER_BLOCK = 2**27
+
+
+def usable(values: torch.Tensor, what: str) -> torch.Tensor:
+    """`values` (log-probabilities, scores) as they are when none is nan or +inf; -inf is a probability
+    of 0. A diverged or damaged model gives nan, and whatever is built on it (an argmax, a sample, a
+    score) would be silently wrong."""
+    if torch.isnan(values).any() or torch.isposinf(values).any():
+        raise ModelOutputError(
+            f"the model's {what} hold nan or inf (a diverged or damaged checkpoint); use a model whose "
+            "training loss stayed finite"
+        )
+    return values
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mhf_dist.models.base import CausalLM
+from mhf_dist.models.base import CausalLM, usable
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def stream_batch(
     pending = torch.tensor([row[:fed] for row in rows], device=device)
     while running:
         logprobs, cache = model.next_token_logprobs(pending, cache)
-        chosen = choose_next(logprobs, sampling, generator).tolist()
+        chosen = choose_next(usable(logprobs, "next-token log-probabilities"), sampling, generator).tolist()
         step = {}
         for row, prompt in enumerate(prompts):
             if fed < len(prompt):

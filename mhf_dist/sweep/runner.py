@@ -29,7 +29,15 @@ from mhf_dist.ray_utils import ensure_ray, logs_dir, workers_print_to_console
 from mhf_dist.readers import read_json
 from mhf_dist.storage import Location
 from mhf_dist.sweep.spec import STORAGE_KEY, SweepConfig, Trial, expand_trials, trial_configs
-from mhf_dist.tracking import end_run, log_dataset, log_steps, reopen_run, start_run, tracking_uri
+from mhf_dist.tracking import (
+    end_run,
+    end_running_children,
+    log_dataset,
+    log_steps,
+    reopen_run,
+    start_run,
+    tracking_uri,
+)
 from mhf_dist.train.callbacks import StepCallback
 
 if TYPE_CHECKING:
@@ -176,10 +184,12 @@ def run_sweep(
 def _stopped(
     sig: int, directory: Location, configs: dict[str, Config], uri: str, parent_run_id: str
 ) -> Resumable:
-    """The one line of an interrupted sweep, once its parent run is marked KILLED and every trial's
-    directory holds at most its train.keep_checkpoints (Tune stops a trial without its clean-up)."""
+    """The one line of an interrupted sweep, once its parent run and unfinished trials are marked KILLED
+    and every trial's directory holds at most its train.keep_checkpoints (Tune stops a trial without its
+    clean-up)."""
     from mhf_dist.train.ray_trainer import tidy_stopped_run
 
+    end_running_children(uri, parent_run_id, "KILLED")
     end_run(uri, parent_run_id, "KILLED")
     for name, cfg in configs.items():  # a finished trial keeps what it has
         tidy_stopped_run(directory / TRIALS_DIR / name, cfg.train.keep_checkpoints)

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mhf_dist.config import Config, StrictModel, check_topology, load_config
-from mhf_dist.errors import ConfigError
+from mhf_dist.errors import ConfigError, first_problem
 from mhf_dist.readers import read_yaml
 
 TOPOLOGY_KEYS = ("workers", "gpus_per_worker", "zero_stage")
@@ -104,6 +104,16 @@ class SweepConfig(StrictModel):
             raise ValueError("use letters, digits, '.', '_' and '-' only (it names directories)")
         return name
 
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, seeds: list[int]) -> list[int]:
+        twice = next((seed for seed in seeds if seeds.count(seed) > 1), None)
+        if twice is not None:
+            raise ValueError(
+                f"seed {twice} comes twice (it would train the same run twice); give each seed once"
+            )
+        return seeds
+
     @field_validator("families", mode="before")
     @classmethod
     def _variants(cls, families: Any) -> Any:
@@ -116,9 +126,7 @@ class SweepConfig(StrictModel):
                 try:
                     entry = FamilyVariant.model_validate(entry)
                 except ValidationError as err:
-                    error = err.errors()[0]
-                    where = ".".join(str(part) for part in error["loc"])
-                    problem = error["msg"].removeprefix("Value error, ")
+                    where, problem = first_problem(err)
                     message = f"entry {index} ({where}): {problem}; write {VARIANT_FORM}"
                     raise ValueError(message) from None
             elif not isinstance(entry, str | FamilyVariant):
@@ -184,10 +192,9 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
     try:
         spec = SweepConfig.model_validate(raw)
     except ValidationError as err:
-        error = err.errors()[0]
-        where = ".".join(str(part) for part in error["loc"]) or "sweep"
-        message = error["msg"].removeprefix("Value error, ")
-        if error["type"] == "extra_forbidden":
+        where, message = first_problem(err)
+        where = where or "sweep"
+        if err.errors()[0]["type"] == "extra_forbidden":
             message = f"unknown key; allowed: {', '.join(SweepConfig.model_fields)}"
             if where in TOPOLOGY_KEYS:  # a sweep file written before the config had a topology section
                 message += f"; the run topology is set per trial: `set: {{topology.{where}: ...}}`"
@@ -197,6 +204,13 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
         raise ConfigError(
             f"{source}: {STORAGE_KEY} is the sweep's to choose (<storage>/<name>/trials); set the sweep's "
             "own `storage:` instead"
+        )
+    names = [trial.name for trial in expand_trials(spec)]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise ConfigError(
+            f"{source}: trial {twice!r} comes twice (a family, group or grid value given twice, or two that "
+            "name the same directory); give each once"
         )
     try:
         trial_configs(spec)  # every trial's config must resolve (unknown keys, bad values, topology)

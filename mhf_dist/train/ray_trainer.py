@@ -62,6 +62,8 @@ class TrainResult:
 # Set on a cluster whose autoscaler adds nodes on demand: the resource check waits (a bounded time).
 AUTOSCALING_ENV = "MHF_AUTOSCALING_CLUSTER"
 AUTOSCALING_WAIT_ENV = "MHF_AUTOSCALING_WAIT_S"
+# What Ray says of a worker its memory monitor killed (an actor's death, not an OutOfMemoryError).
+OOM_KILLED = "running low on memory"
 PRINT_PATCH_VARIABLE = "RAY_TRAIN_ENABLE_PRINT_PATCH"  # Ray Train propagates it to the workers
 
 
@@ -147,13 +149,9 @@ def train(
     check_tokenizer(cfg.data.path, manifest)  # the exported model carries it
     storage = Location.of(topology.storage)
     storage.make_dirs()  # a missing bucket or an unreachable endpoint fails here, in one line
-    ensure_ray(verbose=options.verbose)
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    check_resources(topology, ray.cluster_resources, options.console or print)
+    # Everything that can be checked without Ray is, before its seconds of start-up.
     fingerprint = manifest.signatures.fingerprint
+    check_compatible(manifest, cfg, fingerprint)
     run_dir = storage / options.name
     if newest_checkpoint(run_dir) is not None and not options.continue_run:
         raise TrainingError(
@@ -174,13 +172,18 @@ def train(
     worker_cfg = cfg.model_copy(
         update={"data": data, "topology": topology.model_copy(update={"storage": storage.uri})}
     )
-    check_compatible(manifest, cfg, fingerprint)
     reader = RowReader(data.path, "train")
     reader.check_all()  # every shard's footer, once, here rather than in every worker
     training_plan(reader, cfg)  # enough rows for one batch
     # train.trainable: a bad pattern fails here, before any worker starts; the counts go to MLflow.
     table = load_table(Location.of(data.path) / SIGNATURES_FILE)
     split = config_split(cfg.model, table, cfg.train.trainable)
+    ensure_ray(verbose=options.verbose)
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    check_resources(topology, ray.cluster_resources, options.console or print)
     uri = tracking_uri(storage.uri)
     check_tracking_reaches_workers(uri, ray.nodes())
     run_tags = {**_tags(cfg, manifest), **split.tags(), **(tags or {})}
@@ -311,16 +314,26 @@ def _tracking_run(
 
 
 def _worker_user_error(err: BaseException) -> MhfError | None:
-    """The one-line error a worker raised (a bad config, a NaN loss), out of Ray Train's wrappers."""
+    """The one-line error a worker raised (a bad config, a NaN loss), out of Ray Train's wrappers; a
+    worker out of memory (torch's allocator, or Ray's memory monitor killing it) as what to change."""
+    import torch
+    from ray.exceptions import OutOfMemoryError
     from ray.train import WorkerGroupError
 
     if not isinstance(err, WorkerGroupError):
         return None
-    for failure in err.worker_failures.values():
+    for rank, failure in sorted(err.worker_failures.items()):
         # Ray Train wraps user exceptions with their traceback text (UserExceptionWithTraceback).
         cause = getattr(failure, "_base_exc", failure)
         if isinstance(cause, MhfError):
             return cause
+        if isinstance(cause, torch.OutOfMemoryError | OutOfMemoryError) or OOM_KILLED in str(cause):
+            first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "out of memory")
+            return TrainingError(
+                f"worker {rank} ran out of memory ({first[:160]}); lower train.micro_batch_size (gradient "
+                "accumulation keeps the batch) or train.seq_len, raise --zero-stage, or add workers; "
+                "`mhf plan` shows what fits"
+            )
     return None
 
 
