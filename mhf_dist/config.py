@@ -26,7 +26,7 @@ from pydantic import (
 
 from mhf_dist.errors import ConfigError, first_problem
 from mhf_dist.plugins import BACKBONES, FAMILIES, Registry
-from mhf_dist.readers import load_yaml, read_yaml
+from mhf_dist.readers import DuplicateKeyError, load_yaml, read_yaml
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -586,6 +586,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, value = split_assignment(text)
     try:
         loaded = load_yaml(value)
+    except DuplicateKeyError as err:
+        raise ConfigError(f"--set {text!r}: {err.problem}; {err.fix}") from None
     except yaml.YAMLError:
         return key, value
     return key, _core_scalar(value.strip(), loaded)

@@ -143,6 +143,10 @@ def read_export_config(directory: str | Path | Location) -> dict:
     description = read_json(path, ExportError, "re-export the model")
     if not isinstance(description, dict) or description.get("format") != FORMAT:
         raise ExportError(f"{str(path)!r} is not an mhf-dist model config; pass an exported model directory")
+    if not isinstance(description.get("model"), dict):
+        raise ExportError(f"{str(where)!r}: config.json has no `model` section; re-export the model")
+    if not isinstance(description.get("signature_fingerprint"), str):
+        raise ExportError(f"{str(where)!r}: config.json has no `signature_fingerprint`; re-export the model")
     return description
 
 
@@ -184,8 +188,6 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
     where = Location.of(directory)
     description = read_export_config(where)
     local = local_copy(where, marker=CONFIG_FILE)
-    if not isinstance(description.get("model"), dict):
-        raise ExportError(f"{str(where)!r}: config.json has no `model` section; re-export the model")
     try:
         config = ModelConfig.model_validate(description["model"])
     except ValidationError as err:

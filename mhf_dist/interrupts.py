@@ -90,12 +90,12 @@ def delivered_again_when_swallowed() -> None:
     shown = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
-        stop = as_interrupted(unraisable.exc_value) if unraisable.exc_value is not None else None
-        if stop is None:
+        error = unraisable.exc_value
+        if not isinstance(error, KeyboardInterrupt | Interrupted):  # a clean-up's own failure is shown
             shown(unraisable)
             return
-        main_thread = threading.main_thread().ident
-        again = threading.Timer(0.05, signal.pthread_kill, (main_thread, stop.exit_code - 128))
+        sig = error.exit_code - 128 if isinstance(error, Interrupted) else signal.SIGINT
+        again = threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, sig))
         again.daemon = True  # a process that has finished by then does not wait for it
         again.start()
 

@@ -83,6 +83,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     one silently, so a setting written twice would be half ignored."""
 
 
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A key given twice in one YAML mapping: valid syntax, but one of the two would be ignored."""
+
+    fix = "keep one of the two"
+
+
 def _mapping_of_unique_keys(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
     seen: set[Any] = set()
     for key_node, _ in node.value:
@@ -94,7 +100,7 @@ def _mapping_of_unique_keys(loader: _UniqueKeyLoader, node: yaml.MappingNode, de
         except TypeError:  # an unhashable key: construct_mapping names it
             break
         if repeated:
-            raise yaml.constructor.ConstructorError(
+            raise DuplicateKeyError(
                 "while reading a mapping", node.start_mark, f"key {key!r} is given twice", key_node.start_mark
             )
         seen.add(key)
@@ -119,4 +125,5 @@ def read_yaml(path: PathLike, error: type[MhfError], fix: str) -> Any:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or "invalid YAML"
-        raise error(f"cannot parse {where}{at}: {problem}; {fix}") from None
+        advice = err.fix if isinstance(err, DuplicateKeyError) else fix
+        raise error(f"cannot parse {where}{at}: {problem}; {advice}") from None

@@ -308,6 +308,8 @@ def file_rows(ws: dict[str, str], root: Path) -> list[tuple[str, list[str]]]:
     config = json.loads((Path(model) / "config.json").read_text())
     config["model"]["family"] = "no-such-family"
     unknown_family = model_with(ws, root, "model-family", {"config.json": json.dumps(config).encode()})
+    del config["signature_fingerprint"]
+    no_fingerprint = model_with(ws, root, "model-fingerprint", {"config.json": json.dumps(config).encode()})
     nan_weights = model_with(ws, root, "model-nan", {weights: nan_safetensors(Path(model) / weights)})
     lambada = root / "lambada.jsonl"
     lambada.write_text('{"text": "the cat sat on the mat"}\n')
@@ -331,6 +333,7 @@ def file_rows(ws: dict[str, str], root: Path) -> list[tuple[str, list[str]]]:
         ("weights", truncated_weights),
         ("tokenizer", broken_tokenizer),
         ("family", unknown_family),
+        ("fingerprint", no_fingerprint),
     ):
         rows.append(
             (f"eval model {label}", ["eval", "--model", broken, "--task", "ppl", "--data", ws["text"]])

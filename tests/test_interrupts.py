@@ -80,6 +80,24 @@ def test_an_interrupt_that_c_code_swallowed_still_stops_the_command_in_one_line(
     )
 
 
+def test_a_clean_up_that_fails_while_an_interrupt_is_handled_is_shown_not_sent_again():
+    code = (
+        "from mhf_dist import interrupts\n"
+        "interrupts.delivered_again_when_swallowed()\n"
+        "class Failing:\n"
+        "    def __del__(self):\n"
+        "        raise OSError('a finalizer failed')\n"
+        "try:\n"
+        "    raise KeyboardInterrupt\n"
+        "except KeyboardInterrupt:\n"
+        "    Failing()\n"
+        "import time; time.sleep(0.5); print('clean-up done')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "clean-up done\n")
+    assert "OSError: a finalizer failed" in done.stderr
+
+
 def test_a_resumable_interrupt_names_the_command_that_goes_on_with_its_flag_once():
     stop = Resumable("SIGTERM; trials kept", 143, "--resume")
     assert console_line(stop, ["sweep", "--config", "my sweep.yaml"]) == (

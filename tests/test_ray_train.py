@@ -398,6 +398,7 @@ def test_a_worker_out_of_memory_is_one_line_saying_what_to_change():
     import ray.exceptions
     import torch
     from ray.train import WorkerGroupError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 
     from mhf_dist.train.ray_trainer import _worker_user_error
 
@@ -407,11 +408,13 @@ def test_a_worker_out_of_memory_is_one_line_saying_what_to_change():
         torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail"),
         ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory."),
         killed,
+        WorkerHealthCheckFailedError("A worker health check failed.", killed),  # as the fit hands it over
     ]
     for failure in failures:
         error = _worker_user_error(WorkerGroupError("failed", {1: failure}))
         assert isinstance(error, TrainingError) and "\n" not in str(error)
         assert str(error).startswith("worker 1 ran out of memory (")
+        assert "health check" not in str(error)
         assert "lower train.micro_batch_size" in str(error)
     assert "Tried to allocate 2.00 GiB)" in str(_worker_user_error(WorkerGroupError("f", {1: failures[0]})))
     assert _worker_user_error(WorkerGroupError("failed", {0: RuntimeError("a bug")})) is None

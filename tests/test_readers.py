@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from mhf_dist.cli import main
-from mhf_dist.config import load_config
+from mhf_dist.config import load_config, parse_override
 from mhf_dist.data.prepare import prepare
 from mhf_dist.data.reader import RowReader
 from mhf_dist.data.shards import read_manifest, verify_shards
@@ -100,8 +100,14 @@ def test_a_yaml_key_given_twice_is_one_line_and_merge_keys_still_merge(tmp_path)
     """PyYAML keeps the last of two equal keys: `steps: 5 ... steps: 7` would silently drop one."""
     path = tmp_path / "x.yaml"
     path.write_text("train:\n  steps: 5\n  lr: 0.1\n  steps: 7\n")
-    with pytest.raises(ConfigError, match=r"x.yaml at line 4, column 3: key 'steps' is given twice"):
+    with pytest.raises(
+        ConfigError, match=r"x.yaml at line 4, column 3: key 'steps' is given twice; keep one"
+    ):
         read_yaml(path, ConfigError, "fix the YAML")
+    with pytest.raises(
+        ConfigError, match=r"^--set 'train=\{steps: 1, steps: 2\}': key 'steps' is given twice"
+    ):
+        parse_override("train={steps: 1, steps: 2}")
     path.write_text("base: &base {steps: 5, lr: 0.1}\ntrain:\n  <<: *base\n  steps: 7\n")
     assert read_yaml(path, ConfigError, "fix the YAML")["train"] == {"steps": 7, "lr": 0.1}
 

@@ -199,7 +199,10 @@ def cli() -> None:
         fail(str(err))
     except ValueError as err:  # lm-eval's own refusal of the task names, else not a user's mistake
         if str(err).startswith(NO_TASKS):
-            fail("no task given; pass --tasks NAME[,NAME...] (list them with `mhf-lm-eval ls tasks`)")
+            fail(
+                "no task given, or none found where --tasks points; pass --tasks NAME[,NAME...] (list "
+                "them with `mhf-lm-eval ls tasks`)"
+            )
         if not str(err).startswith(UNKNOWN_TASKS):
             raise
         fail(f"{err}; list them with `mhf-lm-eval ls tasks`, or pass --include_path DIR for your own")

@@ -205,6 +205,10 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
             f"{source}: {STORAGE_KEY} is the sweep's to choose (<storage>/<name>/trials); set the sweep's "
             "own `storage:` instead"
         )
+    try:
+        trial_configs(spec)  # every trial's config must resolve (unknown keys, bad values, topology)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
     names = [trial.name for trial in expand_trials(spec)]
     twice = next((name for name in names if names.count(name) > 1), None)
     if twice is not None:
@@ -212,10 +216,6 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
             f"{source}: trial {twice!r} comes twice (a family, group or grid value given twice, or two that "
             "name the same directory); give each once"
         )
-    try:
-        trial_configs(spec)  # every trial's config must resolve (unknown keys, bad values, topology)
-    except ConfigError as err:
-        raise ConfigError(f"{source}: {err}") from None
     return spec
 
 

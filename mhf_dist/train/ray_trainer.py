@@ -323,8 +323,10 @@ def _worker_user_error(err: BaseException) -> MhfError | None:
     if not isinstance(err, WorkerGroupError):
         return None
     for rank, failure in sorted(err.worker_failures.items()):
-        # Ray Train wraps user exceptions with their traceback text (UserExceptionWithTraceback).
+        # Ray Train wraps user exceptions with their traceback text (UserExceptionWithTraceback), and a
+        # worker that died (Ray's memory monitor killed it) in a failed health check.
         cause = getattr(failure, "_base_exc", failure)
+        cause = getattr(cause, "health_check_failure", cause)
         if isinstance(cause, MhfError):
             return cause
         if isinstance(cause, torch.OutOfMemoryError | OutOfMemoryError) or OOM_KILLED in str(cause):
