@@ -17,6 +17,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -136,9 +137,10 @@ def deferred() -> Iterator[None]:
 
 @dataclass
 class Stop:
-    """Which signal stopped a fit, if one came."""
+    """Which signal stopped a fit, if one came, and when (seconds since the epoch)."""
 
     signal: int | None = None
+    at: float | None = None
 
 
 @contextmanager
@@ -177,7 +179,7 @@ def tune_stops_gracefully() -> Iterator[Stop]:
     def on_signal(signum: int, frame: Any) -> None:
         if stop.signal is not None:
             raise KeyboardInterrupt
-        stop.signal = signum
+        stop.signal, stop.at = signum, time.time()
         signal.raise_signal(TUNE_STOP_SIGNAL)
 
     def before_tune(signum: int, frame: Any) -> None:  # Tune's own handler replaces it

@@ -306,21 +306,28 @@ def end_run(uri: str, run_id: str, status: str) -> None:
         connect(uri).set_terminated(run_id, status=status)
 
 
-def end_running_children(uri: str, parent_run_id: str, status: str) -> None:
-    """Mark the child runs of `parent_run_id` still RUNNING as `status`: a sweep's trials, which Tune
-    stops without their own clean-up when the sweep is interrupted."""
+def end_stopped_children(uri: str, parent_run_id: str, stopped_at: float) -> None:
+    """Mark KILLED the child runs of `parent_run_id` that an interrupt at `stopped_at` (seconds since
+    the epoch) stopped: a sweep's trials still RUNNING (Tune stopped them without their clean-up), or
+    ended FAILED since then (a trial that saw the stop as its fit failing). A trial that failed before
+    keeps FAILED."""
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
     with tracking_errors(uri):
         client = connect(uri)
         experiment = client.get_run(parent_run_id).info.experiment_id
-        query = f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}' and attributes.status = 'RUNNING'"
-        running, token = [], None
-        while True:  # every page first: ending a run takes it out of the query's later pages
+        query = f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}'"
+        stopped, token = [], None
+        while True:  # every page first: ending a run could move it between pages
             page = client.search_runs([experiment], query, page_token=token)
-            running += [run.info.run_id for run in page]
+            stopped += [
+                run.info.run_id
+                for run in page
+                if run.info.status == "RUNNING"
+                or (run.info.status == "FAILED" and (run.info.end_time or 0) >= stopped_at * 1000)
+            ]
             token = page.token
             if not token:
                 break
-        for run_id in running:
-            client.set_terminated(run_id, status=status)
+        for run_id in stopped:
+            client.set_terminated(run_id, status="KILLED")

@@ -185,3 +185,35 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_sess
     assert client.get_run(result.parent_run_id).info.status == "FINISHED"
     with pytest.raises(SweepError, match="already exists"):
         run_sweep(spec, log=lambda _: None)
+
+
+def test_an_interrupted_sweep_marks_killed_the_trials_it_stopped_and_keeps_an_earlier_failure(tmp_path):
+    """A trial still RUNNING, or one that saw the stop as its fit failing (FAILED since the signal),
+    was stopped by the interrupt; a trial that had failed before keeps FAILED."""
+    import time
+
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+    from mhf_dist.tracking import connect, end_stopped_children, tracking_uri
+
+    uri = tracking_uri(tmp_path)
+    client = connect(uri)
+    experiment = client.create_experiment("sweep")
+    parent = client.create_run(experiment).info.run_id
+
+    def child(status=None):
+        run_id = client.create_run(experiment, tags={MLFLOW_PARENT_RUN_ID: parent}).info.run_id
+        if status:
+            client.set_terminated(run_id, status)
+        return run_id
+
+    failed_before, finished = child("FAILED"), child("FINISHED")
+    time.sleep(0.05)
+    stopped_at = time.time()
+    failed_by_the_stop, running = child("FAILED"), child()
+    end_stopped_children(uri, parent, stopped_at)
+    statuses = [
+        client.get_run(run).info.status for run in (failed_before, finished, failed_by_the_stop, running)
+    ]
+    assert statuses == ["FAILED", "FINISHED", "KILLED", "KILLED"]
+    assert client.get_run(parent).info.status == "RUNNING"  # the sweep's own run is ended by its caller

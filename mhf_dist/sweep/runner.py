@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from mhf_dist.storage import Location
 from mhf_dist.sweep.spec import STORAGE_KEY, SweepConfig, Trial, expand_trials, trial_configs
 from mhf_dist.tracking import (
     end_run,
-    end_running_children,
+    end_stopped_children,
     log_dataset,
     log_steps,
     reopen_run,
@@ -164,7 +165,8 @@ def run_sweep(
         except KeyboardInterrupt:  # before Tune could stop gracefully, or a second signal
             grid = None
     if grid is None or stop.signal is not None:
-        raise _stopped(stop.signal or signal.SIGINT, directory, configs, uri, parent_run_id)
+        stopped_at = stop.at or time.time()
+        raise _stopped(stop.signal or signal.SIGINT, stopped_at, directory, configs, uri, parent_run_id)
     outcomes = []
     for result in grid:
         trial = result.config["trial"]
@@ -182,14 +184,14 @@ def run_sweep(
 
 
 def _stopped(
-    sig: int, directory: Location, configs: dict[str, Config], uri: str, parent_run_id: str
+    sig: int, stopped_at: float, directory: Location, configs: dict[str, Config], uri: str, parent_run_id: str
 ) -> Resumable:
     """The one line of an interrupted sweep, once its parent run and unfinished trials are marked KILLED
     and every trial's directory holds at most its train.keep_checkpoints (Tune stops a trial without its
     clean-up)."""
     from mhf_dist.train.ray_trainer import tidy_stopped_run
 
-    end_running_children(uri, parent_run_id, "KILLED")
+    end_stopped_children(uri, parent_run_id, stopped_at)
     end_run(uri, parent_run_id, "KILLED")
     for name, cfg in configs.items():  # a finished trial keeps what it has
         tidy_stopped_run(directory / TRIALS_DIR / name, cfg.train.keep_checkpoints)
