@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from mhf_dist.errors import ConfigError, first_problem
+from mhf_dist.errors import ConfigError, first_problem, problem_line
 from mhf_dist.plugins import BACKBONES, FAMILIES, Registry
 from mhf_dist.readers import DuplicateKeyError, load_yaml, read_yaml
 
@@ -709,7 +709,7 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, A
 
 def _describe(err: ValidationError) -> str:
     first = err.errors()[0]
-    location, message = first_problem(err)
+    location, _ = first_problem(err)
     if first["type"] == "extra_forbidden":
         parent = _model_at(first["loc"][:-1])
         allowed = ", ".join(parent.model_fields) if parent else "see the preset files"
@@ -718,7 +718,7 @@ def _describe(err: ValidationError) -> str:
         return f"missing key {location!r}; add it to the config or pass --set {location}=..."
     value = first.get("input")
     shown = f" (got {value!r})" if location and not isinstance(value, dict) else ""
-    return f"{location}: {message}{shown}" if location else message  # a check across sections names its keys
+    return problem_line(err) + shown
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:

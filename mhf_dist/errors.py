@@ -49,3 +49,10 @@ def first_problem(err: ValidationError) -> tuple[str, str]:
     problem = err.errors()[0]
     where = ".".join(str(part) for part in problem["loc"])
     return where, " ".join(problem["msg"].removeprefix("Value error, ").split())
+
+
+def problem_line(err: ValidationError) -> str:
+    """`first_problem` as the words of a one-line error: "key: message", or the message of a whole-model
+    check (which names its keys itself)."""
+    where, message = first_problem(err)
+    return f"{where}: {message}" if where else message

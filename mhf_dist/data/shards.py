@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 from mhf_dist.config import Config
 from mhf_dist.data.packing import Packing
 from mhf_dist.data.tokenizer import FORMAT_TEXT, LEGACY_FORMAT, TextTokenizer
-from mhf_dist.errors import DataError, SignatureError, first_problem
+from mhf_dist.errors import DataError, SignatureError, problem_line
 from mhf_dist.files import write_json_atomic
 from mhf_dist.readers import read_json
 from mhf_dist.signatures import SignatureTable, load_table
@@ -288,12 +288,7 @@ def read_manifest(path: str | Path | Location) -> Manifest:
     try:
         return Manifest.model_validate(raw)
     except ValidationError as err:
-        raise DataError(f"{manifest_path} is damaged or was edited ({_problem(err)}); {fix}") from None
-
-
-def _problem(err: ValidationError) -> str:
-    where, message = first_problem(err)
-    return f"{where}: {message}" if where else message
+        raise DataError(f"{manifest_path} is damaged or was edited ({problem_line(err)}); {fix}") from None
 
 
 def check_compatible(manifest: Manifest, cfg: Config, fingerprint: str | None = None) -> None:
