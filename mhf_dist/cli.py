@@ -879,7 +879,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_logs_hint(sys.stderr)  # before the error: the error stays the last line
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, Exception) as err:
+    except (KeyboardInterrupt, Interrupted, Exception) as err:
         # An interrupt (SIGTERM's Interrupted, SIGINT's KeyboardInterrupt), or a library's clean-up
         # (Ray Data's, say) that failed while one unwound through it.
         stop = interrupts.as_interrupted(err)

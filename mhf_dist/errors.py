@@ -35,8 +35,10 @@ class ModelOutputError(MhfError):
     """A model whose outputs hold nan or inf: a diverged or damaged checkpoint."""
 
 
-class Interrupted(Exception):
-    """A run stopped by SIGINT or SIGTERM; its one line says where it stopped and how to go on."""
+class Interrupted(BaseException):
+    """A run stopped by SIGINT or SIGTERM; its one line says where it stopped and how to go on. Not an
+    `Exception`, for the reason KeyboardInterrupt is not one: code that catches `Exception` (ours around a
+    library that raises bare ones, a library's own) must not take a SIGTERM for its error and go on."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)

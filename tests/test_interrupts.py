@@ -15,7 +15,8 @@ from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
 from mhf_dist.errors import Interrupted
-from mhf_dist.interrupts import Resumable, console_line, deferred
+from mhf_dist.interrupts import Resumable, console_line, deferred, stopped
+from mhf_dist.tracking import tracking_errors
 
 BYTES = ["data.tokenizer=bytes", "model.vocab_size=259", "model.hash.spec=H2B64", "train.seq_len=32"]
 
@@ -96,6 +97,12 @@ def test_a_clean_up_that_fails_while_an_interrupt_is_handled_is_shown_not_sent_a
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (0, "clean-up done\n")
     assert "OSError: a finalizer failed" in done.stderr
+
+
+def test_a_sigterm_inside_code_that_catches_exception_is_not_taken_for_that_codes_error(tmp_path):
+    # tracking_errors turns any Exception of an MLflow request into a one-line TrackingError.
+    with pytest.raises(Interrupted, match="SIGTERM"), tracking_errors(f"sqlite:///{tmp_path}/mlflow.db"):
+        raise stopped(signal.SIGTERM)
 
 
 def test_a_resumable_interrupt_names_the_command_that_goes_on_with_its_flag_once():
