@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from mhf_dist.config import MAX_VOCAB, MIN_VOCAB
+from mhf_dist.config import MAX_SEED, MAX_VOCAB, MIN_VOCAB
 from mhf_dist.errors import MhfError
 from mhf_dist.storage import is_uri
 
@@ -178,6 +178,13 @@ NATURAL = Kind(
     lambda text: _whole(text, 0),
     ("-1", "1.5", "x", ""),
     ("0", "5"),
+)
+SEED = Kind(
+    "seed",
+    "use a whole number from 0 to 2**64 - 1",
+    lambda text: _whole(text, 0, MAX_SEED),
+    ("-1", "18446744073709551616", "1.5", "x"),
+    ("0", "18446744073709551615"),
 )
 INTEGER = Kind(
     "integer",

@@ -183,7 +183,9 @@ def add_prepare_parser(commands: argparse._SubParsersAction) -> None:
         prep, "--out", "data.path", "output directory, local or s3:// / gs://", type=kinds.OUTPUT_DIRECTORY
     )
     prep.add_argument(
-        "--overwrite", action="store_true", help="replace an existing output (in a bucket: only an mhf one)"
+        "--overwrite",
+        action="store_true",
+        help="replace shards an earlier prepare wrote there (a folder holding anything else is refused)",
     )
     prep.add_argument("--num-cpus", type=kinds.COUNT, help="CPUs of a local Ray instance (default: all)")
     prep.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
@@ -494,7 +496,7 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--top-p", type=kinds.PROBABILITY, default=1.0, help="sample from the nucleus of this mass; 1: all"
     )
-    gen.add_argument("--seed", type=kinds.NATURAL, help="seed for reproducible sampling")
+    gen.add_argument("--seed", type=kinds.SEED, help="seed for reproducible sampling")
     gen.set_defaults(func=cmd_generate)
 
 
@@ -533,7 +535,7 @@ def add_demo_parser(commands: argparse._SubParsersAction) -> None:
         help="where results are written (default: runs/demo)",
     )
     demo.add_argument(
-        "--seeds", type=kinds.NATURAL, nargs="+", default=[0, 1], help="seeds per family (default: 0 1)"
+        "--seeds", type=kinds.SEED, nargs="+", default=[0, 1], help="seeds per family (default: 0 1)"
     )
     _add_topology_flags(demo, "workers")
     demo.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)

@@ -50,6 +50,8 @@ BackboneKind = Annotated[str, _registered(BACKBONES)]
 # which `mhf plan` and `mhf count` can afford a table row per token.
 MAX_VOCAB = 2**24
 MIN_VOCAB = 2  # an id to predict besides one other: a model of one token has nothing to learn
+MAX_SEED = 2**64 - 1  # the largest seed torch.manual_seed takes
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 HASH_SPEC = re.compile(r"^H(\d+)B(\d+)(K?)$")
 # Overrides: dotted keys and their values, or `KEY=VALUE` texts (see `load_config`).
 Overrides = Mapping[str, Any] | Iterable[str]
@@ -286,7 +288,7 @@ class ModelConfig(StrictModel):
 
 
 class TrainConfig(StrictModel):
-    seed: int = 0
+    seed: Seed = 0
     steps: int = Field(100, gt=0)
     batch_size: int = Field(8, gt=0, description="the global batch: rows per optimizer step, all workers")
     micro_batch_size: int | None = Field(

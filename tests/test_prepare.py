@@ -541,6 +541,21 @@ def _our_shards_and_a_note(out: Location) -> None:
     (out / "notes.txt").write_text("kept beside the shards")
 
 
+def _a_note_called_manifest(out: Location) -> None:
+    (out / "manifest.json").write_text("# notes\n")
+    (out / "tokenizer.json").write_text("{}")
+
+
+def _a_folder_named_like_a_shard(out: Location) -> None:
+    (out / "manifest.json").write_text(json.dumps({"format": "mhf-shards"}))
+    (out / "train-00000.parquet" / "part-0.txt").write_text("a partitioned table of someone's")
+
+
+def _notes_in_a_progress_folder(out: Location) -> None:
+    (out / "manifest.json").write_text("x")
+    (out / "progress" / "thesis.txt").write_text("data")
+
+
 def _a_plain_file(out: Location) -> None:
     out.write_text("not a directory")
 
@@ -560,7 +575,10 @@ def snapshot(root: Location) -> dict:
 @pytest.mark.parametrize(
     ("make", "why"),
     [
-        (_a_thesis_folder, r"is not shards mhf prepare wrote \(it holds 'chapters'\)"),
+        (_a_thesis_folder, r"is not shards mhf prepare wrote \(it holds 'chapters/one\.txt'\)"),
+        (_a_note_called_manifest, r"is not shards mhf prepare wrote \(its manifest\.json is not JSON\)"),
+        (_a_folder_named_like_a_shard, r"\(it holds 'train-00000\.parquet/part-0\.txt'\)"),
+        (_notes_in_a_progress_folder, r"\(it holds 'progress/thesis\.txt'\)"),
         (_another_tools_manifest, r"is not shards mhf prepare wrote \(its manifest\.json is not an mhf"),
         (_our_shards_and_a_note, r"is not shards mhf prepare wrote \(it holds 'notes\.txt'\)"),
         (_a_plain_file, "is a file, not a directory of shards"),
@@ -586,8 +604,8 @@ def test_the_cli_refuses_overwrite_of_a_foreign_folder_with_one_line_and_exit_2(
     assert main(["prepare", *flags, "--out", str(out), "--overwrite"]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert error[-1] == (
-        f"error: output {str(out)!r} is not shards mhf prepare wrote (it holds 'chapters'); choose another "
-        "--out or remove it yourself"
+        f"error: output {str(out)!r} is not shards mhf prepare wrote (it holds 'chapters/one.txt'); choose "
+        "another --out or remove it yourself"
     )
     assert local_tree(tmp_path) == before
 

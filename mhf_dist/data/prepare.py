@@ -94,6 +94,18 @@ PROGRESS_VERSION = 1
 PART_COMPRESSION = "zstd"
 TRAIN, VALIDATION = 0, 1  # the split codes of a tokenized part's `split` column
 SHARD_NAME = re.compile(rf"({'|'.join(SPLITS)})-\d{{5,}}\.parquet")  # shard_name's
+# Every file a prepare writes in its output (the progress folder only while a bucket run is unfinished).
+WRITTEN_HERE = re.compile(
+    "|".join(
+        (
+            *(re.escape(name) for name in (MANIFEST, TOKENIZER_FILE, SIGNATURES_FILE)),
+            SHARD_NAME.pattern,
+            rf"{PROGRESS}/{re.escape(KEY_FILE)}",
+            rf"{PROGRESS}/{PARTS}/\d{{5,}}\.arrow",
+            rf"{PROGRESS}/{SHARDS}/({SHARD_NAME.pattern})\.json",
+        )
+    )
+)
 T = TypeVar("T")
 
 
@@ -193,26 +205,34 @@ def check_output(out: Location, overwrite: bool, flag: str = "--out") -> None:
 
 def _foreign(out: Location, entries: list[Location]) -> str | None:
     """Why the non-empty directory `out` is not shards of ours (to replace, or in a bucket to resume),
-    or None when it is."""
-    stranger = next((entry.name for entry in entries if not _written_here(entry.name)), None)
+    or None when it is: every file in it one this command writes, under the names and in the folders it
+    writes them, and a manifest of ours, or (damaged) one beside a signature table of ours."""
+    files = [path for path, _ in out.files()]
+    stranger = next((path for path in files if not WRITTEN_HERE.fullmatch(path)), None)
+    if stranger is None:  # an empty folder, or a link to one
+        holding = {path.split("/", 1)[0] for path in files}
+        stranger = next((entry.name for entry in entries if entry.name not in holding), None)
     if stranger is not None:
         return f"it holds {stranger!r}"
-    if out.remote and (out / PROGRESS / KEY_FILE).is_file():
+    if out.remote and f"{PROGRESS}/{KEY_FILE}" in files:
         return None  # a bucket run of ours that did not finish
-    if not (out / MANIFEST).is_file():
+    if MANIFEST not in files:
         return f"it has no {MANIFEST}"
     try:
         raw = json.loads((out / MANIFEST).read_bytes())
     except ValueError:
-        return None  # our files around a damaged manifest: reading it advises --overwrite
+        return None if _our_signature_table(out) else f"its {MANIFEST} is not JSON"
     if isinstance(raw, dict) and raw.get("format") == FORMAT:
         return None
     return f"its {MANIFEST} is not an mhf shard manifest"
 
 
-def _written_here(name: str) -> bool:
-    """A name this command writes at the top of its output."""
-    return name in (MANIFEST, TOKENIZER_FILE, SIGNATURES_FILE, PROGRESS) or bool(SHARD_NAME.fullmatch(name))
+def _our_signature_table(out: Location) -> bool:
+    try:
+        load_table(out / SIGNATURES_FILE)
+    except MhfError:
+        return False
+    return True
 
 
 def check_writable(directory: Path, flag: str = "--out") -> None:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from mhf_dist.config import Config, StrictModel, check_topology, load_config
+from mhf_dist.config import Config, Seed, StrictModel, check_topology, load_config
 from mhf_dist.errors import ConfigError, first_problem
 from mhf_dist.readers import read_yaml
 
@@ -86,7 +86,7 @@ class SweepConfig(StrictModel):
     config: str = "tiny"
     set: dict[str, Any] = Field(default_factory=dict)
     families: list[str | FamilyVariant] = Field(default_factory=lambda: ["mhf", "qwen3", "qwen3_matched"])
-    seeds: list[int] = Field([0], min_length=1)
+    seeds: list[Seed] = Field([0], min_length=1)
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     asha: AshaConfig | None = None
     max_concurrent: int = Field(0, ge=0, description="trials at once; 0: as many as the CPUs allow")
