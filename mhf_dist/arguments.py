@@ -308,6 +308,26 @@ PLACE = Kind("place", "give a directory", _place, ("",), ("s3://bucket/store",))
 NAME_OR_PATH = Kind("name or path", "give a name or a path", _nonempty, ("",), ("tiny", "my-run"))
 
 
+class Distinct(argparse.Action):
+    """The values of a repeatable flag (`action="append"`) or of one flag (`nargs="+"`), none given
+    twice: a value repeated would only do the same work again."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        chosen = (
+            list(values) if isinstance(values, list) else [*(getattr(namespace, self.dest) or []), values]
+        )
+        repeated = next((value for at, value in enumerate(chosen) if value in chosen[:at]), None)
+        if repeated is not None:
+            parser.error(f"argument {option_string}: {repeated} is given twice; give each value once")
+        setattr(namespace, self.dest, chosen)
+
+
 class MhfParser(argparse.ArgumentParser):
     """argparse with its errors as one line: `error: mhf train: <what>; see mhf train --help`.
     `commands` holds the sub-commands' parsers by name, once `add_commands` made them."""

@@ -27,6 +27,9 @@ Throughput: tokens/s = MFU x peak FLOP/s x GPUs / (3 x forward FLOPs per token),
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from mhf_dist.config import BackboneConfig, Config, ModelConfig
@@ -35,6 +38,7 @@ from mhf_dist.errors import ConfigError
 GIB = 1024**3
 PLAN_FAMILIES = ("mhf", "qwen3", "qwen3_matched")
 ZERO_STAGES = (0, 1, 2, 3)
+ACCELERATOR_VARIABLE = "DS_ACCELERATOR"  # DeepSpeed's choice of device, read once, at its first use
 # Kept free on every GPU: the CUDA context, NCCL buffers and allocator fragmentation.
 MEMORY_RESERVE = 0.10
 MAX_MICRO_BATCH = 64
@@ -83,13 +87,28 @@ def check_positive(flag: str, value: float) -> None:
         raise ConfigError(f"{flag} must be a positive finite number, got {value!r}")
 
 
+@contextmanager
+def _deepspeed_told_no_device() -> Iterator[None]:
+    """DeepSpeed imported for its estimates, which need no device: told so, it does not look for one,
+    whose failure on a machine without GPUs is a warning printed on stdout, in the plan's table. A
+    DS_ACCELERATOR the user set is kept."""
+    chosen = os.environ.get(ACCELERATOR_VARIABLE)
+    os.environ[ACCELERATOR_VARIABLE] = chosen or "cpu"
+    try:
+        yield
+    finally:
+        if chosen is None:
+            del os.environ[ACCELERATOR_VARIABLE]
+
+
 def model_state_bytes(
     params: int, largest_layer_params: int, stage: int, cluster: Cluster, pure_bf16: bool = False
 ) -> int:
     """Per-GPU bytes of weights, gradients and optimizer states at a ZeRO stage (bf16 mixed precision,
     or with `pure_bf16` train.precision=bf16-pure)."""
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    with _deepspeed_told_no_device():
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     gpus, per_node, nodes = cluster.gpus, cluster.gpus_per_node, cluster.nodes
     if pure_bf16 and stage in ZERO_STAGES:
@@ -173,8 +192,9 @@ def largest_layer_params(model: ModelConfig) -> int:
     """DeepSpeed's `model_to_params` measure (the most parameters one module owns), on a meta model."""
     import numpy as np
     import torch
-    from deepspeed.runtime.zero.stage3 import model_to_params
 
+    with _deepspeed_told_no_device():
+        from deepspeed.runtime.zero.stage3 import model_to_params
     from mhf_dist.models import build_model
     from mhf_dist.signatures import SignatureTable, scheme_for_config
 

@@ -235,6 +235,23 @@ def test_a_missing_required_argument_is_one_line(command, argument, ws, nothing_
     assert not nothing_runs
 
 
+@pytest.mark.parametrize(
+    ("command", "argument"),
+    [(command, _name(action)) for command, action in arguments() if isinstance(action, kinds.Distinct)],
+)
+def test_a_value_given_twice_where_values_must_differ_is_one_line(
+    command, argument, ws, nothing_runs, capsys
+):
+    action = next(action for name, action in arguments() if name == command and _name(action) == argument)
+    value = action.type.good[0]
+    argv = with_argument(filled(VALID[command], ws), argument, value)
+    twice = [*argv, value] if action.nargs == "+" else [*argv, argument, value]
+    line = refused(twice, capsys)
+    assert line.endswith(f"argument {argument}: {action.type(value)} is given twice; give each value once; "
+                         f"see `mhf {command} --help`"), line  # fmt: skip
+    assert not nothing_runs
+
+
 @pytest.mark.parametrize("command", sorted(VALID))
 def test_an_unknown_flag_is_named_by_its_sub_command(command, ws, nothing_runs, capsys):
     line = refused([*filled(VALID[command], ws), "--no-such-flag"], capsys)

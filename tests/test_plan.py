@@ -4,6 +4,8 @@ bf16-pure engines, activation counts against what autograd keeps."""
 import gc
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -228,6 +230,26 @@ def _table_rows(out):
     return [
         [cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")
     ]
+
+
+def test_the_plan_on_stdout_is_the_plan_alone():
+    """DeepSpeed, looking for a device on a machine without GPUs, warns on stdout: `plan > plan.md`."""
+    env = {key: value for key, value in os.environ.items() if key != "DS_ACCELERATOR"}
+    argv = [
+        sys.executable,
+        "-m",
+        "mhf_dist.cli",
+        "plan",
+        "--config",
+        "tiny",
+        "--gpus",
+        "2",
+        "--gpu-mem-gb",
+        "1",
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("preset tiny, ") and "WARNING" not in done.stdout + done.stderr
 
 
 def test_a_row_where_nothing_fits_shows_no_throughput_or_days(capsys):
