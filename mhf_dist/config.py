@@ -717,6 +717,11 @@ def _describe(err: ValidationError) -> str:
         allowed = ", ".join(parent.model_fields) if parent else "see the preset files"
         return f"unknown key {location!r}; allowed keys there: {allowed}"
     if first["type"] == "missing":
+        if _model_at(first["loc"]) is not None:  # a whole section: what a preset gives
+            return (
+                f"missing section {location!r}; start the file with `preset: NAME` (one of "
+                f"{', '.join(available_presets())}) or write the section"
+            )
         return f"missing key {location!r}; add it to the config or pass --set {location}=..."
     value = first.get("input")
     shown = f" (got {value!r})" if location and not isinstance(value, dict) else ""

@@ -231,6 +231,16 @@ def test_unknown_key_in_yaml_lists_the_allowed_keys(tmp_path):
         load_config(path)
 
 
+def test_a_file_without_a_preset_or_a_section_says_to_start_from_a_preset(tmp_path):
+    """`--set model=...` cannot fill a section: the advice for a missing one names the presets."""
+    path = tmp_path / "partial.yaml"
+    path.write_text("train: {steps: 5}\n")
+    with pytest.raises(
+        ConfigError, match=r"^missing section 'model'; start the file with `preset: NAME` \(one of .*tiny"
+    ):
+        load_config(path)
+
+
 def test_cli_reports_config_errors_in_one_line_and_exits_non_zero(capsys):
     assert main(["config", "--config", "tiny", "--set", "model.hash.spec=H4B1"]) == 2
     err = capsys.readouterr().err
