@@ -108,7 +108,9 @@ def check_new_output(where: Location, error: type[MhfError], fix: str) -> None:
     try:  # a real attempt: os.access tells root it may write in /proc or on a read-only mount
         tempfile.TemporaryDirectory(dir=parent, prefix=f".{where.name}.").cleanup()
     except OSError as err:
-        raise error(f"cannot write in {str(parent)!r} ({err.strerror}); pick {fix}") from None
+        raise error(
+            f"cannot write in {str(parent)!r} (a new file there fails: {err.strerror}); pick {fix}"
+        ) from None
 
 
 def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

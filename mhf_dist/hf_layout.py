@@ -53,7 +53,7 @@ from mhf_dist.export import (
 from mhf_dist.files import staged_directory
 from mhf_dist.models import build_model
 from mhf_dist.models.qwen3 import qwen3_config
-from mhf_dist.readers import read_json
+from mhf_dist.readers import json_kind, read_json
 from mhf_dist.signatures import NO_PAD, ReferenceScheme, SignatureTable, build_for_config
 from mhf_dist.sizes import byte_size
 from mhf_dist.storage import Location, local_copy
@@ -113,9 +113,9 @@ def _read_hf_config(source: Location) -> Qwen3Config:
         )
     config = read_json(path, LayoutError, "fix or re-download the checkpoint")
     if not isinstance(config, dict) or config.get("model_type") != "qwen3":
-        found = config.get("model_type") if isinstance(config, dict) else type(config).__name__
+        found = f"model_type {config.get('model_type')!r}" if isinstance(config, dict) else json_kind(config)
         raise LayoutError(
-            f"{path} has model_type {found!r}; mhf-dist imports qwen3 checkpoints "
+            f"{path} holds {found}; mhf-dist imports qwen3 checkpoints "
             "(the reference MHF models and plain Qwen3)"
         )
     try:

@@ -21,6 +21,15 @@ PathLike = str | Path | Location
 MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "true or false", int: "a number",
+              float: "a number", type(None): "null"}  # fmt: skip
+
+
+def json_kind(value: Any) -> str:
+    """`value`'s JSON type (json.loads gives only these), as an error line names it: "an array"."""
+    return JSON_KINDS[type(value)]
+
+
 def read_text(path: PathLike, error: type[MhfError], fix: str) -> str:
     """The file as strict UTF-8; an undecodable byte is `error` naming its offset and line."""
     where = Location.of(path)
@@ -67,13 +76,13 @@ def read_jsonl(
         except json.JSONDecodeError as err:
             raise error(f"{at}: not valid JSON ({err.msg}, column {err.colno}); {fix}") from None
         if not isinstance(row, dict):
-            raise error(f"{at}: a JSON {type(row).__name__}, not an object; {fix}")
+            raise error(f"{at}: {json_kind(row)}, not a JSON object; {fix}")
         for name, kind in fields.items():
             if name not in row:
                 raise error(f"{at}: missing field {name!r}; each line needs {', '.join(fields)}")
             value = row[name]
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-                raise error(f"{at}: field {name!r} must be {kind.__name__}, not {type(value).__name__}")
+                raise error(f"{at}: field {name!r} must be {JSON_KINDS[kind]}, not {json_kind(value)}")
         rows.append(row)
     return rows
 

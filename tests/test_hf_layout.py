@@ -390,7 +390,7 @@ def test_bad_checkpoints_are_one_line_errors_and_leave_nothing(reference_checkpo
         (variant("lsh", num_lsh=4), "num_lsh=4 exceeds the 3 hashes of H3B32; use num_lsh <= 3"),
         (variant("lsh-embed", lsh_only_embed=True), "lsh_only_embed=true embeds the LSH coordinates only"),
         (variant("shape", num_buckets=64), "model.embed_tokens.weight has shape (96, 32) but"),
-        (variant("llama", model_type="llama"), "has model_type 'llama'"),
+        (variant("llama", model_type="llama"), "holds model_type 'llama'"),
         (variant("typed", hidden_size="wide"), "is not a valid Qwen3 config (Validation error for field"),
     ]
     damaged = variant("damaged")

@@ -62,9 +62,9 @@ def test_a_truncated_empty_or_non_utf8_json_file_is_one_line(tmp_path, content, 
     ("content", "message"),
     [
         (ROW + b'\n{"text": "b"\n', r"x.jsonl:3: not valid JSON \(.*column 13\); fix it"),
-        (ROW + b"[1, 2]\n", r"x.jsonl:2: a JSON list, not an object; fix it"),
+        (ROW + b"[1, 2]\n", r"x.jsonl:2: an array, not a JSON object; fix it"),
         (ROW + b'{"txt": "b", "n": 1}\n', r"x.jsonl:2: missing field 'text'; each line needs text, n"),
-        (b'{"text": "a", "n": "1"}\n', r"x.jsonl:1: field 'n' must be int, not str"),
+        (b'{"text": "a", "n": "1"}\n', r"x.jsonl:1: field 'n' must be a number, not a string"),
         (ROW + NOT_UTF8, r"byte 0xe9 at byte offset 41 \(line 3\)"),
     ],
 )
