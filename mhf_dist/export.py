@@ -180,6 +180,26 @@ def check_documents_fit(
     )
 
 
+def _check_same_vocabulary(where: Location, tokenizer: TextTokenizer, table: SignatureTable) -> None:
+    """The tokenizer's tokens are those the signatures were hashed from (the table keeps their bytes): an
+    edited tokenizer.json would decode ids as other text than the model learned."""
+    tokens = tuple(tokenizer.vocabulary())
+    if tokens == table.tokens:
+        return
+    differ = next(
+        (i for i, pair in enumerate(zip(tokens, table.tokens, strict=False)) if pair[0] != pair[1]), None
+    )
+    what = (
+        f"id {differ} is {tokens[differ]!r} there, {table.tokens[differ]!r} in the signature table"
+        if differ is not None
+        else f"{len(tokens)} tokens there, {len(table.tokens)} in the signature table"
+    )
+    raise ExportError(
+        f"{str(where / TOKENIZER_FILE)!r} is not the tokenizer the model was exported with ({what}); "
+        "restore the exported tokenizer.json"
+    )
+
+
 def load_exported(directory: str | Path | Location) -> ExportedModel:
     """Build the model from config.json and load its weights; the signature table must match. A model in
     a bucket is downloaded first (once: the copy is cached by the listing), a local one read in place."""
@@ -217,6 +237,7 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
         ) from None
     model.eval()
     tokenizer = TextTokenizer.load(local / TOKENIZER_FILE)
+    _check_same_vocabulary(where, tokenizer, table)
     return ExportedModel(
         model,
         config,

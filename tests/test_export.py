@@ -1,6 +1,7 @@
 """Exported model directories: round trip, tied weights, and one-line errors for bad directories."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -47,6 +48,18 @@ def test_bad_export_directories_are_one_line_errors(small_cfg, tokenizer_file, t
     description["signature_fingerprint"] = "0" * 64
     (tmp_path / "model" / CONFIG_FILE).write_text(json.dumps(description))
     with pytest.raises(MhfError, match="differs from the one the model was trained with"):
+        load_exported(tmp_path / "model")
+    description["signature_fingerprint"] = table.fingerprint
+    (tmp_path / "model" / CONFIG_FILE).write_text(json.dumps(description))
+    tokenizer = json.loads((tmp_path / "model" / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    renamed = next(token for token, token_id in vocab.items() if token_id == 70)
+    vocab["zzz"] = vocab.pop(
+        renamed
+    )  # one token of the vocabulary edited: the ids would decode as other text
+    (tmp_path / "model" / "tokenizer.json").write_text(json.dumps(tokenizer))
+    found = rf"id 70 is 'zzz' there, {re.escape(repr(renamed))} in the signature table"
+    with pytest.raises(ExportError, match=rf"not the tokenizer the model was exported with \({found}"):
         load_exported(tmp_path / "model")
 
 
