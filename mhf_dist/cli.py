@@ -377,9 +377,7 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
         type=kinds.FILE_OR_DIRECTORY,
         help="the task's file, a path or a URI (see README); recall generates its own",
     )
-    evaluate.add_argument(
-        "--limit", type=kinds.NATURAL, default=0, help="first N examples only (default: all)"
-    )
+    evaluate.add_argument("--limit", type=kinds.COUNT, default=0, help="first N examples only (default: all)")
     evaluate.add_argument("--seq-len", type=kinds.WINDOW, default=128, help="window length for ppl and bpb")
     evaluate.add_argument(
         "--layer", type=kinds.INTEGER, default=-2, help="card660: hidden-state layer (default: -2)"
@@ -501,6 +499,7 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from mhf_dist.eval.tasks import check_positions
     from mhf_dist.export import load_exported
     from mhf_dist.models.generation import Sampling, generate
 
@@ -514,15 +513,25 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not prompt:
         raise ConfigError("the prompt is empty; give --prompt some text")
     prompt = tokenizer.context_prefix(exported.document_format) + prompt  # `<s>` first for bos models
+    check_positions(  # the last new token is only predicted, never read
+        exported,
+        len(prompt) + args.max_new_tokens - 1,
+        "the prompt and --max-new-tokens read a sequence of length",
+        "shorten the prompt or lower --max-new-tokens",
+    )
     generated: list[int] = []
     shown = ""
     print(args.prompt, end="", flush=True)
-    for token in generate(exported.model, prompt, args.max_new_tokens, sampling, stop_ids=[tokenizer.eos_id]):
-        generated.append(token)
-        text = tokenizer.decode(prompt + generated)[len(tokenizer.decode(prompt)) :]
-        print(text[len(shown) :], end="", flush=True)
-        shown = text
-    print()
+    try:
+        for token in generate(
+            exported.model, prompt, args.max_new_tokens, sampling, stop_ids=[tokenizer.eos_id]
+        ):
+            generated.append(token)
+            text = tokenizer.decode(prompt + generated)[len(tokenizer.decode(prompt)) :]
+            print(text[len(shown) :], end="", flush=True)
+            shown = text
+    finally:  # the text ends its line, also when an error or interrupt line follows
+        print(flush=True)
 
 
 def add_demo_parser(commands: argparse._SubParsersAction) -> None:
@@ -535,7 +544,12 @@ def add_demo_parser(commands: argparse._SubParsersAction) -> None:
         help="where results are written (default: runs/demo)",
     )
     demo.add_argument(
-        "--seeds", type=kinds.SEED, nargs="+", default=[0, 1], help="seeds per family (default: 0 1)"
+        "--seeds",
+        type=kinds.SEED,
+        nargs="+",
+        action=kinds.Distinct,
+        default=[0, 1],
+        help="seeds per family (default: 0 1)",
     )
     _add_topology_flags(demo, "workers")
     demo.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
@@ -601,7 +615,7 @@ def add_compare_parser(commands: argparse._SubParsersAction) -> None:
     )
     compare.add_argument(
         "--group-by",
-        action="append",
+        action=kinds.Distinct,
         type=kinds.TEXT,
         metavar="KEY",
         help="group by this MLflow param or tag, e.g. topology.zero_stage or model.family (repeatable; "
@@ -646,7 +660,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     _add_config_args(planner, default="1b")
     planner.add_argument(
         "--family",
-        action="append",
+        action=kinds.Distinct,
         type=kinds.TEXT,
         help="mhf | qwen3 | qwen3_matched (repeatable; default: mhf and qwen3)",
     )
@@ -662,7 +676,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     planner.add_argument(
         "--vocab",
         type=kinds.VOCABULARY,
-        action="append",
+        action=kinds.Distinct,
         help=f"vocabulary size (repeatable; default: the config's model.vocab_size and {QWEN3_VOCAB})",
     )
     planner.add_argument(

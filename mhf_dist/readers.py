@@ -47,16 +47,43 @@ def read_text(path: PathLike, error: type[MhfError], fix: str) -> str:
         ) from None
 
 
+class RepeatedKeyError(ValueError):
+    """A key given twice in one JSON object: valid JSON, but `json` keeps the last one silently."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads`' object_pairs_hook: an object whose keys are all different, else RepeatedKeyError."""
+    unique: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in unique:
+            raise RepeatedKeyError(key)
+        unique[key] = value
+    return unique
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def read_json(path: PathLike, error: type[MhfError], fix: str) -> Any:
-    """The parsed file; an empty file or invalid JSON is `error` naming the file, the line and `fix`."""
+    """The parsed file; an empty file, invalid JSON or a key given twice in one object is `error` naming
+    the file, the line and `fix`."""
     where = Location.of(path)
     text = read_text(where, error, fix)
     if not text.strip():
         raise error(f"{str(where)!r} is empty; {fix}")
     try:
-        return json.loads(text)
+        return _loads(text)
     except json.JSONDecodeError as err:
         raise error(f"{str(where)!r} is damaged (invalid JSON at line {err.lineno}); {fix}") from None
+    except RepeatedKeyError as err:
+        raise error(
+            f"{str(where)!r} gives the key {err.key!r} twice in one object; keep one of the two"
+        ) from None
 
 
 def read_jsonl(
@@ -64,6 +91,13 @@ def read_jsonl(
 ) -> list[dict[str, Any]]:
     """One JSON object per line (blank lines skipped), each holding `fields` of their types; the first
     line that fails is `error` naming `file:line`. An empty file gives no rows."""
+    return [row for _, row in read_jsonl_located(path, error, fix, fields)]
+
+
+def read_jsonl_located(
+    path: PathLike, error: type[MhfError], fix: str, fields: Mapping[str, type] | None = None
+) -> list[tuple[str, dict[str, Any]]]:
+    """`read_jsonl`'s rows, each after its `file:line` (for errors a caller finds in a row later)."""
     where = Location.of(path)
     fields = fields or {}
     rows = []
@@ -72,9 +106,11 @@ def read_jsonl(
             continue
         at = f"{where}:{number}"
         try:
-            row = json.loads(line)
+            row = _loads(line)
         except json.JSONDecodeError as err:
             raise error(f"{at}: not valid JSON ({err.msg}, column {err.colno}); {fix}") from None
+        except RepeatedKeyError as err:
+            raise error(f"{at}: the key {err.key!r} is given twice; keep one of the two") from None
         if not isinstance(row, dict):
             raise error(f"{at}: {json_kind(row)}, not a JSON object; {fix}")
         for name, kind in fields.items():
@@ -83,7 +119,7 @@ def read_jsonl(
             value = row[name]
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise error(f"{at}: field {name!r} must be {JSON_KINDS[kind]}, not {json_kind(value)}")
-        rows.append(row)
+        rows.append((at, row))
     return rows
 
 

@@ -1,6 +1,7 @@
 """`mhf eval` tasks and `mhf generate` on small exported models, checked against independent computations."""
 
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -194,13 +195,35 @@ def test_card660_correlates_scores_with_word_vector_cosines(exported, tmp_path):
     assert results["coverage"] == 1.0
 
 
+def test_card660_reads_every_layer_the_model_has_and_refuses_any_other(exported, tmp_path):
+    path = tmp_path / "card.tsv"
+    path.write_text("loop\tfor\t1.0\nclass\tobject\t4.0\ndef\tfunction\t2.0\n")
+    states = exported.config.backbone.num_layers + 1
+    for layer in (-states, states - 1):
+        assert run_task(exported, "card660", path, layer=layer)["coverage"] == 1.0
+    for layer in (-states - 1, states, 50):
+        message = (
+            rf"^--layer {layer}: the model has {states} hidden states \(layers -{states}\.\.{states - 1}\)"
+        )
+        with pytest.raises(EvalDataError, match=message):
+            run_task(exported, "card660", path, layer=layer)
+
+
 @pytest.mark.parametrize(
     ("task", "content", "message"),
     [
         ("lambada", '{"txt": "a b"}\n', r"l.data:1: missing field 'text'"),
-        ("hellaswag", '{"ctx": "a", "endings": ["b", "c"], "label": 2}\n', "has label 2 for 2 endings"),
+        (
+            "hellaswag",
+            '{"ctx": "a", "endings": ["b", "c"], "label": 2}\n',
+            r"l.data:1: label 2 for 2 endings",
+        ),
         ("card660", "one\ttwo\n", r"l.data:1: expected word1<TAB>word2<TAB>score"),
         ("lambada", "not json\n", r"l.data:1: not valid JSON"),
+        ("lambada", '\n{"text": "a b"}\n{"text": "word"}\n', r"l.data:3: no context before the last word"),
+        ("card660", "a\tb\t1\none\ttwo\t0.5\tx\n", r"l.data:2: expected word1<TAB>word2<TAB>score, not 4"),
+        ("card660", "\tdog\t0.5\n", r"l.data:1: a word is empty; expected word1<TAB>word2<TAB>score"),
+        ("card660", "cat\tdog\thigh\n", r"l.data:1: score 'high' is not a number"),
     ],
 )
 def test_malformed_files_are_one_line_errors_naming_file_and_line(exported, tmp_path, task, content, message):
@@ -208,6 +231,33 @@ def test_malformed_files_are_one_line_errors_naming_file_and_line(exported, tmp_
     path.write_text(content)
     with pytest.raises(EvalDataError, match=message):
         run_task(exported, task, path)
+
+
+@pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
+@pytest.mark.parametrize(
+    ("example", "message"),
+    [
+        ({"endings": ["runs", 5]}, r"field 'endings' must be a list of strings, but ending 2 is 5$"),
+        ({"endings": ["runs", None]}, r"field 'endings' must be a list of strings, but ending 2 is null$"),
+        ({"endings": ["", "", "", ""]}, r"ending 1 is empty; give every ending its text$"),
+        ({"endings": ["runs", " "]}, r"ending 2 is empty; give every ending its text$"),
+        (
+            {"endings": ["runs", "sits", "runs"], "label": 2},
+            r"endings 1 and 3 \('runs', 'runs'\) are the same",
+        ),
+        ({"ctx": " "}, r"field 'ctx' is empty; give each example the context its endings follow$"),
+        ({"label": 2}, r"label 2 for 2 endings; give two endings or more and a label that indexes one"),
+    ],
+)
+def test_hellaswag_refuses_an_example_whose_endings_cannot_be_told_apart(
+    exported, tmp_path, example, message
+):
+    """An empty or repeated ending would score (or tie) by construction: all-empty endings gave acc 1.0."""
+    good = {"ctx": "a man", "endings": ["runs", "sits"], "label": 0}
+    path = tmp_path / "h.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps({**good, **example}) + "\n")
+    with pytest.raises(EvalDataError, match=rf"^{path}:3: {message}"):
+        run_task(exported, "hellaswag", path)
 
 
 def test_mhf_generate_streams_reproducible_samples(exported, capsys):
@@ -322,7 +372,10 @@ def test_recall_accuracy_is_the_share_of_queries_whose_value_scores_highest():
 
     def scored_by(knows):
         exported = SimpleNamespace(
-            model=RecallOracle(vocab_size, knows), config=SimpleNamespace(vocab_size=vocab_size)
+            model=RecallOracle(vocab_size, knows),
+            config=SimpleNamespace(
+                vocab_size=vocab_size, backbone=SimpleNamespace(max_position_embeddings=RECALL_SEQ_LEN)
+            ),
         )
         return run_task(exported, "recall", None, limit=4)
 
@@ -614,6 +667,66 @@ def test_mhf_eval_passes_a_batch_size_of_at_least_one_to_the_task(exported, tmp_
     assert calls == [3, 16]
 
 
+@pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
+def test_mhf_eval_refuses_a_file_for_recall_and_a_limit_of_zero(exported, tmp_path, capsys):
+    """recall generates its examples, so a file would be ignored; --limit 0 would mean every example."""
+    data = write_jsonl(tmp_path / "l.jsonl", [{"text": text} for text in MIXED_TEXTS])
+    args = ["eval", "--model", str(exported.path), "--task", "recall"]
+    assert main([*args, "--data", str(data)]) == 2
+    assert capsys.readouterr().err == (
+        "error: task 'recall' generates its own examples and reads no file; drop --data\n"
+    )
+    assert main([*args, "--limit", "0"]) == 2
+    assert "--limit: '0': use a whole number of at least 1" in capsys.readouterr().err
+    assert main([*args, "--limit", "2"]) == 0
+
+
+@pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
+def test_no_task_reads_past_the_models_max_position_embeddings(exported, tmp_path, capsys):
+    """Scores past the positions a model was built for would be quietly off: windows, examples and
+    recall rows longer than max_position_embeddings are refused."""
+    data = mixed_task_data(tmp_path)
+    most = exported.config.backbone.max_position_embeddings
+    args = ["eval", "--model", str(exported.path), "--task", "ppl", "--data", str(data["ppl"])]
+    assert main([*args, "--seq-len", str(most + 1)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --seq-len is {most + 1}, above the model's max_position_embeddings {most}; "
+        "pass a smaller --seq-len\n"
+    )
+    backbone = exported.config.backbone.model_copy(update={"max_position_embeddings": 8})
+    short = dataclasses.replace(exported, config=exported.config.model_copy(update={"backbone": backbone}))
+    assert run_task(short, "ppl", data["ppl"], seq_len=8)["tokens"] > 0
+    with pytest.raises(EvalDataError, match=r"^--seq-len is 9, above the model's max_position_embeddings 8"):
+        run_task(short, "ppl", data["ppl"], seq_len=9)
+    for task in ("lambada", "hellaswag"):
+        with pytest.raises(
+            EvalDataError, match=r"\.jsonl:1: the example reads a sequence of length \d+, above"
+        ):
+            run_task(short, task, data[task])
+    with pytest.raises(EvalDataError, match=r"^recall rows have a seq_len of 64, above the model's max_pos"):
+        run_task(short, "recall", None, limit=2)
+
+
+@pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
+def test_generate_ends_its_text_line_before_an_error_and_reads_no_more_than_max_positions(
+    exported, tmp_path, capsys
+):
+    model = copy.deepcopy(exported.model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(float("nan"))
+    export_model(model, exported.config, exported.table, exported.path / "tokenizer.json", tmp_path / "nan")
+    assert main(["generate", "--model", str(tmp_path / "nan"), "--prompt", "hi"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "hi\n" and err.startswith("error: ") and err.count("\n") == 1, (out, err)
+    most = exported.config.backbone.max_position_embeddings
+    too_many = ["--prompt", "hi", "--max-new-tokens", str(most + 1)]
+    assert main(["generate", "--model", str(exported.path), *too_many]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: the prompt and --max-new-tokens read a sequence of length")
+    assert f"above the model's max_position_embeddings {most}; shorten the prompt" in err
+
+
 @pytest.mark.parametrize("exported", ["mhf", "mhf-over-triple_hybrid"], indirect=True)
 def test_harness_generation_is_alike_at_every_batch_size_and_cut_at_until(exported):
     """Each continuation equals its prompt's greedy decoding alone, to max_gen_toks, cut at the first
@@ -753,8 +866,8 @@ def test_mhf_lm_eval_reports_a_bad_model_task_or_argument_in_one_line(
     command += ["--tasks", tasks] if tasks else []
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr
-    assert re.match(rf"error: {message}", done.stderr.strip().splitlines()[-1])
+    lines = done.stderr.strip().splitlines()  # lm-eval's INFO lines only with LMEVAL_LOG_LEVEL=INFO
+    assert len(lines) == 1 and re.match(rf"error: {message}", lines[0]), lines
 
 
 @pytest.mark.parametrize("exported", ["mhf", "qwen3"], indirect=True)

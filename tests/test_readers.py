@@ -48,9 +48,10 @@ def test_text_that_is_not_utf8_names_the_byte_offset_and_line(tmp_path):
         (b"", r"is empty; redo it$"),
         (b" \n", r"is empty; redo it$"),
         (NOT_UTF8, r"is not UTF-8: byte 0xe9 at byte offset 19 \(line 2\) cannot be decoded; redo it$"),
+        (b'{"a": {"b": 1, "b": 2}}', r"gives the key 'b' twice in one object; keep one of the two$"),
     ],
 )
-def test_a_truncated_empty_or_non_utf8_json_file_is_one_line(tmp_path, content, message):
+def test_a_truncated_empty_non_utf8_or_ambiguous_json_file_is_one_line(tmp_path, content, message):
     path = tmp_path / "x.json"
     path.write_bytes(content)
     with pytest.raises(ConfigError, match=message) as err:
@@ -66,6 +67,10 @@ def test_a_truncated_empty_or_non_utf8_json_file_is_one_line(tmp_path, content, 
         (ROW + b'{"txt": "b", "n": 1}\n', r"x.jsonl:2: missing field 'text'; each line needs text, n"),
         (b'{"text": "a", "n": "1"}\n', r"x.jsonl:1: field 'n' must be a number, not a string"),
         (ROW + NOT_UTF8, r"byte 0xe9 at byte offset 41 \(line 3\)"),
+        (
+            ROW + b'{"text": "b", "n": 1, "text": "c"}\n',
+            r"x.jsonl:2: the key 'text' is given twice; keep one",
+        ),
     ],
 )
 def test_a_jsonl_file_names_the_line_that_fails(tmp_path, content, message):

@@ -21,6 +21,7 @@ command line with this model registered. Needs `pip install 'mhf-dist[eval]'`.
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import signal
 import sys
@@ -220,7 +221,7 @@ def _evaluate() -> None:
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
-    setup_logging()
+    setup_logging(logging.WARNING)  # lm-eval's INFO lines only with LMEVAL_LOG_LEVEL=INFO, as `mhf --verbose`
     harness = HarnessCLI()
     commands = getattr(getattr(harness, "_subparsers", None), "choices", {})
     for parser in [getattr(harness, "_parser", None), *commands.values()]:

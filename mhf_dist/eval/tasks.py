@@ -21,6 +21,7 @@ Texts follow the model's document format: `bos` models read `<s>` before each do
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -37,9 +38,10 @@ from mhf_dist.eval import TASKS
 from mhf_dist.eval.perplexity import perplexity, text_scores
 from mhf_dist.eval.scoring import mean_layer_states, score_continuations, score_rows
 from mhf_dist.export import ExportedModel
-from mhf_dist.readers import read_jsonl, read_text
+from mhf_dist.readers import read_jsonl, read_jsonl_located, read_text
 from mhf_dist.storage import Location
 
+JSONL_FIX = "write UTF-8 JSON, one object per line"
 TEXT_FORM = 'text (documents separated by blank lines), or .jsonl {"text": ...} lines'
 CARD660_FORM = "word1<TAB>word2<TAB>score"
 RECALL_SEQ_LEN = 64  # `mhf eval --task recall`: rows of the generator's default settings and this length
@@ -65,7 +67,14 @@ def _lines(path: str | Path | Location) -> list[str]:
 
 def read_records(path: str | Path | Location, fields: dict[str, type]) -> list[dict[str, Any]]:
     """The file's JSON lines, each holding `fields` of their types."""
-    return read_jsonl(_existing(path), EvalDataError, "write UTF-8 JSON, one object per line", fields)
+    return read_jsonl(_existing(path), EvalDataError, JSONL_FIX, fields)
+
+
+def _numbered_records(
+    path: str | Path | Location, fields: dict[str, type]
+) -> list[tuple[str, dict[str, Any]]]:
+    """`read_records` as (`file:line`, record) pairs, for errors that name the line of a record."""
+    return read_jsonl_located(_existing(path), EvalDataError, JSONL_FIX, fields)
 
 
 def read_texts(path: str | Path | Location) -> list[str]:
@@ -81,11 +90,30 @@ def _examples(path: Location, examples: list[T], limit: int, form: str) -> list[
     return examples[: limit or None]
 
 
+def check_positions(exported: ExportedModel, length: int, what: str, fix: str) -> None:
+    """Refuse to read more positions than the model's config allows (max_position_embeddings): past
+    them the model was never trained, and its scores would be quietly off."""
+    most = exported.config.backbone.max_position_embeddings
+    if length > most:
+        raise EvalDataError(f"{what} {length}, above the model's max_position_embeddings {most}; {fix}")
+
+
+def _check_layer(exported: ExportedModel, layer: int) -> None:
+    """`layer` indexes the hidden states: the input embeddings and each layer's output."""
+    states = exported.config.backbone.num_layers + 1
+    if not -states <= layer < states:
+        raise EvalDataError(
+            f"--layer {layer}: the model has {states} hidden states (layers {-states}..{states - 1}); "
+            "pick one of them"
+        )
+
+
 def eval_text(
     exported: ExportedModel, path: Location, limit: int, seq_len: int, batch_size: int
 ) -> dict[str, float]:
     if path.is_dir():
         return eval_prepared(exported, path, limit, batch_size)
+    check_positions(exported, seq_len, "--seq-len is", "pass a smaller --seq-len")
     texts = _examples(path, read_texts(path), limit, TEXT_FORM)
     scores = text_scores(
         exported.model, exported.tokenizer, texts, seq_len, batch_size, exported.document_format
@@ -118,25 +146,39 @@ def eval_prepared(exported: ExportedModel, path: Location, limit: int, batch_siz
     )
     reader = RowReader(path, "validation", signatures=False)
     rows = reader.read_range(0, min(reader.num_rows, limit) if limit else None)["tokens"]
+    check_positions(
+        exported,
+        rows.shape[1] - 1,
+        f"shards {str(path)!r} have rows of seq_len",
+        "prepare them with a smaller one",
+    )
     scores = evaluate_rows(exported.model, rows, batch_size)
     return {"nll": scores["val_nll"], "ppl": scores["val_ppl"], "tokens": scores["val_tokens"],
             "rows": len(rows)}  # fmt: skip
 
 
-def _framed_pair(exported: ExportedModel, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """Context ids (after the model's context prefix: BOS for `bos` models) and continuation ids."""
+def _framed_pair(
+    exported: ExportedModel, at: str, context: str, continuation: str
+) -> tuple[list[int], list[int]]:
+    """Context ids (after the model's context prefix: BOS for `bos` models) and continuation ids of the
+    example at `at` (`file:line`)."""
     context_ids, continuation_ids = exported.tokenizer.encode_pair(context, continuation)
-    return exported.tokenizer.context_prefix(exported.document_format) + context_ids, continuation_ids
+    framed = exported.tokenizer.context_prefix(exported.document_format) + context_ids
+    inputs = len(framed) + len(continuation_ids) - 1  # the last id is only predicted
+    check_positions(exported, inputs, f"{at}: the example reads a sequence of length", "shorten it")
+    return framed, continuation_ids
 
 
 def eval_lambada(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:
-    records = _examples(path, read_records(path, {"text": str}), limit, '{"text": ...} lines')
+    records = _examples(path, _numbered_records(path, {"text": str}), limit, '{"text": ...} lines')
     pairs = []
-    for number, record in enumerate(records, start=1):
+    for at, record in records:
         context, _, word = record["text"].strip().rpartition(" ")
         if not context:
-            raise EvalDataError(f"{path}: example {number} has no context before its last word")
-        pairs.append(_framed_pair(exported, context, " " + word))
+            raise EvalDataError(
+                f"{at}: no context before the last word; give each text a context before the word to predict"
+            )
+        pairs.append(_framed_pair(exported, at, context, " " + word))
     scores = score_continuations(exported.model, pairs, batch_size)
     return {
         "acc": sum(greedy for _, greedy in scores) / len(records),
@@ -145,18 +187,51 @@ def eval_lambada(exported: ExportedModel, path: Location, limit: int, batch_size
     }
 
 
+def _check_hellaswag(at: str, record: dict[str, Any]) -> None:
+    endings, label = record["endings"], record["label"]
+    if not record["ctx"].strip():
+        raise EvalDataError(f"{at}: field 'ctx' is empty; give each example the context its endings follow")
+    if len(endings) < 2 or not 0 <= label < len(endings):
+        raise EvalDataError(
+            f"{at}: label {label} for {len(endings)} endings; give two endings or more and a label that "
+            "indexes one (0 first)"
+        )
+    for number, ending in enumerate(endings, start=1):
+        if not isinstance(ending, str):
+            raise EvalDataError(
+                f"{at}: field 'endings' must be a list of strings, but ending {number} is "
+                f"{json.dumps(ending)}"
+            )
+        if not ending.strip():
+            raise EvalDataError(f"{at}: ending {number} is empty; give every ending its text")
+
+
+def _check_distinct(at: str, endings: list[str], continuations: list[list[int]]) -> None:
+    """Endings the model reads as the same ids score the same: the first of them would always win."""
+    first_with: dict[tuple[int, ...], int] = {}
+    for number, ids in enumerate(continuations, start=1):
+        earlier = first_with.setdefault(tuple(ids), number)
+        if earlier != number:
+            raise EvalDataError(
+                f"{at}: endings {earlier} and {number} ({endings[earlier - 1]!r}, {endings[number - 1]!r}) "
+                "are the same tokens to the model, so neither can score above the other; give each example "
+                "different endings"
+            )
+
+
 def eval_hellaswag(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:
     fields = {"ctx": str, "endings": list, "label": int}
-    records = _examples(path, read_records(path, fields), limit, '{"ctx", "endings", "label"} lines')
-    for number, record in enumerate(records, start=1):
-        endings, label = record["endings"], record["label"]
-        if len(endings) < 2 or not 0 <= label < len(endings):
-            raise EvalDataError(f"{path}: example {number} has label {label} for {len(endings)} endings")
-    pairs = [_framed_pair(exported, r["ctx"], " " + e) for r in records for e in r["endings"]]
+    records = _examples(path, _numbered_records(path, fields), limit, '{"ctx", "endings", "label"} lines')
+    pairs = []
+    for at, record in records:
+        _check_hellaswag(at, record)
+        framed = [_framed_pair(exported, at, record["ctx"], " " + ending) for ending in record["endings"]]
+        _check_distinct(at, record["endings"], [continuation for _, continuation in framed])
+        pairs += framed
     scores = score_continuations(exported.model, pairs, batch_size)
     logprobs = iter(scores)
     correct = correct_norm = 0
-    for record in records:
+    for _, record in records:
         endings, label = record["endings"], record["label"]
         scores = [next(logprobs)[0] for _ in endings]
         normed = [
@@ -189,13 +264,7 @@ def eval_card660(
     for number, line in enumerate(_lines(path), start=1):
         if not line.strip():
             continue
-        columns = line.split("\t")
-        try:
-            pairs.append((columns[0], columns[1], float(columns[2])))
-        except (IndexError, ValueError):
-            raise EvalDataError(f"{path}:{number}: expected {CARD660_FORM}") from None
-        if not math.isfinite(pairs[-1][2]):
-            raise EvalDataError(f"{path}:{number}: score {columns[2].strip()!r} is not a finite number")
+        pairs.append(_card660_pair(f"{path}:{number}", line))
     pairs = _examples(path, pairs, limit, f"{CARD660_FORM} lines")
     words = sorted({word for first, second, _ in pairs for word in (first, second)})
     vectors = word_vectors(exported, words, layer, batch_size)
@@ -214,6 +283,24 @@ def eval_card660(
         "coverage": len(gold) / len(pairs),
         "pairs": len(pairs),
     }
+
+
+def _card660_pair(at: str, line: str) -> tuple[str, str, float]:
+    columns = line.split("\t")
+    if len(columns) != 3:
+        raise EvalDataError(f"{at}: expected {CARD660_FORM}, not {len(columns)} tab-separated columns")
+    first, second, score = columns
+    if not first.strip() or not second.strip():
+        raise EvalDataError(f"{at}: a word is empty; expected {CARD660_FORM}")
+    try:
+        value = float(score)
+    except ValueError:
+        raise EvalDataError(
+            f"{at}: score {score.strip()!r} is not a number; expected {CARD660_FORM}"
+        ) from None
+    if not math.isfinite(value):
+        raise EvalDataError(f"{at}: score {score.strip()!r} is not a finite number")
+    return first, second, value
 
 
 def _check_correlatable(path: Location, cosines: list[float], gold: list[float]) -> None:
@@ -244,6 +331,7 @@ def eval_recall(
     batch_size: int,
     seed: int = EVAL_SEED,
 ) -> dict[str, float]:
+    check_positions(exported, seq_len, "recall rows have a seq_len of", "use a smaller one")
     data = make_recall(
         limit or 32, settings.num_pairs, settings.num_queries, seq_len, exported.config.vocab_size, seed
     )
@@ -278,6 +366,10 @@ def run_task(
         raise EvalDataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     if data is None and task != "recall":
         raise EvalDataError(f"task {task!r} reads a file; pass --data")
+    if data is not None and task == "recall":
+        raise EvalDataError("task 'recall' generates its own examples and reads no file; drop --data")
+    if task == "card660":
+        _check_layer(exported, layer)
     if data is not None and data.is_dir() and task != "ppl":
         raise EvalDataError(
             f"--data {str(data)!r} is a directory; task {task!r} reads a file (ppl alone scores prepared "
