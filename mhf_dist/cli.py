@@ -32,7 +32,9 @@ from mhf_dist.config import (
     split_assignment,
 )
 from mhf_dist.errors import ConfigError, Interrupted, MhfError
+from mhf_dist.eval import LAYER as EVAL_LAYER
 from mhf_dist.eval import TASKS as EVAL_TASKS
+from mhf_dist.eval import WINDOW as EVAL_WINDOW
 from mhf_dist.ray_utils import logs_hint
 from mhf_dist.submit import DEFAULT_ADDRESS
 
@@ -378,9 +380,13 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
         help="the task's file, a path or a URI (see README); recall generates its own",
     )
     evaluate.add_argument("--limit", type=kinds.COUNT, default=0, help="first N examples only (default: all)")
-    evaluate.add_argument("--seq-len", type=kinds.WINDOW, default=128, help="window length for ppl and bpb")
     evaluate.add_argument(
-        "--layer", type=kinds.INTEGER, default=-2, help="card660: hidden-state layer (default: -2)"
+        "--seq-len",
+        type=kinds.WINDOW,
+        help=f"ppl and bpb of a text file: window length (default: {EVAL_WINDOW})",
+    )
+    evaluate.add_argument(
+        "--layer", type=kinds.INTEGER, help=f"card660: hidden-state layer (default: {EVAL_LAYER})"
     )
     evaluate.add_argument(
         "--batch-size",
@@ -401,19 +407,27 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from mhf_dist.eval.tasks import run_task
     from mhf_dist.export import load_exported
+    from mhf_dist.storage import Location
     from mhf_dist.tables import markdown_table
     from mhf_dist.tracking import check_run, log_metrics, reading_uri
 
+    windows = args.task in ("ppl", "bpb") and not (args.data and Location.of(args.data).is_dir())
+    for flag, given, applies, where in (
+        ("--seq-len", args.seq_len, windows, "ppl and bpb of a text file (prepared shards keep their rows)"),
+        ("--layer", args.layer, args.task == "card660", "card660"),
+    ):
+        if given is not None and not applies:
+            raise ConfigError(f"{flag} is read by {where} only; drop it for --task {args.task}")
+    seq_len = args.seq_len or EVAL_WINDOW
     uri = reading_uri(args.storage) if args.run_id else None
     if uri is not None:  # the run is looked up before the scoring whose results it gets
         check_run(uri, args.run_id)
     exported = load_exported(args.model)
-    results = run_task(
-        exported, args.task, args.data, args.limit, args.seq_len, args.layer, batch_size=args.batch_size
-    )
+    layer = EVAL_LAYER if args.layer is None else args.layer
+    results = run_task(exported, args.task, args.data, args.limit, seq_len, layer, batch_size=args.batch_size)
     print(markdown_table([{"task": args.task, **results}], ["task", *results]))
-    if args.task in ("ppl", "bpb"):
-        print(f"scored in windows of {args.seq_len} tokens, no context carried across windows")
+    if windows:
+        print(f"scored in windows of {seq_len} tokens, no context carried across windows")
     if uri is not None:
         log_metrics(uri, args.run_id, {f"eval.{args.task}.{k}": v for k, v in results.items()})
         print(f"logged to MLflow run {args.run_id}")

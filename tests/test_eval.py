@@ -668,14 +668,23 @@ def test_mhf_eval_passes_a_batch_size_of_at_least_one_to_the_task(exported, tmp_
 
 
 @pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
-def test_mhf_eval_refuses_a_file_for_recall_and_a_limit_of_zero(exported, tmp_path, capsys):
-    """recall generates its examples, so a file would be ignored; --limit 0 would mean every example."""
+def test_mhf_eval_refuses_what_its_task_would_ignore_and_a_limit_of_zero(exported, tmp_path, capsys):
+    """recall generates its examples, so a file would be ignored, as --seq-len would be outside ppl and bpb
+    of a text file and --layer outside card660; --limit 0 would mean every example."""
     data = write_jsonl(tmp_path / "l.jsonl", [{"text": text} for text in MIXED_TEXTS])
     args = ["eval", "--model", str(exported.path), "--task", "recall"]
     assert main([*args, "--data", str(data)]) == 2
     assert capsys.readouterr().err == (
         "error: task 'recall' generates its own examples and reads no file; drop --data\n"
     )
+    lambada = ["eval", "--model", str(exported.path), "--task", "lambada", "--data", str(data)]
+    assert main([*lambada, "--seq-len", "64"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --seq-len is read by ppl and bpb of a text file (prepared shards keep their rows) only; "
+        "drop it for --task lambada\n"
+    )
+    assert main([*lambada[:-3], "ppl", "--data", str(data), "--layer", "1"]) == 2
+    assert capsys.readouterr().err == "error: --layer is read by card660 only; drop it for --task ppl\n"
     assert main([*args, "--limit", "0"]) == 2
     assert "--limit: '0': use a whole number of at least 1" in capsys.readouterr().err
     assert main([*args, "--limit", "2"]) == 0

@@ -92,6 +92,15 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
         ({"name": "x y", "kind": "seeds"}, "name: use letters, digits"),
         (["not", "a", "mapping"], "must be a YAML mapping"),
         ({"name": "x", "kind": "seeds", "evaluate": [{"task": "mmlu"}]}, "unknown task 'mmlu'"),
+        (
+            {"name": "x", "kind": "seeds", "evaluate": [{"task": "recall", "data": "r.txt"}]},
+            r"evaluate.0: task 'recall' generates its own examples and reads no file; drop data$",
+        ),
+        (
+            {"name": "x", "kind": "seeds", "evaluate": [{"task": "ppl"}]},
+            r"task 'ppl' reads a file; pass data$",
+        ),
+        ({"name": "x", "kind": "seeds", "evaluate": [{"task": "ppl", "data": "t", "seq_len": 1}]}, "seq_len"),
         ({"name": "x", "kind": "matched", "matched_to": "gpt2"}, "matched_to: unknown family 'gpt2'"),
         (
             {"name": "x", "kind": "matched", "families": ["mhf", {"group": "mhf", "family": "mhf"}]},

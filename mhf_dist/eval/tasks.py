@@ -34,7 +34,7 @@ from mhf_dist.config import RecallDataConfig
 from mhf_dist.data.corpus import split_documents
 from mhf_dist.data.recall import EVAL_SEED, make_recall
 from mhf_dist.errors import MhfError
-from mhf_dist.eval import TASKS
+from mhf_dist.eval import LAYER, TASKS, WINDOW
 from mhf_dist.eval.perplexity import perplexity, text_scores
 from mhf_dist.eval.scoring import mean_layer_states, score_continuations, score_rows
 from mhf_dist.export import ExportedModel
@@ -339,13 +339,21 @@ def eval_recall(
     return {"acc": float(np.mean(greedy)), "queries": len(greedy), "examples": len(data.rows)}
 
 
+def check_task_data(task: str, given: bool, option: str = "--data") -> None:
+    """Every task but recall reads a file (named by `option`); recall generates its own examples."""
+    if not given and task != "recall":
+        raise EvalDataError(f"task {task!r} reads a file; pass {option}")
+    if given and task == "recall":
+        raise EvalDataError(f"task 'recall' generates its own examples and reads no file; drop {option}")
+
+
 def run_task(
     exported: ExportedModel,
     task: str,
     data: str | Path | Location | None,
     limit: int = 0,
-    seq_len: int = 128,
-    layer: int = -2,
+    seq_len: int = WINDOW,
+    layer: int = LAYER,
     recall: tuple[RecallDataConfig, int] = (RecallDataConfig(), RECALL_SEQ_LEN),
     batch_size: int = 16,
 ) -> dict[str, float]:
@@ -364,10 +372,7 @@ def run_task(
     }
     if task not in runners:
         raise EvalDataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    if data is None and task != "recall":
-        raise EvalDataError(f"task {task!r} reads a file; pass --data")
-    if data is not None and task == "recall":
-        raise EvalDataError("task 'recall' generates its own examples and reads no file; drop --data")
+    check_task_data(task, data is not None)
     if task == "card660":
         _check_layer(exported, layer)
     if data is not None and data.is_dir() and task != "ppl":

@@ -29,7 +29,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mhf_dist.config import Config, Seed, StrictModel, check_topology, load_config
-from mhf_dist.errors import ConfigError, first_problem
+from mhf_dist.errors import ConfigError, MhfError, first_problem
+from mhf_dist.eval import WINDOW
 from mhf_dist.readers import read_yaml
 
 TOPOLOGY_KEYS = ("workers", "gpus_per_worker", "zero_stage")
@@ -49,8 +50,8 @@ class TrialEval(StrictModel):
 
     task: str
     data: str | None = None
-    limit: int = Field(0, ge=0)
-    seq_len: int = Field(128, ge=1)
+    limit: int = Field(0, ge=0, description="the first N examples; 0: all")
+    seq_len: int = Field(WINDOW, ge=2, description="ppl and bpb: the window length")
 
     @field_validator("task")
     @classmethod
@@ -60,6 +61,16 @@ class TrialEval(StrictModel):
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
         return task
+
+    @model_validator(mode="after")
+    def _data_as_the_task_reads(self) -> TrialEval:
+        from mhf_dist.eval.tasks import check_task_data
+
+        try:
+            check_task_data(self.task, self.data is not None, option="data")
+        except MhfError as err:
+            raise ValueError(str(err)) from None
+        return self
 
 
 class FamilyVariant(StrictModel):
