@@ -839,7 +839,7 @@ def recall_model(tmp_path_factory):
     return directory / "model"
 
 
-def test_a_word_outside_a_word_level_vocabulary_is_an_error_for_generate_and_eval(
+def test_a_word_outside_a_word_level_vocabulary_is_an_error_in_text_and_uncovered_in_card660(
     recall_model, tmp_path, capsys
 ):
     args = ["generate", "--model", str(recall_model), "--max-new-tokens", "2"]
@@ -853,6 +853,10 @@ def test_a_word_outside_a_word_level_vocabulary_is_an_error_for_generate_and_eva
     data = write_jsonl(tmp_path / "l.jsonl", [{"text": "k1 v0 k1 v0"}, {"text": "k2 v1 k2 sunshine"}])
     assert main(["eval", "--model", str(recall_model), "--task", "lambada", "--data", str(data)]) == 2
     assert "error: unknown word(s) 'sunshine'" in capsys.readouterr().err
+    pairs = tmp_path / "card.tsv"  # a word the vocabulary lacks is not covered, as card660 counts it
+    pairs.write_text("k1\tv0\t0.5\nk2\tsunshine\t0.3\nk1\tk2\t0.9\nv0\tv1\t0.1\n")
+    results = run_task(load_exported(recall_model), "card660", pairs)
+    assert (results["coverage"], results["pairs"]) == (0.75, 4)
 
 
 @pytest.mark.parametrize(

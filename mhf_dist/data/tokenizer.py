@@ -341,6 +341,17 @@ class TextTokenizer:
             self._refuse_unknown(self._words_read_as_unknown(texts, encodings))
         return [encoding.ids for encoding in encodings]
 
+    def outside_vocabulary(self, text: str) -> bool:
+        """Whether `text` holds a word a fixed word-level vocabulary lacks, which `encode_batch` refuses
+        (never, for a tokenizer that can spell any text)."""
+        if self.unknown_word is None:
+            return False
+        try:
+            self.encode_batch([text])
+        except DataError:
+            return True
+        return False
+
     def _words_read_as_unknown(self, texts: Sequence[str], encodings: Sequence[Encoding]) -> list[str]:
         unknown_id = self.tokenizer.token_to_id(self.unknown_word)
         return [

@@ -245,9 +245,12 @@ def eval_hellaswag(exported: ExportedModel, path: Location, limit: int, batch_si
 def word_vectors(
     exported: ExportedModel, words: list[str], layer: int, batch_size: int
 ) -> dict[str, torch.Tensor]:
-    """The vector of each word that has tokens: hidden states of `layer` over its tokens, read alone
-    after the model's context prefix (BOS for `bos` models), averaged."""
-    tokenized = exported.tokenizer.encode_batch([word.replace("_", " ") for word in words])
+    """The vector of each word that has tokens (a word-level vocabulary may lack it: the word is not
+    covered): hidden states of `layer` over its tokens, read alone after the model's context prefix
+    (BOS for `bos` models), averaged."""
+    texts = {word: word.replace("_", " ") for word in words}
+    words = [word for word in words if not exported.tokenizer.outside_vocabulary(texts[word])]
+    tokenized = exported.tokenizer.encode_batch([texts[word] for word in words])
     ids = {word: word_ids for word, word_ids in zip(words, tokenized, strict=True) if word_ids}
     prefix = exported.tokenizer.context_prefix(exported.document_format)
     sequences = [prefix + word_ids for word_ids in ids.values()]
