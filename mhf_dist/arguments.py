@@ -319,9 +319,14 @@ class Distinct(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        chosen = (
-            list(values) if isinstance(values, list) else [*(getattr(namespace, self.dest) or []), values]
-        )
+        before = getattr(namespace, self.dest)
+        given_before = before is not None and before is not self.default
+        if isinstance(values, list):  # nargs: the flag's values all at once
+            if given_before:
+                parser.error(f"argument {option_string} is given twice; give all its values after one")
+            chosen = list(values)
+        else:
+            chosen = [*(before if given_before else []), values]
         repeated = next((value for at, value in enumerate(chosen) if value in chosen[:at]), None)
         if repeated is not None:
             parser.error(f"argument {option_string}: {repeated} is given twice; give each value once")

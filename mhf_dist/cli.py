@@ -405,12 +405,13 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from mhf_dist.eval.tasks import run_task
+    from mhf_dist.eval.tasks import check_task_data, run_task
     from mhf_dist.export import load_exported
     from mhf_dist.storage import Location
     from mhf_dist.tables import markdown_table
     from mhf_dist.tracking import check_run, log_metrics, reading_uri
 
+    check_task_data(args.task, args.data is not None)  # before the flags it reads
     windows = args.task in ("ppl", "bpb") and not (args.data and Location.of(args.data).is_dir())
     for flag, given, applies, where in (
         ("--seq-len", args.seq_len, windows, "ppl and bpb of a text file (prepared shards keep their rows)"),

@@ -511,6 +511,17 @@ class Config(StrictModel):
     data: DataConfig = DataConfig()
     topology: TopologyConfig = TopologyConfig()
 
+    @model_validator(mode="after")
+    def _rows_fit_the_positions(self) -> Config:
+        """A row reads seq_len positions: past max_position_embeddings the model has none to give."""
+        most = self.model.backbone.max_position_embeddings
+        if self.train.seq_len > most:
+            raise ValueError(
+                f"train.seq_len={self.train.seq_len} is above model.backbone.max_position_embeddings={most}; "
+                "lower train.seq_len or raise max_position_embeddings"
+            )
+        return self
+
     def flat(self) -> dict[str, Any]:
         """`{"model.backbone.hidden_size": 64, ...}`: the form MLflow params and `--set` use."""
         return dict(_flatten(self.model_dump(mode="json")))

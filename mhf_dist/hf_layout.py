@@ -113,7 +113,10 @@ def _read_hf_config(source: Location) -> Qwen3Config:
         )
     config = read_json(path, LayoutError, "fix or re-download the checkpoint")
     if not isinstance(config, dict) or config.get("model_type") != "qwen3":
-        found = f"model_type {config.get('model_type')!r}" if isinstance(config, dict) else json_kind(config)
+        if not isinstance(config, dict):
+            found = json_kind(config)
+        else:
+            found = f"model_type {config['model_type']!r}" if "model_type" in config else "no model_type"
         raise LayoutError(
             f"{path} holds {found}; mhf-dist imports qwen3 checkpoints "
             "(the reference MHF models and plain Qwen3)"

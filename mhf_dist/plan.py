@@ -91,14 +91,18 @@ def check_positive(flag: str, value: float) -> None:
 def _deepspeed_told_no_device() -> Iterator[None]:
     """DeepSpeed imported for its estimates, which need no device: told so, it does not look for one,
     whose failure on a machine without GPUs is a warning printed on stdout, in the plan's table. A
-    DS_ACCELERATOR the user set is kept."""
+    DS_ACCELERATOR the user set is kept. DeepSpeed decides once per process: one that trains after
+    planning in the same process keeps the CPU accelerator unless it set the variable first."""
     chosen = os.environ.get(ACCELERATOR_VARIABLE)
-    os.environ[ACCELERATOR_VARIABLE] = chosen or "cpu"
+    if chosen is None:
+        os.environ[ACCELERATOR_VARIABLE] = "cpu"
     try:
         yield
+    except ValueError as err:  # DeepSpeed's refusal of an accelerator name it does not know
+        raise ConfigError(f"{ACCELERATOR_VARIABLE}={chosen!r}: {err}; unset it or fix it") from None
     finally:
         if chosen is None:
-            del os.environ[ACCELERATOR_VARIABLE]
+            os.environ.pop(ACCELERATOR_VARIABLE, None)
 
 
 def model_state_bytes(

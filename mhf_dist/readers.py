@@ -21,8 +21,8 @@ PathLike = str | Path | Location
 MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "true or false", int: "a number",
-              float: "a number", type(None): "null"}  # fmt: skip
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "true or false",
+              int: "a whole number", float: "a number", type(None): "null"}  # fmt: skip
 
 
 def json_kind(value: Any) -> str:
@@ -81,9 +81,7 @@ def read_json(path: PathLike, error: type[MhfError], fix: str) -> Any:
     except json.JSONDecodeError as err:
         raise error(f"{str(where)!r} is damaged (invalid JSON at line {err.lineno}); {fix}") from None
     except RepeatedKeyError as err:
-        raise error(
-            f"{str(where)!r} gives the key {err.key!r} twice in one object; keep one of the two"
-        ) from None
+        raise error(f"{str(where)!r} gives the key {err.key!r} twice in one object; {fix}") from None
 
 
 def read_jsonl(

@@ -137,3 +137,11 @@ def test_an_error_raised_while_an_interrupt_unwinds_still_ends_as_the_interrupt(
     monkeypatch.setattr(cli, "cmd_count", plain_failure)
     with pytest.raises(ConnectionError):
         main(["count"])
+    pytest.importorskip("lm_eval", reason="lm-eval is the optional extra mhf-dist[eval]")
+    from mhf_dist.eval import harness  # mhf-lm-eval reports the same way
+
+    monkeypatch.setattr(harness, "_evaluate", lambda: interrupted_then_clean_up_fails(None))
+    with pytest.raises(SystemExit) as stop:
+        harness.cli()
+    assert stop.value.code == 143
+    assert capsys.readouterr().err == "interrupted: SIGTERM; rerun the command to start again\n"

@@ -249,6 +249,10 @@ def test_a_value_given_twice_where_values_must_differ_is_one_line(
     line = refused(twice, capsys)
     assert line.endswith(f"argument {argument}: {action.type(value)} is given twice; give each value once; "
                          f"see `mhf {command} --help`"), line  # fmt: skip
+    if action.nargs == "+":  # given again, the flag would drop the values it had
+        line = refused([*argv, argument, action.type.good[-1]], capsys)
+        assert line.endswith(f"argument {argument} is given twice; give all its values after one; see `mhf "
+                             f"{command} --help`"), line  # fmt: skip
     assert not nothing_runs
 
 

@@ -241,10 +241,6 @@ def test_malformed_files_are_one_line_errors_naming_file_and_line(exported, tmp_
         ({"endings": ["runs", None]}, r"field 'endings' must be a list of strings, but ending 2 is null$"),
         ({"endings": ["", "", "", ""]}, r"ending 1 is empty; give every ending its text$"),
         ({"endings": ["runs", " "]}, r"ending 2 is empty; give every ending its text$"),
-        (
-            {"endings": ["runs", "sits", "runs"], "label": 2},
-            r"endings 1 and 3 \('runs', 'runs'\) are the same",
-        ),
         ({"ctx": " "}, r"field 'ctx' is empty; give each example the context its endings follow$"),
         ({"label": 2}, r"label 2 for 2 endings; give two endings or more and a label that indexes one"),
     ],
@@ -252,12 +248,30 @@ def test_malformed_files_are_one_line_errors_naming_file_and_line(exported, tmp_
 def test_hellaswag_refuses_an_example_whose_endings_cannot_be_told_apart(
     exported, tmp_path, example, message
 ):
-    """An empty or repeated ending would score (or tie) by construction: all-empty endings gave acc 1.0."""
+    """An empty ending would score by construction: all-empty endings gave acc 1.0."""
     good = {"ctx": "a man", "endings": ["runs", "sits"], "label": 0}
     path = tmp_path / "h.jsonl"
     path.write_text(json.dumps(good) + "\n\n" + json.dumps({**good, **example}) + "\n")
     with pytest.raises(EvalDataError, match=rf"^{path}:3: {message}"):
         run_task(exported, "hellaswag", path)
+
+
+@pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
+def test_a_hellaswag_example_whose_gold_ending_is_the_same_tokens_as_another_counts_wrong(exported, tmp_path):
+    """Equal endings score equally, so the first of them would win by its place: of the first two
+    examples exactly one would count right, whichever of "runs" and "sits" the model prefers. Each
+    counts wrong, and is reported."""
+    examples = [
+        {"ctx": "a man", "endings": ["runs", "sits", "runs"], "label": 0},
+        {"ctx": "a man", "endings": ["sits", "runs", "sits"], "label": 0},
+        {"ctx": "a man", "endings": ["sits", "runs"], "label": 0},  # the gold is distinct
+    ]
+    results = run_task(exported, "hellaswag", write_jsonl(tmp_path / "h.jsonl", examples))
+    sits_wins = run_task(exported, "hellaswag", write_jsonl(tmp_path / "one.jsonl", examples[2:]))["acc"]
+    assert results["indistinct"] == 2 and results["examples"] == 3
+    assert results["acc"] == pytest.approx(sits_wins / 3) and results["acc_norm"] == pytest.approx(
+        sits_wins / 3
+    )
 
 
 def test_mhf_generate_streams_reproducible_samples(exported, capsys):
@@ -714,6 +728,9 @@ def test_no_task_reads_past_the_models_max_position_embeddings(exported, tmp_pat
             run_task(short, task, data[task])
     with pytest.raises(EvalDataError, match=r"^recall rows have a seq_len of 64, above the model's max_pos"):
         run_task(short, "recall", None, limit=2)
+    (tmp_path / "long.tsv").write_text("cat\tdog\t0.1\nsupercalifragilisticexpialidocious\tdog\t0.5\n")
+    with pytest.raises(EvalDataError, match=r"^the word 'supercalifragilisticexpialidocious' reads a seq"):
+        run_task(short, "card660", tmp_path / "long.tsv")
 
 
 @pytest.mark.parametrize("exported", ["qwen3"], indirect=True)

@@ -250,6 +250,13 @@ def test_the_plan_on_stdout_is_the_plan_alone():
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("preset tiny, ") and "WARNING" not in done.stdout + done.stderr
+    done = subprocess.run(
+        argv, capture_output=True, text=True, env={**env, "DS_ACCELERATOR": "foo"}, timeout=120
+    )
+    assert done.returncode == 2 and done.stderr.startswith(
+        "error: DS_ACCELERATOR='foo': DS_ACCELERATOR must be"
+    )
+    assert done.stderr.count("\n") == 1, done.stderr
 
 
 def test_a_row_where_nothing_fits_shows_no_throughput_or_days(capsys):

@@ -11,7 +11,7 @@ import pytest
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.data.corpus import corpus_files
-from mhf_dist.data.prepare import plan_parts, prepare, prepare_if_missing
+from mhf_dist.data.prepare import WRITTEN_HERE, plan_parts, prepare, prepare_if_missing
 from mhf_dist.data.reader import RowReader
 from mhf_dist.data.shards import (
     check_compatible,
@@ -493,6 +493,10 @@ def test_an_interrupted_prepare_leaves_no_manifest_and_a_rerun_resumes_to_the_sa
     assert stderr.strip().splitlines()[-1].startswith("interrupted: SIGTERM")
     assert not out.exists() and not list(tmp_path.glob("**/manifest.json"))
     written = len(list(work.glob("progress/shards/*.json")))
+    # A bucket run works in its output prefix: what it leaves there is what --overwrite and a rerun take.
+    left = [path for path, _ in Location.of(work).files() if not Path(path).name.startswith(".")]
+    assert {"progress/key.json", "progress/parts/00000.arrow", "progress/parts/00000.json"} <= set(left)
+    assert [path for path in left if not WRITTEN_HERE.fullmatch(path)] == []
 
     cfg = load_config("tiny", ["data.tokenizer=bytes", "model.vocab_size=259", "data.rows_per_shard=128",
                                f"data.corpus={tmp_path / 'big.txt'}"])  # fmt: skip

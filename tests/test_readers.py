@@ -48,7 +48,7 @@ def test_text_that_is_not_utf8_names_the_byte_offset_and_line(tmp_path):
         (b"", r"is empty; redo it$"),
         (b" \n", r"is empty; redo it$"),
         (NOT_UTF8, r"is not UTF-8: byte 0xe9 at byte offset 19 \(line 2\) cannot be decoded; redo it$"),
-        (b'{"a": {"b": 1, "b": 2}}', r"gives the key 'b' twice in one object; keep one of the two$"),
+        (b'{"a": {"b": 1, "b": 2}}', r"gives the key 'b' twice in one object; redo it$"),
     ],
 )
 def test_a_truncated_empty_non_utf8_or_ambiguous_json_file_is_one_line(tmp_path, content, message):
@@ -65,7 +65,8 @@ def test_a_truncated_empty_non_utf8_or_ambiguous_json_file_is_one_line(tmp_path,
         (ROW + b'\n{"text": "b"\n', r"x.jsonl:3: not valid JSON \(.*column 13\); fix it"),
         (ROW + b"[1, 2]\n", r"x.jsonl:2: an array, not a JSON object; fix it"),
         (ROW + b'{"txt": "b", "n": 1}\n', r"x.jsonl:2: missing field 'text'; each line needs text, n"),
-        (b'{"text": "a", "n": "1"}\n', r"x.jsonl:1: field 'n' must be a number, not a string"),
+        (b'{"text": "a", "n": "1"}\n', r"x.jsonl:1: field 'n' must be a whole number, not a string"),
+        (b'{"text": "a", "n": 1.5}\n', r"x.jsonl:1: field 'n' must be a whole number, not a number"),
         (ROW + NOT_UTF8, r"byte 0xe9 at byte offset 41 \(line 3\)"),
         (
             ROW + b'{"text": "b", "n": 1, "text": "c"}\n',

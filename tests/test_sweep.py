@@ -100,7 +100,14 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
             {"name": "x", "kind": "seeds", "evaluate": [{"task": "ppl"}]},
             r"task 'ppl' reads a file; pass data$",
         ),
-        ({"name": "x", "kind": "seeds", "evaluate": [{"task": "ppl", "data": "t", "seq_len": 1}]}, "seq_len"),
+        (
+            {"name": "x", "kind": "seeds", "evaluate": [{"task": "ppl", "data": "t", "seq_len": 1}]},
+            r"evaluate.0.seq_len: Input should be greater than or equal to 2",
+        ),
+        (
+            {"name": "x", "kind": "seeds", "evaluate": [{"task": "lambada", "data": "t", "seq_len": 64}]},
+            r"seq_len is read by ppl and bpb only; drop it for task 'lambada'",
+        ),
         ({"name": "x", "kind": "matched", "matched_to": "gpt2"}, "matched_to: unknown family 'gpt2'"),
         (
             {"name": "x", "kind": "matched", "families": ["mhf", {"group": "mhf", "family": "mhf"}]},

@@ -101,7 +101,7 @@ WRITTEN_HERE = re.compile(
             *(re.escape(name) for name in (MANIFEST, TOKENIZER_FILE, SIGNATURES_FILE)),
             SHARD_NAME.pattern,
             rf"{PROGRESS}/{re.escape(KEY_FILE)}",
-            rf"{PROGRESS}/{PARTS}/\d{{5,}}\.arrow",
+            rf"{PROGRESS}/{PARTS}/\d{{5,}}\.(arrow|json)",  # a part's tokens, and its record
             rf"{PROGRESS}/{SHARDS}/({SHARD_NAME.pattern})\.json",
         )
     )

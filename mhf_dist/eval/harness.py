@@ -195,6 +195,21 @@ def cli() -> None:
     """`mhf-lm-eval`: lm-eval's command line with the `mhf` model registered."""
     previous = signal.signal(signal.SIGTERM, interrupts.terminated)
     try:
+        _evaluate_in_one_line()
+    # An interrupt, or a library's clean-up that failed as one unwound through it (as `mhf` reports it).
+    except (KeyboardInterrupt, Interrupted, Exception) as err:
+        stop = interrupts.as_interrupted(err)
+        if stop is None:
+            raise
+        print(f"interrupted: {stop}", file=sys.stderr)
+        sys.exit(stop.exit_code)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _evaluate_in_one_line() -> None:
+    """`_evaluate`, with a user's mistake as one `error:` line."""
+    try:
         _evaluate()
     except MhfError as err:  # a bad batch size, a model that is not there: one line, as `mhf` prints it
         fail(str(err))
@@ -207,12 +222,6 @@ def cli() -> None:
         if not str(err).startswith(UNKNOWN_TASKS):
             raise
         fail(f"{err}; list them with `mhf-lm-eval ls tasks`, or pass --include_path DIR for your own")
-    except (KeyboardInterrupt, Interrupted) as err:
-        stop = interrupts.as_interrupted(err)
-        print(f"interrupted: {stop}", file=sys.stderr)
-        sys.exit(stop.exit_code)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _evaluate() -> None:

@@ -206,40 +206,41 @@ def _check_hellaswag(at: str, record: dict[str, Any]) -> None:
             raise EvalDataError(f"{at}: ending {number} is empty; give every ending its text")
 
 
-def _check_distinct(at: str, endings: list[str], continuations: list[list[int]]) -> None:
-    """Endings the model reads as the same ids score the same: the first of them would always win."""
-    first_with: dict[tuple[int, ...], int] = {}
-    for number, ids in enumerate(continuations, start=1):
-        earlier = first_with.setdefault(tuple(ids), number)
-        if earlier != number:
-            raise EvalDataError(
-                f"{at}: endings {earlier} and {number} ({endings[earlier - 1]!r}, {endings[number - 1]!r}) "
-                "are the same tokens to the model, so neither can score above the other; give each example "
-                "different endings"
-            )
+def _gold_indistinct(label: int, continuations: list[list[int]]) -> bool:
+    """Whether the gold ending is the same tokens to the model as another ending: then no score can
+    pick it out, and taking the first of equal scores (lm-eval's argmax) would count it right or wrong
+    by its place in the list."""
+    return any(ids == continuations[label] for at, ids in enumerate(continuations) if at != label)
 
 
 def eval_hellaswag(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:
+    """Accuracy of the ending with the highest summed (and per-byte) log-likelihood; an example whose
+    gold ending is indistinct (`_gold_indistinct`) counts wrong, and their number is reported."""
     fields = {"ctx": str, "endings": list, "label": int}
     records = _examples(path, _numbered_records(path, fields), limit, '{"ctx", "endings", "label"} lines')
-    pairs = []
+    pairs, indistinct = [], []
     for at, record in records:
         _check_hellaswag(at, record)
         framed = [_framed_pair(exported, at, record["ctx"], " " + ending) for ending in record["endings"]]
-        _check_distinct(at, record["endings"], [continuation for _, continuation in framed])
+        indistinct.append(_gold_indistinct(record["label"], [continuation for _, continuation in framed]))
         pairs += framed
     scores = score_continuations(exported.model, pairs, batch_size)
     logprobs = iter(scores)
     correct = correct_norm = 0
-    for _, record in records:
+    for (_, record), tied in zip(records, indistinct, strict=True):
         endings, label = record["endings"], record["label"]
         scores = [next(logprobs)[0] for _ in endings]
         normed = [
             score / max(1, len((" " + e).encode("utf-8"))) for score, e in zip(scores, endings, strict=True)
         ]
-        correct += max(range(len(scores)), key=scores.__getitem__) == label
-        correct_norm += max(range(len(normed)), key=normed.__getitem__) == label
-    return {"acc": correct / len(records), "acc_norm": correct_norm / len(records), "examples": len(records)}
+        correct += not tied and max(range(len(scores)), key=scores.__getitem__) == label
+        correct_norm += not tied and max(range(len(normed)), key=normed.__getitem__) == label
+    return {
+        "acc": correct / len(records),
+        "acc_norm": correct_norm / len(records),
+        "examples": len(records),
+        "indistinct": sum(indistinct),
+    }
 
 
 def word_vectors(
@@ -254,6 +255,10 @@ def word_vectors(
     ids = {word: word_ids for word, word_ids in zip(words, tokenized, strict=True) if word_ids}
     prefix = exported.tokenizer.context_prefix(exported.document_format)
     sequences = [prefix + word_ids for word_ids in ids.values()]
+    if sequences:
+        longest = max(ids, key=lambda word: len(ids[word]))
+        what = f"the word {longest!r} reads a sequence of length"
+        check_positions(exported, len(prefix) + len(ids[longest]), what, "leave it out")
     vectors = mean_layer_states(exported.model, sequences, layer, batch_size, skip=len(prefix))
     return dict(zip(ids, vectors, strict=True))
 
@@ -334,7 +339,9 @@ def eval_recall(
     batch_size: int,
     seed: int = EVAL_SEED,
 ) -> dict[str, float]:
-    check_positions(exported, seq_len, "recall rows have a seq_len of", "use a smaller one")
+    check_positions(
+        exported, seq_len, "recall rows have a seq_len of", "recall needs a model of that many positions"
+    )
     data = make_recall(
         limit or 32, settings.num_pairs, settings.num_queries, seq_len, exported.config.vocab_size, seed
     )

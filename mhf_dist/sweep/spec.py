@@ -70,6 +70,8 @@ class TrialEval(StrictModel):
             check_task_data(self.task, self.data is not None, option="data")
         except MhfError as err:
             raise ValueError(str(err)) from None
+        if "seq_len" in self.model_fields_set and self.task not in ("ppl", "bpb"):
+            raise ValueError(f"seq_len is read by ppl and bpb only; drop it for task {self.task!r}")
         return self
 
 
