@@ -17,7 +17,9 @@ import argparse
 import glob
 import math
 import os
+import re
 import sys
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +91,28 @@ def _nonempty(text: str) -> str:
 def _assignment(text: str) -> str:
     key, sep, _ = text.partition("=")
     if not sep or not key.strip():
+        raise ValueError(text)
+    return text
+
+
+def _jobs_api(text: str) -> str:
+    """What Ray's job client takes: the dashboard's http(s) URL, a Ray Client `ray://` one, or `auto`
+    (on a cluster node); a URL with a host and, if any, a port in range. A bare HOST:PORT it would take
+    for a cluster's GCS address, and wait 30 s for."""
+    if text.strip() == "auto":
+        return "auto"
+    url = urllib.parse.urlparse(text.strip())
+    if url.scheme not in ("http", "https", "ray") or not url.hostname:
+        raise ValueError(text)
+    url.port  # noqa: B018 -- raises ValueError for a port outside 0-65535
+    if url.port == 0:
+        raise ValueError(text)
+    return text.strip()
+
+
+def _variable(text: str) -> str:
+    """`NAME=VALUE` whose NAME an environment variable can have (`${NAME}` in a job spec)."""
+    if not re.fullmatch(r"[A-Za-z_]\w*", _assignment(text).partition("=")[0]):
         raise ValueError(text)
     return text
 
@@ -256,12 +280,20 @@ ZERO_STAGE = Kind(
     ("4", "-1", "x"),
     ("0", "3"),
 )
+JOBS_API = Kind(
+    "jobs api",
+    "give the Ray Jobs API's URL, http://HOST:PORT (the dashboard's, e.g. http://127.0.0.1:8265), a "
+    "ray://HOST:PORT or auto",
+    _jobs_api,
+    ("127.0.0.1:8265", "http://", "http://h:99999", "http://h:0", "ftp://h:1"),
+    ("http://127.0.0.1:8265", "https://ray.example.com", "ray://head:10001", "auto"),
+)
 TEXT = Kind("text", "give some text", _nonempty, ("", "   "), ("x", "héllo wörld"))
 VARIABLE = Kind(
     "variable",
-    "write NAME=VALUE, e.g. MHF_STORAGE=/shared/mhf",
-    _assignment,
-    ("MHF_STORAGE", "=5", ""),
+    "write NAME=VALUE, NAME of letters, digits and _, e.g. MHF_STORAGE=/shared/mhf",
+    _variable,
+    ("MHF_STORAGE", "=5", "", "A B=x", "1A=x"),
     ("MHF_STORAGE=/x", "A="),
 )
 ASSIGNMENT = Kind(
@@ -327,10 +359,26 @@ class Distinct(argparse.Action):
             chosen = list(values)
         else:
             chosen = [*(before if given_before else []), values]
-        repeated = next((value for at, value in enumerate(chosen) if value in chosen[:at]), None)
+        seen = [self.identity(value) for value in chosen]
+        repeated = next((value for at, value in enumerate(seen) if value in seen[:at]), None)
         if repeated is not None:
-            parser.error(f"argument {option_string}: {repeated} is given twice; give each value once")
+            parser.error(f"argument {option_string}: {repeated} is given twice; give each {self.unit} once")
         setattr(namespace, self.dest, chosen)
+
+    unit = "value"
+
+    def identity(self, value: Any) -> Any:
+        """What must differ between two values."""
+        return value
+
+
+class DistinctKeys(Distinct):
+    """`KEY=VALUE` values (`--set`, `--env`), no KEY given twice: which of the two would be meant?"""
+
+    unit = "key"
+
+    def identity(self, value: Any) -> Any:
+        return value.partition("=")[0].strip()
 
 
 class MhfParser(argparse.ArgumentParser):

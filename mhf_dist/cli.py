@@ -55,11 +55,11 @@ def _add_set_arg(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument(
         "--set",
         dest="overrides",
-        action="append",
+        action="append",  # the last of one key wins: a job spec's entrypoint is overridden after `--`
         default=[],
         type=kinds.ASSIGNMENT,
         metavar="KEY=VALUE",
-        help=f"{help} (repeatable; a flag that sets the same key wins)",
+        help=f"{help} (repeatable; the last of one key wins, and a flag that sets the same key wins)",
     )
 
 
@@ -757,7 +757,7 @@ def add_submit_parser(commands: argparse._SubParsersAction) -> None:
     submit.add_argument("spec", type=kinds.FILE, help="a job spec YAML, e.g. jobs/pretrain.job.yaml")
     submit.add_argument(
         "--address",
-        type=kinds.TEXT,
+        type=kinds.JOBS_API,
         default=DEFAULT_ADDRESS,
         help=f"the cluster's dashboard (default: {DEFAULT_ADDRESS})",
     )
@@ -766,7 +766,7 @@ def add_submit_parser(commands: argparse._SubParsersAction) -> None:
     )
     submit.add_argument(
         "--env",
-        action="append",
+        action=kinds.DistinctKeys,
         default=[],
         type=kinds.VARIABLE,
         metavar="NAME=VALUE",

@@ -100,13 +100,23 @@ def resolved_runtime_env(spec: JobSpec, environ: Mapping[str, str], cwd: Path) -
     return runtime_env
 
 
+def _check_named(spec: JobSpec, env: Mapping[str, str]) -> None:
+    """`--env NAME=...` fills the spec's `${NAME}`: a NAME it does not name would be dropped unseen."""
+    raw = spec.runtime_env.get("env_vars", {}).values()
+    named = sorted({match.group(1) for value in raw for match in _VARIABLE.finditer(str(value))})
+    stray = next((name for name in env if name not in named), None)
+    if stray is not None:
+        names = ", ".join(named) if named else "no variable"
+        raise ConfigError(f"--env {stray}: the job spec has no ${{{stray}}} (it names {names}); drop it")
+
+
 def _shell_word(arg: str) -> str:
     """Quoted for the entrypoint's shell unless plainly safe; left bare, `$NAME` expands on the cluster."""
     return arg if _PLAIN_WORD.fullmatch(arg) else shlex.quote(arg)
 
 
 def _client(address: str) -> Any:
-    from ray.exceptions import AuthenticationError
+    from ray.exceptions import AuthenticationError, RpcError
     from ray.job_submission import JobSubmissionClient
 
     try:
@@ -116,7 +126,7 @@ def _client(address: str) -> Any:
             f"the Ray cluster at {address} uses token authentication; export RAY_AUTH_MODE=token "
             "(the token comes from ~/.ray/auth_token or RAY_AUTH_TOKEN)"
         ) from None
-    except (ConnectionError, RuntimeError, ValueError) as err:
+    except (ConnectionError, RuntimeError, ValueError, RpcError) as err:  # RpcError: a GCS (ray://, auto)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise JobError(
             f"cannot reach the Ray Jobs API at {address} ({first[:160]}); start a cluster "
@@ -132,6 +142,7 @@ def submit_job(
     submission_id: str | None = None,
 ) -> tuple[Any, str]:
     """Submit the job; returns the client and the submission id."""
+    _check_named(spec, env or {})
     environ = {**os.environ, **(env or {})}
     runtime_env = resolved_runtime_env(spec, environ, Path.cwd())
     entrypoint = " ".join([spec.entrypoint, *map(_shell_word, extra_args)])

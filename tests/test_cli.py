@@ -98,11 +98,21 @@ def test_an_unknown_init_new_rows_is_refused_while_parsing(capsys):
     assert "--init-new-rows: invalid choice: 'zeros' (choose from 'subword', 'mean')" in err
 
 
+def test_submit_env_must_name_a_variable_of_the_spec_before_any_connection(capsys):
+    """`--env NAME=...` fills `${NAME}` in the spec's env_vars; a name it lacks would be dropped unseen."""
+    address = ["--address", "http://127.0.0.1:1"]  # nothing listens: the check comes first
+    assert main(["submit", "jobs/pretrain.job.yaml", *address, "--env", "MHF_STORAGEE=/s"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --env MHF_STORAGEE: the job spec has no ${MHF_STORAGEE} (it names MHF_STORAGE, "
+        "MLFLOW_TRACKING_URI); drop it\n"
+    )
+
+
 def test_submit_env_must_be_key_value(capsys):
     assert main(["submit", "jobs/pretrain.job.yaml", "--env", "MHF_STORAGE"]) == 2
     assert capsys.readouterr().err == (
-        "error: mhf submit: argument --env: 'MHF_STORAGE': write NAME=VALUE, e.g. MHF_STORAGE=/shared/mhf; "
-        "see `mhf submit --help`\n"
+        "error: mhf submit: argument --env: 'MHF_STORAGE': write NAME=VALUE, NAME of letters, digits and _, "
+        "e.g. MHF_STORAGE=/shared/mhf; see `mhf submit --help`\n"
     )
 
 

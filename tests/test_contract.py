@@ -247,7 +247,8 @@ def test_a_value_given_twice_where_values_must_differ_is_one_line(
     argv = with_argument(filled(VALID[command], ws), argument, value)
     twice = [*argv, value] if action.nargs == "+" else [*argv, argument, value]
     line = refused(twice, capsys)
-    assert line.endswith(f"argument {argument}: {action.type(value)} is given twice; give each value once; "
+    repeated = action.identity(action.type(value))  # a key of KEY=VALUE
+    assert line.endswith(f"argument {argument}: {repeated} is given twice; give each {action.unit} once; "
                          f"see `mhf {command} --help`"), line  # fmt: skip
     if action.nargs == "+":  # given again, the flag would drop the values it had
         line = refused([*argv, argument, action.type.good[-1]], capsys)
