@@ -411,6 +411,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from mhf_dist.tables import markdown_table
     from mhf_dist.tracking import check_run, log_metrics, reading_uri
 
+    uri = reading_uri(args.storage) if args.run_id else None
+    if uri is not None:  # the run is looked up before the scoring whose results it gets
+        check_run(uri, args.run_id)
     check_task_data(args.task, args.data is not None)  # before the flags it reads
     windows = args.task in ("ppl", "bpb") and not (args.data and Location.of(args.data).is_dir())
     for flag, given, applies, where in (
@@ -420,9 +423,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
         if given is not None and not applies:
             raise ConfigError(f"{flag} is read by {where} only; drop it for --task {args.task}")
     seq_len = args.seq_len or EVAL_WINDOW
-    uri = reading_uri(args.storage) if args.run_id else None
-    if uri is not None:  # the run is looked up before the scoring whose results it gets
-        check_run(uri, args.run_id)
     exported = load_exported(args.model)
     layer = EVAL_LAYER if args.layer is None else args.layer
     results = run_task(exported, args.task, args.data, args.limit, seq_len, layer, batch_size=args.batch_size)

@@ -22,10 +22,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import sqlite3
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 EXPERIMENT = "mhf"
 MAX_PARAM_LENGTH = 500  # MLflow's limit for a param value
+MLFLOW_TABLES = {"alembic_version", "experiments", "runs"}  # what MLflow's SQLite schema has at least
 MAX_TAG_LENGTH = 8000  # MLflow's limit for a tag value (a run's description is one)
 CUT_NOTE = "\n\n(cut at MLflow's limit for a description: the whole table is the artifact compare.md)"
 URI_VARIABLE = "MLFLOW_TRACKING_URI"
@@ -92,6 +94,7 @@ def require_store(uri: str) -> None:
         return
     store = Path(uri.removeprefix("sqlite:///"))
     if store.is_file():
+        _check_mlflow_tables(store)
         return
     if os.environ.get(URI_VARIABLE) == uri:
         raise TrackingError(
@@ -101,6 +104,23 @@ def require_store(uri: str) -> None:
     raise TrackingError(
         f"no MLflow store at {str(store)!r}; give the --storage a run wrote to, or set {URI_VARIABLE}"
     )
+
+
+def _check_mlflow_tables(store: Path) -> None:
+    """A reader must not write: MLflow given a SQLite file without its tables (an empty file, another
+    program's database) creates them in it. The file is opened read-only to look."""
+    try:
+        with closing(sqlite3.connect(f"{store.as_uri()}?mode=ro", uri=True)) as db:
+            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as err:  # not an SQLite file at all
+        tables, why = set(), str(err)
+    else:
+        why = "it has no MLflow tables"
+    if MLFLOW_TABLES - tables:
+        raise TrackingError(
+            f"{str(store)!r} is not an MLflow store ({why}); give the --storage a run wrote to, or set "
+            f"{URI_VARIABLE}"
+        )
 
 
 def find_run(uri: str, run_id: str) -> Run | None:

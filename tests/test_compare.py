@@ -3,7 +3,9 @@ by default, with the params the trainer logs (no Ray): groups are seeds of one s
 look-ups of the commands that read MLflow (`mhf compare --sweep`, `mhf eval --run-id`), which create
 no store and check an id before any work."""
 
+import sqlite3
 import statistics
+from contextlib import closing
 
 import pytest
 from mlflow.entities import Metric, Param
@@ -244,6 +246,29 @@ def test_reading_commands_create_no_store_where_there_is_none(tmp_path, monkeypa
         "to the store a run wrote to, or unset it to read --storage's"
     ]
     assert not nowhere.exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"not a database at all, but text", "another program's"])
+def test_reading_commands_write_nothing_into_a_file_that_is_not_an_mlflow_store(
+    content, tmp_path, monkeypatch, capsys
+):
+    """MLflow given a SQLite file without its tables would create them in it: an empty file grew to 1 MB."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    store = tmp_path / "mlflow.db"
+    if isinstance(content, bytes):
+        store.write_bytes(content)
+    else:
+        with closing(sqlite3.connect(store)) as db:
+            db.execute("CREATE TABLE notes (text)")
+            db.commit()
+    before = store.read_bytes()
+    assert (
+        main(["compare", "--experiment", "stages", "--storage", str(tmp_path), "--out", str(tmp_path / "r")])
+        == 2
+    )
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {str(store)!r} is not an MLflow store (")
+    assert store.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
 
 
 def test_eval_looks_its_run_up_before_scoring(store, tmp_path, monkeypatch, capsys):
