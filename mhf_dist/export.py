@@ -76,6 +76,7 @@ def export_model(
         "format": FORMAT,
         "model": config.model_dump(mode="json"),
         "signature_fingerprint": table.fingerprint,
+        "tokenizer_sha256": TextTokenizer.load(tokenizer_file).sha256,  # its rules too: merges, normalizer
         "lineage": lineage or [],
         "document_format": document_format,
     }
@@ -238,6 +239,13 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
     model.eval()
     tokenizer = TextTokenizer.load(local / TOKENIZER_FILE)
     _check_same_vocabulary(where, tokenizer, table)
+    recorded = description.get("tokenizer_sha256")  # absent: an export older than the record
+    if recorded is not None and recorded != tokenizer.sha256:
+        raise ExportError(
+            f"{str(where / TOKENIZER_FILE)!r} is not the tokenizer the model was exported with (its sha256 "
+            f"{tokenizer.sha256[:12]}, config.json records {str(recorded)[:12]}: its merges, normalizer or "
+            "pre-tokenizer were edited); restore the exported tokenizer.json"
+        )
     return ExportedModel(
         model,
         config,

@@ -54,6 +54,7 @@ def test_bad_export_directories_are_one_line_errors(small_cfg, tokenizer_file, t
     tokenizer = json.loads((tmp_path / "model" / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     renamed = next(token for token, token_id in vocab.items() if token_id == 70)
+    original = json.dumps(tokenizer)
     vocab["zzz"] = vocab.pop(
         renamed
     )  # one token of the vocabulary edited: the ids would decode as other text
@@ -61,6 +62,15 @@ def test_bad_export_directories_are_one_line_errors(small_cfg, tokenizer_file, t
     found = rf"id 70 is 'zzz' there, {re.escape(repr(renamed))} in the signature table"
     with pytest.raises(ExportError, match=rf"not the tokenizer the model was exported with \({found}"):
         load_exported(tmp_path / "model")
+    tokenizer = json.loads(original)
+    tokenizer["normalizer"] = {"type": "Lowercase"}  # the same tokens, read from other text
+    (tmp_path / "model" / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(
+        ExportError, match=r"not the tokenizer the model was exported with \(its sha256 \w+, "
+    ):
+        load_exported(tmp_path / "model")
+    (tmp_path / "model" / "tokenizer.json").write_text(original)
+    assert load_exported(tmp_path / "model").tokenizer.vocab_size == 259
 
 
 def test_damaged_export_files_are_one_line_errors_naming_the_file(small_cfg, tokenizer_file, tmp_path):
