@@ -72,11 +72,17 @@ def export_model(
 
     where = Location.of(directory)
     check_new_output(where, ExportError, "another directory")
+    tokenizer = TextTokenizer.load(tokenizer_file)
+    difference = _vocabulary_difference(tokenizer, table)
+    if difference is not None:
+        raise ExportError(
+            f"tokenizer {str(tokenizer_file)!r} is not the signature table's vocabulary ({difference})"
+        )
     description = {
         "format": FORMAT,
         "model": config.model_dump(mode="json"),
         "signature_fingerprint": table.fingerprint,
-        "tokenizer_sha256": TextTokenizer.load(tokenizer_file).sha256,  # its rules too: merges, normalizer
+        "tokenizer_sha256": tokenizer.sha256,  # its rules too: merges, normalizer, pre-tokenizer
         "lineage": lineage or [],
         "document_format": document_format,
     }
@@ -181,24 +187,26 @@ def check_documents_fit(
     )
 
 
-def _check_same_vocabulary(where: Location, tokenizer: TextTokenizer, table: SignatureTable) -> None:
-    """The tokenizer's tokens are those the signatures were hashed from (the table keeps their bytes): an
-    edited tokenizer.json would decode ids as other text than the model learned."""
+def _not_the_exported_tokenizer(where: Location, why: str) -> ExportError:
+    return ExportError(
+        f"{str(where / TOKENIZER_FILE)!r} is not the tokenizer the model was exported with ({why}); restore "
+        "the exported tokenizer.json"
+    )
+
+
+def _vocabulary_difference(tokenizer: TextTokenizer, table: SignatureTable) -> str | None:
+    """Where the tokenizer's tokens differ from those the table's signatures were hashed from (the
+    table keeps their bytes), or None: a difference would decode ids as other text than the model
+    learned."""
     tokens = tuple(tokenizer.vocabulary())
     if tokens == table.tokens:
-        return
+        return None
     differ = next(
         (i for i, pair in enumerate(zip(tokens, table.tokens, strict=False)) if pair[0] != pair[1]), None
     )
-    what = (
-        f"id {differ} is {tokens[differ]!r} there, {table.tokens[differ]!r} in the signature table"
-        if differ is not None
-        else f"{len(tokens)} tokens there, {len(table.tokens)} in the signature table"
-    )
-    raise ExportError(
-        f"{str(where / TOKENIZER_FILE)!r} is not the tokenizer the model was exported with ({what}); "
-        "restore the exported tokenizer.json"
-    )
+    if differ is None:
+        return f"{len(tokens)} tokens there, {len(table.tokens)} in the signature table"
+    return f"id {differ} is {tokens[differ]!r} there, {table.tokens[differ]!r} in the signature table"
 
 
 def load_exported(directory: str | Path | Location) -> ExportedModel:
@@ -238,13 +246,15 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
         ) from None
     model.eval()
     tokenizer = TextTokenizer.load(local / TOKENIZER_FILE)
-    _check_same_vocabulary(where, tokenizer, table)
+    difference = _vocabulary_difference(tokenizer, table)
+    if difference is not None:
+        raise _not_the_exported_tokenizer(where, difference)
     recorded = description.get("tokenizer_sha256")  # absent: an export older than the record
     if recorded is not None and recorded != tokenizer.sha256:
-        raise ExportError(
-            f"{str(where / TOKENIZER_FILE)!r} is not the tokenizer the model was exported with (its sha256 "
-            f"{tokenizer.sha256[:12]}, config.json records {str(recorded)[:12]}: its merges, normalizer or "
-            "pre-tokenizer were edited); restore the exported tokenizer.json"
+        raise _not_the_exported_tokenizer(
+            where,
+            f"its sha256 {tokenizer.sha256[:12]}, config.json records {str(recorded)[:12]}: its merges, "
+            "normalizer or pre-tokenizer were edited",
         )
     return ExportedModel(
         model,

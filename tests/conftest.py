@@ -6,6 +6,7 @@ import pytest
 import servers
 
 from mhf_dist.config import Config, load_config
+from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.signatures import SignatureTable
 
 servers.install_s3_environment()  # before any Ray instance starts: its workers inherit the endpoint
@@ -26,8 +27,14 @@ def small_cfg() -> Config:
 
 
 @pytest.fixture(scope="session")
-def small_table(small_cfg) -> SignatureTable:
-    return SignatureTable.build([f"tok{i}" for i in range(SMALL_VOCAB)], 2, 64)
+def small_tokenizer() -> TextTokenizer:
+    """A word-level tokenizer of SMALL_VOCAB words: the vocabulary `small_table` is hashed from."""
+    return TextTokenizer.recall(SMALL_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def small_table(small_cfg, small_tokenizer) -> SignatureTable:
+    return SignatureTable.build(small_tokenizer.vocabulary(), 2, 64)
 
 
 @pytest.fixture(scope="session")

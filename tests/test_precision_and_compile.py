@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import load_file
 
 from mhf_dist.config import check_topology, load_config
-from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import ConfigError
 from mhf_dist.export import WEIGHTS_FILE, export_model, load_exported
 from mhf_dist.models import build_model
@@ -89,7 +88,7 @@ def _fp32_bytes() -> int:
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_bf16_pure_holds_no_fp32_copy_tracks_fp32_and_checkpoints_and_exports(
-    one_process_group, fast_cfg, small_table, fp32_curve, zero_stage, tmp_path
+    one_process_group, fast_cfg, small_table, small_tokenizer, fp32_curve, zero_stage, tmp_path
 ):
     """bf16-pure: the engine's weights and AdamW's moments are bf16 and no fp32 tensor the size of the
     weights exists after six steps, at every ZeRO stage; its checkpoint resumes to the same next step, and
@@ -121,7 +120,7 @@ def test_bf16_pure_holds_no_fp32_copy_tracks_fp32_and_checkpoints_and_exports(
 
     engine.save_checkpoint(str(tmp_path / "state"), tag="state")
     tokenizer = tmp_path / "tokenizer.json"
-    TextTokenizer.bytes().save(tokenizer)
+    small_tokenizer.save(tokenizer)
     with stepper.whole_parameters():
         trained = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
         export_model(engine.module, fast_cfg.model, small_table, tokenizer, tmp_path / "model")
