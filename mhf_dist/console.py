@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,17 +58,24 @@ class WorkerLines:
             self.queue.put(f"[{self.label}] {line}" if self.label else line)
 
 
+def whole_line(line: str) -> None:
+    """`print`, in one write: from the relay's thread, a line the main thread prints at the same moment
+    cannot land between the text and its newline (print writes them apart)."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
+
+
 class ConsoleRelay:
     """A queue of console lines from Ray workers (`lines` is their end), printed with `log` on the
     driver while the relay is entered; leaving it prints the lines still queued. The queue's actor is
     not detached: a relay never entered ends with its driver."""
 
-    def __init__(self, log: Callable[[str], None] = print) -> None:
+    def __init__(self, log: Callable[[str], None] | None = None) -> None:
         from ray.util.queue import Queue
 
         self.queue = Queue(actor_options={"num_cpus": 0})  # no CPU slot taken from the workers
         self.lines = WorkerLines(self.queue)
-        self.log = log
+        self.log = log or whole_line
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._print_lines, name="mhf-console", daemon=True)
 

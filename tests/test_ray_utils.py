@@ -35,7 +35,7 @@ def test_a_local_instance_keeps_its_workers_output_in_its_logs_and_their_filter_
     """What mhf starts: the workers drop the cleaner's warning; what they print stays in Ray's logs
     (the last line says where), and mhf's own lines reach the console through the relay, labelled."""
     script = f"""
-import logging, os, ray
+import logging, os, sys, ray
 os.environ.pop("RAY_ADDRESS", None)
 from mhf_dist.console import ConsoleRelay
 from mhf_dist.ray_utils import ensure_ray, logs_hint
@@ -49,8 +49,8 @@ def filter_verdicts(say):
     messages = ({STATE_API_WARNING!r}, "other")
     return [f(logging.makeLogRecord({{"msg": m}})) for f in logger.filters for m in messages]
 
-with ConsoleRelay() as relay:
-    print("kept", ray.get(filter_verdicts.remote(relay.lines.labelled("run"))))
+with ConsoleRelay() as relay:  # one write, as the relay's own: the two threads' lines stay whole
+    sys.stdout.write(f"kept {{ray.get(filter_verdicts.remote(relay.lines.labelled('run')))}}\n")
 print(logs_hint())
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
