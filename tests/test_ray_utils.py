@@ -50,7 +50,7 @@ def filter_verdicts(say):
     return [f(logging.makeLogRecord({{"msg": m}})) for f in logger.filters for m in messages]
 
 with ConsoleRelay() as relay:  # one write, as the relay's own: the two threads' lines stay whole
-    sys.stdout.write(f"kept {{ray.get(filter_verdicts.remote(relay.lines.labelled('run')))}}\n")
+    sys.stdout.write(f"kept {{ray.get(filter_verdicts.remote(relay.lines.labelled('run')))}}\\n")
 print(logs_hint())
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
