@@ -318,9 +318,7 @@ def add_cpt_parser(commands: argparse._SubParsersAction) -> None:
         "--tokenizer", type=kinds.FILE, help="a tokenizer.json that appends tokens to the parent's"
     )
     cpt.add_argument("--add-tokens", type=kinds.FILE, help="a file with one new token per line")
-    cpt.add_argument(
-        "--train-new-tokens", type=kinds.NATURAL, default=0, help="learn N new BPE tokens from --corpus"
-    )
+    cpt.add_argument("--train-new-tokens", type=kinds.COUNT, help="learn N new BPE tokens from --corpus")
     cpt.add_argument(
         "--corpus", type=kinds.CORPUS, help="text the new tokens are learned from (a file, directory or glob)"
     )
@@ -356,7 +354,7 @@ def cmd_cpt(args: argparse.Namespace) -> None:
 
     def new_tokenizer(parent: TextTokenizer) -> TextTokenizer:
         texts = (lambda: corpus_texts(args.corpus, cfg.data.text_field)) if args.corpus else None
-        return expanded_tokenizer(parent, args.tokenizer, args.add_tokens, args.train_new_tokens, texts)
+        return expanded_tokenizer(parent, args.tokenizer, args.add_tokens, args.train_new_tokens or 0, texts)
 
     options = _train_options(args)
     result = run_cpt(cfg, args.parent, new_tokenizer, options, init_new_rows=args.init_new_rows)

@@ -204,6 +204,11 @@ class HashConfig(StrictModel):
 
     @model_validator(mode="after")
     def _lsh_fits(self) -> HashConfig:
+        if self.seed + self.num_hashes - 1 >= 2**32:  # hash j is seeded seed + j, a 32-bit MurmurHash3 seed
+            raise ValueError(
+                f"seed={self.seed}: its {self.num_hashes} hashes are seeded seed to "
+                f"seed+{self.num_hashes - 1}, all below 2**32; use a seed below {2**32 - self.num_hashes + 1}"
+            )
         if self.num_lsh > self.num_hashes:
             raise ValueError(
                 f"num_lsh={self.num_lsh} exceeds the {self.num_hashes} hashes of {self.spec}; "
@@ -732,6 +737,12 @@ def _describe(err: ValidationError) -> str:
             return (
                 f"missing section {location!r}; start the file with `preset: NAME` (one of "
                 f"{', '.join(available_presets())}) or write the section"
+            )
+        at = next((i for i, part in enumerate(first["loc"]) if isinstance(part, int)), None)
+        if at is not None:  # inside a list (data.sources), which --set replaces whole
+            listed = ".".join(str(part) for part in first["loc"][:at])
+            return (
+                f"missing key {location!r}; give entry {first['loc'][at]} of {listed} a `{first['loc'][-1]}`"
             )
         return f"missing key {location!r}; add it to the config or pass --set {location}=..."
     value = first.get("input")

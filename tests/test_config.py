@@ -187,6 +187,16 @@ def test_flat_keys_match_override_paths():
         ("tiny", ["train.steps"], r"--set 'train.steps' is not KEY=VALUE; write e.g. --set train.steps=50"),
         ("tiny", ["=3"], "is not KEY=VALUE"),
         ("tiny", ["model.hash.spec=H0B64"], r"use at least one hash \(H>=1\)"),
+        (
+            "tiny",
+            ['data.sources=[{"corpus": "builtin", "weight": 1}]'],
+            r"^missing key 'data.sources.0.name'; give entry 0 of data.sources a `name`$",
+        ),
+        (
+            "tiny",
+            ["model.hash.seed=4294967295"],
+            r"^model.hash: seed=4294967295: its 2 hashes are seeded seed",
+        ),
         ("tiny", ["model.hash.spec=H2B1"], r"use at least two buckets \(B>=2\)"),
         ("tiny", ["model.hash.spec=X9"], "write H<hashes>B<buckets>"),
         ("tiny", ["model.hash=X9"], r"^model.hash: bad hash spec 'X9'; write H<hashes>B<buckets>"),

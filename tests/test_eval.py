@@ -224,6 +224,7 @@ def test_card660_reads_every_layer_the_model_has_and_refuses_any_other(exported,
         ("card660", "a\tb\t1\none\ttwo\t0.5\tx\n", r"l.data:2: expected word1<TAB>word2<TAB>score, not 4"),
         ("card660", "\tdog\t0.5\n", r"l.data:1: a word is empty; expected word1<TAB>word2<TAB>score"),
         ("card660", "cat\tdog\thigh\n", r"l.data:1: score 'high' is not a number"),
+        ("card660", "cat\tdog\t1_0\n", r"l.data:1: score '1_0' is not a number"),
     ],
 )
 def test_malformed_files_are_one_line_errors_naming_file_and_line(exported, tmp_path, task, content, message):

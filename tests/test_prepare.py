@@ -727,6 +727,10 @@ def _edit_num_hashes(data: Path) -> None:
     edit_manifest(data, lambda manifest: manifest["signatures"].update(num_hashes=3))
 
 
+def _copy_a_shard_beside_them(data: Path) -> None:
+    (data / "train-00009.parquet").write_bytes((data / "train-00000.parquet").read_bytes())
+
+
 @pytest.mark.parametrize(
     ("damage", "problem"),
     [
@@ -736,6 +740,10 @@ def _edit_num_hashes(data: Path) -> None:
         (_edit_vocab_size, r"tokenizer\.json has vocab_size 40 but the manifest says 41"),
         (_edit_seq_len, r"train-00000\.parquet column input_ids is .*\[33\], but the manifest means seq_len"),
         (_edit_num_hashes, r"signatures\.safetensors has num_hashes 2 but the manifest says 3"),
+        (
+            _copy_a_shard_beside_them,
+            r"holds train-00009\.parquet, a shard its manifest does not list; remove",
+        ),
     ],
 )
 def test_verify_data_checks_every_file_the_manifest_lists_and_its_fields(tmp_path, capsys, damage, problem):

@@ -56,6 +56,7 @@ from mhf_dist.data.shards import (
     FORMAT,
     MANIFEST,
     ROWS_PER_GROUP,
+    SHARD_FILE,
     SIGNATURES_FILE,
     SPLITS,
     TOKENIZER_FILE,
@@ -93,16 +94,15 @@ PARTS, SHARDS = "parts", "shards"
 PROGRESS_VERSION = 1
 PART_COMPRESSION = "zstd"
 TRAIN, VALIDATION = 0, 1  # the split codes of a tokenized part's `split` column
-SHARD_NAME = re.compile(rf"({'|'.join(SPLITS)})-\d{{5,}}\.parquet")  # shard_name's
 # Every file a prepare writes in its output (the progress folder only while a bucket run is unfinished).
 WRITTEN_HERE = re.compile(
     "|".join(
         (
             *(re.escape(name) for name in (MANIFEST, TOKENIZER_FILE, SIGNATURES_FILE)),
-            SHARD_NAME.pattern,
+            SHARD_FILE.pattern,
             rf"{PROGRESS}/{re.escape(KEY_FILE)}",
             rf"{PROGRESS}/{PARTS}/\d{{5,}}\.(arrow|json)",  # a part's tokens, and its record
-            rf"{PROGRESS}/{SHARDS}/({SHARD_NAME.pattern})\.json",
+            rf"{PROGRESS}/{SHARDS}/({SHARD_FILE.pattern})\.json",
         )
     )
 )

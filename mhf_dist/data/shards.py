@@ -20,6 +20,7 @@ defaults that manifests written before them mean.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -251,6 +252,9 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.parquet"
 
 
+SHARD_FILE = re.compile(rf"({'|'.join(SPLITS)})-\d{{5,}}\.parquet")  # what shard_name gives
+
+
 def content_hash(splits: dict[str, SplitInfo]) -> str:
     """sha256 over every shard's name and digest, in split and shard order."""
     digest = hashlib.sha256()
@@ -411,6 +415,15 @@ def verify_shards(path: str | Path | Location) -> int:
     if table.tokens != tuple(tokenizer.vocabulary()):
         raise DataError(
             f"signature table {table_path} is of another vocabulary than {manifest.tokenizer.file}; "
+            f"{_reprepare(directory)}"
+        )
+    listed = {shard.file for info in manifest.splits.values() for shard in info.shards}
+    stray = next(
+        (e.name for e in directory.children() if SHARD_FILE.fullmatch(e.name) and e.name not in listed), None
+    )
+    if stray is not None:  # a reader of the manifest would never see it: a copy or a leftover
+        raise DataError(
+            f"{str(directory)!r} holds {stray}, a shard its manifest does not list; remove it, or "
             f"{_reprepare(directory)}"
         )
     count = 0

@@ -239,7 +239,9 @@ class TextTokenizer:
         known = set(self.vocabulary())
         seen: set[str] = set()
         for token in tokens:
-            if token in known or token in seen:
+            if token in seen:
+                raise DataError(f"token {token!r} is listed twice; list each new token once")
+            if token in known:
                 raise DataError(f"token {token!r} is already in the vocabulary; list new tokens only")
             seen.add(token)
         tokenizer = Tokenizer.from_str(self.tokenizer.to_str())

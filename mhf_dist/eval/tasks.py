@@ -301,7 +301,7 @@ def _card660_pair(at: str, line: str) -> tuple[str, str, float]:
     if not first.strip() or not second.strip():
         raise EvalDataError(f"{at}: a word is empty; expected {CARD660_FORM}")
     try:
-        value = float(score)
+        value = float(score.replace("_", "x"))  # Python's `1_0` (10) is not a number a data file writes
     except ValueError:
         raise EvalDataError(
             f"{at}: score {score.strip()!r} is not a number; expected {CARD660_FORM}"
