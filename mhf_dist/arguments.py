@@ -104,8 +104,7 @@ def _jobs_api(text: str) -> str:
     url = urllib.parse.urlparse(text.strip())
     if url.scheme not in ("http", "https", "ray") or not url.hostname:
         raise ValueError(text)
-    url.port  # noqa: B018 -- raises ValueError for a port outside 0-65535
-    if url.port == 0:
+    if url.port == 0:  # reading the port raises ValueError for one outside 0-65535
         raise ValueError(text)
     return text.strip()
 

@@ -35,6 +35,7 @@ from mhf_dist.errors import ConfigError, Interrupted, MhfError
 from mhf_dist.eval import LAYER as EVAL_LAYER
 from mhf_dist.eval import TASKS as EVAL_TASKS
 from mhf_dist.eval import WINDOW as EVAL_WINDOW
+from mhf_dist.eval import WINDOWED as EVAL_WINDOWED
 from mhf_dist.ray_utils import logs_hint
 from mhf_dist.submit import DEFAULT_ADDRESS
 
@@ -413,7 +414,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if uri is not None:  # the run is looked up before the scoring whose results it gets
         check_run(uri, args.run_id)
     check_task_data(args.task, args.data is not None)  # before the flags it reads
-    windows = args.task in ("ppl", "bpb") and not (args.data and Location.of(args.data).is_dir())
+    windows = args.task in EVAL_WINDOWED and not (args.data and Location.of(args.data).is_dir())
     for flag, given, applies, where in (
         ("--seq-len", args.seq_len, windows, "ppl and bpb of a text file (prepared shards keep their rows)"),
         ("--layer", args.layer, args.task == "card660", "card660"),

@@ -235,18 +235,8 @@ def _table_rows(out):
 def test_the_plan_on_stdout_is_the_plan_alone():
     """DeepSpeed, looking for a device on a machine without GPUs, warns on stdout: `plan > plan.md`."""
     env = {key: value for key, value in os.environ.items() if key != "DS_ACCELERATOR"}
-    argv = [
-        sys.executable,
-        "-m",
-        "mhf_dist.cli",
-        "plan",
-        "--config",
-        "tiny",
-        "--gpus",
-        "2",
-        "--gpu-mem-gb",
-        "1",
-    ]
+    argv = [sys.executable, "-m", "mhf_dist.cli", "plan", "--config", "tiny", "--gpus", "2",
+            "--gpu-mem-gb", "1"]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("preset tiny, ") and "WARNING" not in done.stdout + done.stderr

@@ -30,7 +30,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mhf_dist.config import Config, Seed, StrictModel, check_topology, load_config
 from mhf_dist.errors import ConfigError, MhfError, first_problem
-from mhf_dist.eval import WINDOW
+from mhf_dist.eval import WINDOW, WINDOWED
 from mhf_dist.readers import read_yaml
 
 TOPOLOGY_KEYS = ("workers", "gpus_per_worker", "zero_stage")
@@ -70,7 +70,7 @@ class TrialEval(StrictModel):
             check_task_data(self.task, self.data is not None, option="data")
         except MhfError as err:
             raise ValueError(str(err)) from None
-        if "seq_len" in self.model_fields_set and self.task not in ("ppl", "bpb"):
+        if "seq_len" in self.model_fields_set and self.task not in WINDOWED:
             raise ValueError(f"seq_len is read by ppl and bpb only; drop it for task {self.task!r}")
         return self
 
