@@ -1,9 +1,14 @@
 """Stopping a command by SIGINT (Ctrl-C) or SIGTERM: one line `interrupted: ...`, exit 130 or 143.
 
 The CLI turns SIGTERM into `Interrupted` and SIGINT is Python's KeyboardInterrupt, both raised wherever
-the main thread is. Two places must not be unwound that way:
+the main thread is. Three places must not be unwound that way:
 - Ray's start-up (`ray.init`): an exception raised inside its C++ core worker aborts or crashes the
   process. `deferred` holds both signals until the block ends.
+- The first import of torch, or of a library whose import runs torch's C++, and numpy's
+  (`HELD_IMPORTS`): torch's C++ calls back into Python, and an exception raised where it cannot pass
+  on aborts the process (pybind11's "terminate called after throwing ... error_already_set"); numpy
+  interrupted half-way cannot be imported again (its next import is a RuntimeError).
+  `hold_signals_while_importing` runs those imports under `deferred`.
 - A fit of Ray Train or Ray Tune, which stop their workers or trials themselves: Ray Train on SIGINT
   (`sigterm_as_sigint` sends SIGTERM down the same path), Tune on SIGUSR1 (`tune_stops_gracefully`
   sends both there), which then saves its experiment for `mhf sweep --resume`. Both remember which
@@ -12,6 +17,8 @@ the main thread is. Two places must not be unwound that way:
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import os
 import shlex
 import signal
@@ -31,6 +38,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 TUNE_STOP_SIGNAL = signal.SIGUSR1
 TUNE_SIGINT_VARIABLE = "TUNE_DISABLE_SIGINT_HANDLER"
 RERUN = "rerun the command to start again"
+HELD_IMPORTS = frozenset({"numpy", "torch", "transformers", "deepspeed"})
 
 
 class Resumable(Interrupted):
@@ -108,10 +116,12 @@ def _in_main_thread() -> bool:
 
 
 @contextmanager
-def deferred() -> Iterator[None]:
+def deferred(during: str) -> Iterator[None]:
     """Hold SIGINT and SIGTERM until the block ends, then deliver the first that came to the handlers
     that were in place before it (a block that raised keeps its own exception). A second signal while
-    the block still runs (a start-up that hangs) ends the process at once, with the one line."""
+    the block still runs (a start-up that hangs) ends the process at once, with the one line, which
+    says it came `during` the block ("while starting Ray"). A signal the process ignores (`nohup`, a
+    shell's background job) stays ignored."""
     if not _in_main_thread():  # only the main thread receives signals in Python
         yield
         return
@@ -119,13 +129,13 @@ def deferred() -> Iterator[None]:
 
     def hold(signum: int, frame: object) -> None:
         if held:
-            sys.stderr.write(f"interrupted: {stopped(signum, 'stopped while starting Ray')}\n")
+            sys.stderr.write(f"interrupted: {stopped(signum, f'stopped {during}')}\n")
             sys.stderr.flush()
             os._exit(128 + signum)
         held.append(signum)
 
-    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
-    for sig in SIGNALS:
+    previous = {sig: handler for sig in SIGNALS if (handler := signal.getsignal(sig)) is not signal.SIG_IGN}
+    for sig in previous:
         signal.signal(sig, hold)
     try:
         yield
@@ -133,6 +143,52 @@ def deferred() -> Iterator[None]:
         _restore(previous)
     if held:
         signal.raise_signal(held[0])
+
+
+class _HeldWhileImported(importlib.abc.MetaPathFinder):
+    """Finds a module of `names` as the finders after it do, and hands it a loader that runs it under
+    `deferred`; every other module is left to those finders."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.names:
+            return None
+        for finder in sys.meta_path[sys.meta_path.index(self) + 1 :]:
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _LoadedHeld(spec.loader)
+                return spec
+        return None
+
+
+class _LoadedHeld(importlib.abc.Loader):
+    """`loader`, with its module run under `deferred`; everything else it has (`get_source`, resource
+    readers) is its own."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        with deferred(f"while importing {module.__name__}"):
+            self._loader.exec_module(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def hold_signals_while_importing(names: frozenset[str] = HELD_IMPORTS) -> None:
+    """From now on, the first import of each module of `names` holds SIGINT and SIGTERM until it has
+    finished (the console scripts' start)."""
+    if not any(isinstance(finder, _HeldWhileImported) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _HeldWhileImported(names))
 
 
 @dataclass

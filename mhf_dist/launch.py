@@ -4,7 +4,8 @@ first instant.
 Importing a command line (pyarrow, pydantic; lm-eval's) takes most of a second, before its own signal
 handling is in place. A signal in that time ends the process here, with the one line the command lines
 print later; nothing has been done yet, so there is nothing to clean up. (Before this module runs, in
-the interpreter's own start, a signal has Python's default effect.)
+the interpreter's own start, a signal has Python's default effect.) Torch, imported later by most
+commands, is imported with the signals held (`interrupts.hold_signals_while_importing`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 # stdlib and mhf_dist.errors only: quick to import
-from mhf_dist.interrupts import SIGNALS, delivered_again_when_swallowed
+from mhf_dist.interrupts import SIGNALS, delivered_again_when_swallowed, hold_signals_while_importing
 
 
 def _while_starting(signum: int, frame: object) -> None:
@@ -46,6 +47,7 @@ def _finished() -> None:
 
 def mhf() -> int:
     delivered_again_when_swallowed()
+    hold_signals_while_importing()
     status = _imported("mhf_dist.cli", "main")()
     _finished()
     return status
@@ -53,6 +55,7 @@ def mhf() -> int:
 
 def mhf_lm_eval() -> None:
     delivered_again_when_swallowed()
+    hold_signals_while_importing()
     try:
         _imported("mhf_dist.eval.harness", "cli")()
     finally:

@@ -208,7 +208,7 @@ def start_local_cluster(
             cluster = _add_node(cluster, [*worker, *node, *_node_ports()], logs / f"worker-{index}.log")
         _wait_for_nodes(cluster, 1 + workers, token, timeout)
     except BaseException:
-        with deferred():  # a second Ctrl-C waits for the nodes to be stopped
+        with deferred("while stopping the nodes started"):  # a second Ctrl-C waits for them
             stop_local_cluster(directory)
         raise
     return cluster
@@ -216,7 +216,7 @@ def start_local_cluster(
 
 def _add_node(cluster: LocalCluster, args: list[str], log: Path) -> LocalCluster:
     """Start one node and record it (no interrupt in between, which would leave it unrecorded)."""
-    with deferred():
+    with deferred("while starting a node"):
         cluster = dataclasses.replace(cluster, pids=[*cluster.pids, _ray_start(args, log)])
         _write_state(cluster)
     return cluster

@@ -39,7 +39,7 @@ def ensure_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
         quiet_driver(verbose)  # Ray's own notices at start-up too
         # A signal raised inside Ray's start-up crashes the process (its C++ core worker half made):
         # it waits for ray.init to return, then stops the command as anywhere else.
-        with deferred(), _caller_keeps_sigterm():
+        with deferred("while starting Ray"), _caller_keeps_sigterm():
             _init(num_cpus, verbose)
     quiet_driver(verbose=workers_print_to_console())
 

@@ -29,7 +29,7 @@ def test_a_signal_in_a_deferred_block_stops_the_command_once_the_block_has_ended
 
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
-        with pytest.raises(Interrupted), deferred():
+        with pytest.raises(Interrupted), deferred("while testing"):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.1)  # time for the signal to arrive
             done.append("the block ran to its end")
@@ -37,6 +37,49 @@ def test_a_signal_in_a_deferred_block_stops_the_command_once_the_block_has_ended
         assert signal.getsignal(signal.SIGTERM) is terminated
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_signal_the_process_ignores_stays_ignored_in_a_deferred_block():
+    """`nohup`, or a shell's background job (SIGINT ignored): the held signal must not stop it."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with deferred("while testing"):
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # a second one neither: it would end the process
+            time.sleep(0.1)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+HELD_IMPORT_COMMAND = """
+import os, signal, sys, threading
+from mhf_dist import cli, launch
+
+def count(args):
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        import torch
+    finally:
+        print("torch._native" in sys.modules, file=sys.stderr)  # the last module torch's import imports
+
+cli.cmd_count = count
+sys.argv = ["mhf", "count"]
+sys.exit(launch.mhf())
+"""
+
+
+def test_a_ctrl_c_while_a_command_imports_torch_comes_once_the_import_has_finished():
+    """A Ctrl-C inside torch's import, where its C++ calls back into Python, aborts the process now and
+    then (pybind11's `terminate`): the console scripts hold it until the import has finished."""
+    done = subprocess.run(
+        [sys.executable, "-c", HELD_IMPORT_COMMAND], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stderr) == (
+        130,
+        "True\ninterrupted: SIGINT; rerun the command to start again\n",
+    )
 
 
 def test_ctrl_c_in_any_command_is_one_interrupted_line_and_exit_130(monkeypatch, capsys):
