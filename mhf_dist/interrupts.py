@@ -4,10 +4,10 @@ The CLI turns SIGTERM into `Interrupted` and SIGINT is Python's KeyboardInterrup
 the main thread is. Three places must not be unwound that way:
 - Ray's start-up (`ray.init`): an exception raised inside its C++ core worker aborts or crashes the
   process. `deferred` holds both signals until the block ends.
-- The first import of torch, or of a library whose import runs torch's C++, and numpy's
+- Imports of torch and of the packages whose modules run torch's C++ as they load, and numpy's
   (`HELD_IMPORTS`): torch's C++ calls back into Python, and an exception raised where it cannot pass
   on aborts the process (pybind11's "terminate called after throwing ... error_already_set"); numpy
-  interrupted half-way cannot be imported again (its next import is a RuntimeError).
+  interrupted half-way fails its next import with a RuntimeError, a traceback.
   `hold_signals_while_importing` runs those imports under `deferred`.
 - A fit of Ray Train or Ray Tune, which stop their workers or trials themselves: Ray Train on SIGINT
   (`sigterm_as_sigint` sends SIGTERM down the same path), Tune on SIGUSR1 (`tune_stops_gracefully`
@@ -115,14 +115,19 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+_holding = False  # whether a `deferred` block is running (in the main thread)
+
+
 @contextmanager
 def deferred(during: str) -> Iterator[None]:
     """Hold SIGINT and SIGTERM until the block ends, then deliver the first that came to the handlers
-    that were in place before it (a block that raised keeps its own exception). A second signal while
-    the block still runs (a start-up that hangs) ends the process at once, with the one line, which
-    says it came `during` the block ("while starting Ray"). A signal the process ignores (`nohup`, a
-    shell's background job) stays ignored."""
-    if not _in_main_thread():  # only the main thread receives signals in Python
+    that were in place before it, also when the block raised (its exception becomes the interrupt's
+    context). A second signal while the block still runs (a start-up that hangs) ends the process at
+    once, with the one line, which says it came `during` the block ("while starting Ray"). A block
+    inside another is held as part of it. A signal the process ignores (a background job of a shell
+    without job control ignores SIGINT) stays ignored, and so does one whose handler is not Python's."""
+    global _holding
+    if not _in_main_thread() or _holding:  # only the main thread receives signals in Python
         yield
         return
     held: list[int] = []
@@ -134,39 +139,40 @@ def deferred(during: str) -> Iterator[None]:
             os._exit(128 + signum)
         held.append(signum)
 
-    previous = {sig: handler for sig in SIGNALS if (handler := signal.getsignal(sig)) is not signal.SIG_IGN}
-    for sig in previous:
-        signal.signal(sig, hold)
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    _holding = True
     try:
+        for sig, handler in previous.items():
+            if handler not in (signal.SIG_IGN, None):
+                signal.signal(sig, hold)
         yield
     finally:
         _restore(previous)
-    if held:
-        signal.raise_signal(held[0])
+        _holding = False
+        if held:
+            signal.raise_signal(held[0])
 
 
-class _HeldWhileImported(importlib.abc.MetaPathFinder):
-    """Finds a module of `names` as the finders after it do, and hands it a loader that runs it under
-    `deferred`; every other module is left to those finders."""
-
-    def __init__(self, names: frozenset[str]) -> None:
-        self.names = names
+class _HoldingFinder(importlib.abc.MetaPathFinder):
+    """Finds a module of a package in `HELD_IMPORTS` as the finders after it do, and hands it a loader
+    that runs it under `deferred`; every other module is left to those finders."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: Any = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in self.names:
+        if fullname.partition(".")[0] not in HELD_IMPORTS:
             return None
         for finder in sys.meta_path[sys.meta_path.index(self) + 1 :]:
-            spec = finder.find_spec(fullname, path, target)
+            find = getattr(finder, "find_spec", None)  # a finder of the old protocol has none
+            spec = find(fullname, path, target) if find else None
             if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _LoadedHeld(spec.loader)
+                if spec.loader is not None and not isinstance(spec.loader, _HoldingLoader):
+                    spec.loader = _HoldingLoader(spec.loader)
                 return spec
         return None
 
 
-class _LoadedHeld(importlib.abc.Loader):
+class _HoldingLoader(importlib.abc.Loader):
     """`loader`, with its module run under `deferred`; everything else it has (`get_source`, resource
     readers) is its own."""
 
@@ -181,14 +187,18 @@ class _LoadedHeld(importlib.abc.Loader):
             self._loader.exec_module(module)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_loader":  # copy and pickle look these up before __init__
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
 
-def hold_signals_while_importing(names: frozenset[str] = HELD_IMPORTS) -> None:
-    """From now on, the first import of each module of `names` holds SIGINT and SIGTERM until it has
-    finished (the console scripts' start)."""
-    if not any(isinstance(finder, _HeldWhileImported) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _HeldWhileImported(names))
+def hold_signals_while_importing() -> None:
+    """From now on, importing a module of a package in `HELD_IMPORTS` holds SIGINT and SIGTERM until
+    it has finished (the console scripts' start). The held signal is delivered as the import ends,
+    which then fails: that package cannot be imported again in this process, which the interrupt
+    ends."""
+    if not any(isinstance(finder, _HoldingFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _HoldingFinder())
 
 
 @dataclass

@@ -29,7 +29,7 @@ def _while_starting(signum: int, frame: object) -> None:
 
 def _imported(module: str, name: str) -> Callable[[], Any]:
     """`module.name`, imported with the start-up handlers in place, which are restored after (a signal
-    the process was started to ignore, as `nohup` does, stays ignored)."""
+    the process was started to ignore, as a shell's background job ignores SIGINT, stays ignored)."""
     answered = [sig for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
     previous = {sig: signal.signal(sig, _while_starting) for sig in answered}
     try:

@@ -208,7 +208,7 @@ def start_local_cluster(
             cluster = _add_node(cluster, [*worker, *node, *_node_ports()], logs / f"worker-{index}.log")
         _wait_for_nodes(cluster, 1 + workers, token, timeout)
     except BaseException:
-        with deferred("while stopping the nodes started"):  # a second Ctrl-C waits for them
+        with deferred("while stopping the started nodes"):  # a second Ctrl-C waits for them
             stop_local_cluster(directory)
         raise
     return cluster

@@ -40,7 +40,7 @@ def test_a_signal_in_a_deferred_block_stops_the_command_once_the_block_has_ended
 
 
 def test_a_signal_the_process_ignores_stays_ignored_in_a_deferred_block():
-    """`nohup`, or a shell's background job (SIGINT ignored): the held signal must not stop it."""
+    """A shell's background job (SIGINT ignored): the held signal must not stop it."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with deferred("while testing"):
@@ -51,6 +51,47 @@ def test_a_signal_the_process_ignores_stays_ignored_in_a_deferred_block():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+NESTED_BLOCKS = """
+import os, signal, time
+from mhf_dist.interrupts import deferred
+
+try:
+    with deferred("while importing deepspeed"):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        with deferred("while importing torch"):  # deepspeed's import imports torch
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(2)
+            print("the inner block ran to its end")
+        raise ImportError("a failed import")
+except ImportError:
+    print("the held signal was lost with the failed import")
+"""
+
+
+@pytest.mark.parametrize("second", [True, False])
+def test_a_held_signal_is_delivered_once_and_a_second_ends_the_process_in_a_nested_block(second):
+    code = (
+        NESTED_BLOCKS
+        if second
+        else NESTED_BLOCKS.replace("os.kill(os.getpid(), signal.SIGINT)\n            ", "")
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    if second:
+        assert (done.returncode, done.stdout, done.stderr) == (
+            130,
+            "",
+            "interrupted: SIGINT; stopped while importing deepspeed\n",
+        )
+    else:  # the block's own exception does not swallow the interrupt: KeyboardInterrupt, from it
+        assert (
+            done.returncode == -signal.SIGINT and done.stdout == "the inner block ran to its end\n"
+        )
+        assert "ImportError: a failed import" in done.stderr and done.stderr.rstrip().endswith(
+            "KeyboardInterrupt"
+        )
 
 
 HELD_IMPORT_COMMAND = """
