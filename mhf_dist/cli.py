@@ -890,7 +890,9 @@ def _print_logs_hint(stream: TextIO) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    previous = signal.signal(signal.SIGTERM, interrupts.terminated)
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous not in (signal.SIG_IGN, None):  # a SIGTERM the process was started to ignore stays ignored
+        signal.signal(signal.SIGTERM, interrupts.terminated)
     try:
         extra = argv[argv.index("--") + 1 :] if "--" in argv else []
         try:
@@ -919,7 +921,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"interrupted: {interrupts.console_line(stop, argv)}", file=sys.stderr)
         return stop.exit_code
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,24 @@ def test_a_signal_in_a_deferred_block_stops_the_command_once_the_block_has_ended
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_command_started_with_sigterm_ignored_keeps_ignoring_it():
+    code = (
+        "import os, signal, sys\n"
+        "from mhf_dist import cli, launch\n"
+        "def count(args):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    print('went on')\n"
+        "cli.cmd_count = count\n"
+        "sys.argv = ['mhf', 'count']\n"
+        "sys.exit(launch.mhf())\n"
+    )
+    ignoring = lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN)  # noqa: E731
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, preexec_fn=ignoring
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "went on\n", "")
+
+
 def test_a_signal_the_process_ignores_stays_ignored_in_a_deferred_block():
     """A shell's background job (SIGINT ignored): the held signal must not stop it."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -86,9 +104,7 @@ def test_a_held_signal_is_delivered_once_and_a_second_ends_the_process_in_a_nest
             "interrupted: SIGINT; stopped while importing deepspeed\n",
         )
     else:  # the block's own exception does not swallow the interrupt: KeyboardInterrupt, from it
-        assert (
-            done.returncode == -signal.SIGINT and done.stdout == "the inner block ran to its end\n"
-        )
+        assert done.returncode == -signal.SIGINT and done.stdout == "the inner block ran to its end\n"
         assert "ImportError: a failed import" in done.stderr and done.stderr.rstrip().endswith(
             "KeyboardInterrupt"
         )
