@@ -891,7 +891,7 @@ def _print_logs_hint(stream: TextIO) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     previous = signal.getsignal(signal.SIGTERM)
-    if previous not in (signal.SIG_IGN, None):  # a SIGTERM the process was started to ignore stays ignored
+    if interrupts.answered(previous):
         signal.signal(signal.SIGTERM, interrupts.terminated)
     try:
         extra = argv[argv.index("--") + 1 :] if "--" in argv else []

@@ -111,6 +111,12 @@ def delivered_again_when_swallowed() -> None:
     sys.unraisablehook = hook
 
 
+def answered(handler: Any) -> bool:
+    """Whether mhf may take a signal whose handler is `handler`: not one the process was started to
+    ignore (a shell's background job ignores SIGINT), nor one installed outside Python (None)."""
+    return handler not in (signal.SIG_IGN, None)
+
+
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
@@ -143,7 +149,7 @@ def deferred(during: str) -> Iterator[None]:
     _holding = True
     try:
         for sig, handler in previous.items():
-            if handler not in (signal.SIG_IGN, None):
+            if answered(handler):
                 signal.signal(sig, hold)
         yield
     finally:

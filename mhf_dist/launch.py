@@ -18,7 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 # stdlib and mhf_dist.errors only: quick to import
-from mhf_dist.interrupts import SIGNALS, delivered_again_when_swallowed, hold_signals_while_importing
+from mhf_dist.interrupts import (
+    SIGNALS,
+    answered,
+    delivered_again_when_swallowed,
+    hold_signals_while_importing,
+)
 
 
 def _while_starting(signum: int, frame: object) -> None:
@@ -30,8 +35,9 @@ def _while_starting(signum: int, frame: object) -> None:
 def _imported(module: str, name: str) -> Callable[[], Any]:
     """`module.name`, imported with the start-up handlers in place, which are restored after (a signal
     the process was started to ignore, as a shell's background job ignores SIGINT, stays ignored)."""
-    answered = [sig for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
-    previous = {sig: signal.signal(sig, _while_starting) for sig in answered}
+    previous = {
+        sig: signal.signal(sig, _while_starting) for sig in SIGNALS if answered(signal.getsignal(sig))
+    }
     try:
         return getattr(importlib.import_module(module), name)
     finally:

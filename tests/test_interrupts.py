@@ -39,21 +39,27 @@ def test_a_signal_in_a_deferred_block_stops_the_command_once_the_block_has_ended
         signal.signal(signal.SIGTERM, previous)
 
 
+def mhf_count_running(count: str, preexec_fn=None) -> subprocess.CompletedProcess:
+    """`mhf count` through the console script's entry point, with `count(args)` (Python source, which
+    may use os, signal, sys, threading, time and `stopped`) as its command."""
+    code = f"""
+import os, signal, sys, threading, time
+from mhf_dist import cli, launch
+from mhf_dist.interrupts import stopped
+{count}
+cli.cmd_count = count
+sys.argv = ["mhf", "count"]
+sys.exit(launch.mhf())
+"""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, preexec_fn=preexec_fn
+    )
+
+
 def test_a_command_started_with_sigterm_ignored_keeps_ignoring_it():
-    code = (
-        "import os, signal, sys\n"
-        "from mhf_dist import cli, launch\n"
-        "def count(args):\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    print('went on')\n"
-        "cli.cmd_count = count\n"
-        "sys.argv = ['mhf', 'count']\n"
-        "sys.exit(launch.mhf())\n"
-    )
     ignoring = lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN)  # noqa: E731
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, preexec_fn=ignoring
-    )
+    count = "def count(args):\n    os.kill(os.getpid(), signal.SIGTERM)\n    print('went on')\n"
+    done = mhf_count_running(count, preexec_fn=ignoring)
     assert (done.returncode, done.stdout, done.stderr) == (0, "went on\n", "")
 
 
@@ -110,29 +116,20 @@ def test_a_held_signal_is_delivered_once_and_a_second_ends_the_process_in_a_nest
         )
 
 
-HELD_IMPORT_COMMAND = """
-import os, signal, sys, threading
-from mhf_dist import cli, launch
-
+IMPORTING_TORCH = """
 def count(args):
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
     try:
         import torch
     finally:
         print("torch._native" in sys.modules, file=sys.stderr)  # the last module torch's import imports
-
-cli.cmd_count = count
-sys.argv = ["mhf", "count"]
-sys.exit(launch.mhf())
 """
 
 
 def test_a_ctrl_c_while_a_command_imports_torch_comes_once_the_import_has_finished():
     """A Ctrl-C inside torch's import, where its C++ calls back into Python, aborts the process now and
     then (pybind11's `terminate`): the console scripts hold it until the import has finished."""
-    done = subprocess.run(
-        [sys.executable, "-c", HELD_IMPORT_COMMAND], capture_output=True, text=True, timeout=120
-    )
+    done = mhf_count_running(IMPORTING_TORCH)
     assert (done.returncode, done.stderr) == (
         130,
         "True\ninterrupted: SIGINT; rerun the command to start again\n",
@@ -148,11 +145,7 @@ def test_ctrl_c_in_any_command_is_one_interrupted_line_and_exit_130(monkeypatch,
     assert capsys.readouterr().err == "interrupted: SIGINT; rerun the command to start again\n"
 
 
-SWALLOWING_COMMAND = """
-import sys, time
-from mhf_dist import cli, launch
-from mhf_dist.interrupts import stopped
-
+SWALLOWING_COUNT = """
 class Swallowed:  # C code that can only hand an exception to sys.unraisablehook, as a Cython start-up
     def __del__(self):
         raise {interrupt}
@@ -161,10 +154,6 @@ def count(args):
     Swallowed()
     time.sleep(10)
     print("the command went on after its interrupt", file=sys.stderr)
-
-cli.cmd_count = count
-sys.argv = ["mhf", "count"]
-sys.exit(launch.mhf())
 """
 
 
@@ -173,8 +162,7 @@ sys.exit(launch.mhf())
     [("KeyboardInterrupt", 130, "SIGINT"), ("stopped(signal.SIGTERM)", 143, "SIGTERM")],
 )
 def test_an_interrupt_that_c_code_swallowed_still_stops_the_command_in_one_line(interrupt, exit_code, line):
-    code = "import signal\n" + SWALLOWING_COMMAND.format(interrupt=interrupt)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = mhf_count_running(SWALLOWING_COUNT.format(interrupt=interrupt))
     assert (done.returncode, done.stderr) == (
         exit_code,
         f"interrupted: {line}; rerun the command to start again\n",
