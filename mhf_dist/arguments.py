@@ -180,14 +180,17 @@ def _output(text: str) -> str:
 
 
 def _corpus(text: str) -> str:
-    """A corpus name (`builtin`, `recall`), `hf:NAME`, a bucket URI or glob (checked when read), else a
-    path that exists."""
+    """A corpus name (`builtin`, `recall`), `hf:NAME`, `dataset:package.module:function`, a bucket URI or
+    glob (checked when read), else a path that exists."""
+    from mhf_dist.config import DATASET_PREFIX, check_corpus
     from mhf_dist.data.corpus import BUILTIN_NAME
     from mhf_dist.data.recall import CORPUS as RECALL
 
     if text.startswith("hf:"):
         _nonempty(text.removeprefix("hf:"))
         return text
+    if text.startswith(DATASET_PREFIX):
+        return check_corpus(text)
     if text in (BUILTIN_NAME, RECALL) or glob.has_magic(text):
         return text
     return _existing(text, None)
@@ -324,10 +327,17 @@ FILE_OR_DIRECTORY = Kind(
 )
 CORPUS = Kind(
     "corpus",
-    "give builtin, recall, hf:NAME, a glob or an existing path",
+    "give builtin, recall, hf:NAME, dataset:package.module:function, a glob or an existing path",
     _corpus,
-    ("", "hf:"),
-    ("builtin", "recall", "hf:wikitext", "s3://bucket/*.jsonl.gz", "texts/*.jsonl"),
+    ("", "hf:", "dataset:", "dataset:module", "dataset:a b:f"),
+    (
+        "builtin",
+        "recall",
+        "hf:wikitext",
+        "dataset:corpora.wiki:load",
+        "s3://bucket/*.jsonl.gz",
+        "texts/*.jsonl",
+    ),
 )
 OUTPUT_DIRECTORY = Kind(
     "output directory", "give a directory to write to", _output, ("",), ("s3://bucket/out",)

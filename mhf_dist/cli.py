@@ -171,8 +171,9 @@ def add_prepare_parser(commands: argparse._SubParsersAction) -> None:
         prep,
         "--corpus",
         "data.corpus",
-        "builtin | hf:NAME | a file, directory or glob, local or s3:// / gs://, of .txt/.raw/.jsonl/.json "
-        "(optionally .gz/.zst/.bz2), .parquet or .arrow (optionally .zst)",
+        "builtin | hf:NAME | dataset:package.module:function (returning a ray.data.Dataset) | a file, "
+        "directory or glob, local or s3:// / gs://, of .txt/.raw/.jsonl/.json (optionally .gz/.zst/.bz2), "
+        ".parquet or .arrow (optionally .zst)",
         type=kinds.CORPUS,
     )
     _add_key_flag(
@@ -199,7 +200,12 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     from mhf_dist.data.prepare import prepare
 
     cfg = _config(args)
-    prepare(cfg, cfg.data.path, overwrite=args.overwrite, num_cpus=args.num_cpus, verbose=args.verbose)
+    try:
+        prepare(cfg, cfg.data.path, overwrite=args.overwrite, num_cpus=args.num_cpus, verbose=args.verbose)
+    except (KeyboardInterrupt, Interrupted) as err:
+        raise interrupts.restated(
+            err, "rerun the same command: it goes on from the parts and shards already written"
+        ) from None
 
 
 def add_verify_data_parser(commands: argparse._SubParsersAction) -> None:

@@ -53,6 +53,22 @@ MIN_VOCAB = 2  # an id to predict besides one other: a model of one token has no
 MAX_SEED = 2**64 - 1  # the largest seed torch.manual_seed takes
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 HASH_SPEC = re.compile(r"^H(\d+)B(\d+)(K?)$")
+# A Dataset source's callable: `package.module:function`, returning a ray.data.Dataset of documents.
+DATASET_CALLABLE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+DATASET_PREFIX = "dataset:"  # data.corpus (or --corpus) naming such a callable
+
+
+def check_corpus(corpus: str) -> str:
+    """A corpus `dataset:...` names its callable as package.module:function (other forms are checked
+    where the corpus is read)."""
+    if corpus.startswith(DATASET_PREFIX) and not re.fullmatch(
+        DATASET_CALLABLE, corpus[len(DATASET_PREFIX) :]
+    ):
+        raise ValueError(f"{corpus!r}: write {DATASET_PREFIX}package.module:function")
+    return corpus
+
+
+Corpus = Annotated[str, AfterValidator(check_corpus)]
 # Overrides: dotted keys and their values, or `KEY=VALUE` texts (see `load_config`).
 Overrides = Mapping[str, Any] | Iterable[str]
 
@@ -349,7 +365,7 @@ class ReplayConfig(StrictModel):
     """A second source mixed into the training split (`mhf_dist.data.mixture`), e.g. the parent's corpus
     in continued pretraining: about `fraction` of the training tokens come from it."""
 
-    corpus: str | None = Field(None, description="the replayed corpus (same forms as data.corpus)")
+    corpus: Corpus | None = Field(None, description="the replayed corpus (same forms as data.corpus)")
     fraction: float = Field(0.0, ge=0, lt=1, description="share of the training tokens from replay.corpus")
     seed: int = Field(
         0, ge=0, lt=2**32, description="documents are chosen in the order of MurmurHash3(text, seed)"
@@ -368,28 +384,48 @@ class ReplayConfig(StrictModel):
 
 
 class SourceConfig(StrictModel):
-    """One source of a mixture (`data.sources`): a corpus and its share of the training tokens."""
+    """One source of a mixture (`data.sources`): a corpus, or a ray.data.Dataset, and its share of the
+    training tokens."""
 
     name: str = Field(
         pattern=r"^[A-Za-z0-9_-]+$",
         description="the source's name in the manifest, the logs and the MLflow metric tokens_seen.<name>",
     )
-    corpus: str = Field(description="the same forms as data.corpus (not recall)")
+    corpus: Corpus | None = Field(None, description="the same forms as data.corpus (not recall)")
+    dataset: str | None = Field(
+        None,
+        pattern=DATASET_CALLABLE,
+        description="instead of corpus: package.module:function returning a ray.data.Dataset of documents, "
+        "staged once by mhf prepare (neither: the Dataset is given in Python, prepare(datasets=...))",
+    )
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of `dataset`")
     weight: float = Field(gt=0, description="its share of the training tokens, relative to the others'")
     text_field: str | None = Field(None, description="default: data.text_field")
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> SourceConfig:
+        if self.corpus is not None and self.dataset is not None:
+            raise ValueError(f"source {self.name!r} names a corpus and a dataset; give one of them")
+        if self.args and self.dataset is None:
+            raise ValueError(
+                f"source {self.name!r} has args but no dataset; args are the dataset's arguments"
+            )
+        return self
 
 
 class DataConfig(StrictModel):
     """Where text comes from, how it is tokenized and split, and where prepared shards live."""
 
-    corpus: str = Field(
+    corpus: Corpus = Field(
         "builtin",
-        description="builtin | recall | hf:NAME | a file, directory or glob, local or s3:// / gs://, of "
-        ".txt/.raw/.jsonl/.json (each optionally .gz/.zst/.bz2), .parquet, .arrow (optionally .zst)",
+        description="builtin | recall | hf:NAME | dataset:package.module:function (a ray.data.Dataset) | a "
+        "file, directory or glob, local or s3:// / gs://, of .txt/.raw/.jsonl/.json (each optionally "
+        ".gz/.zst/.bz2), .parquet, .arrow (optionally .zst)",
     )
     sources: list[SourceConfig] = Field(
         default_factory=list,
-        description="a mixture instead of data.corpus: [{name, corpus, weight, text_field?}]; weights are "
+        description="a mixture instead of data.corpus: [{name, corpus | dataset (+ args), weight, "
+        "text_field?}]; weights are "
         "shares of the training tokens (no upsampling: the source that runs out first sets the total)",
     )
     mixture_seed: int = Field(

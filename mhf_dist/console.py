@@ -32,6 +32,12 @@ QUIET_LOGGERS = {
 TUNE_OUTPUT_VARIABLE = "RAY_AIR_NEW_OUTPUT"
 
 
+def clock(seconds: float) -> str:
+    """Whole seconds as H:MM:SS (`0:01:10`), as progress lines show an eta or a duration."""
+    whole = int(seconds)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
 def quiet_driver(verbose: bool) -> None:
     """Keep the driver's libraries to their warnings and errors, or with `verbose` to their own levels."""
     for name, level in QUIET_LOGGERS.items():

@@ -22,6 +22,7 @@ PLACEMENT_GROUP_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.pl
 STATE_API_UNAVAILABLE = "State API may be temporarily unavailable"
 
 
+UNHANDLED_ERRORS_VARIABLE = "RAY_IGNORE_UNHANDLED_ERRORS"  # read by the driver each time it would print
 _session_dir: str | None = None  # the Ray session this process started or joined (its logs)
 
 
@@ -37,6 +38,8 @@ def ensure_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
 
     if not ray.is_initialized():
         quiet_driver(verbose)  # Ray's own notices at start-up too
+        if not verbose:  # the errors of tasks nobody waits for any more (a run that stopped): Ray's logs
+            os.environ.setdefault(UNHANDLED_ERRORS_VARIABLE, "1")
         # A signal raised inside Ray's start-up crashes the process (its C++ core worker half made):
         # it waits for ray.init to return, then stops the command as anywhere else.
         with deferred("while starting Ray"), _caller_keeps_sigterm():

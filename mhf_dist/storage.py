@@ -18,6 +18,7 @@ marker file last (`publish_directory`); readers trust a directory only once its 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -72,6 +73,79 @@ def redact(location: str | Path) -> str:
 def redact_text(text: str) -> str:
     """Every URI inside `text` redacted (for error messages a library wrote)."""
     return re.sub(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+", lambda match: redact(match.group(0)), text)
+
+
+# A name is secret when one of its words (split at `_`, `-`, `.` and case changes) is one of these, or
+# when it is a key of one of KEY_KINDS (`api_key`, `AccountKey`; not `shard_keys` or `sort_key`).
+SECRET_WORDS = frozenset(
+    ["password", "passwd", "pwd", "pw", "pass", "passphrase", "secret", "token", "credential", "credentials",
+     "creds", "auth", "authorization", "bearer", "jwt", "pat", "apikey", "accountkey", "sslkey", "dsn",
+     "cookie", "signature", "sas"]
+)  # fmt: skip
+KEY_KINDS = frozenset(["api", "access", "private", "secret", "account", "signing", "master", "encryption"])
+_WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
+# Secrets inside a string: `password=...` or `token: ...` (to the next `;`, `,`, space or closing quote),
+# `Bearer ...`, and a scheme-less `user:password@host`.
+_IN_TEXT = re.compile(
+    r"\b(?:password|passwd|pwd|passphrase|secret|token|accountkey|sharedaccesssignature|api_?key)\s*[=:]\s*"
+    r"(?P<a>'[^']*'|\"[^\"]*\"|[^;,\s]+)|\bbearer\s+(?P<b>\S+)|(?<![\w/:])[\w.%+-]+:(?P<c>[^\s@/:'\"]+)@(?=[\w.-])",
+    re.IGNORECASE,
+)
+REDACTED = "<redacted>"
+
+
+def secret_name(name: str) -> bool:
+    words = {word.lower() for word in _WORD.findall(name)}
+    return bool(words & SECRET_WORDS) or ("key" in words and bool(words & KEY_KINDS))
+
+
+def secrets_in(value: Any) -> set[str]:
+    """The secret strings in `value` (a Dataset source's args): under a secret-looking name, after a
+    secret-looking flag in a list (`["--password", "..."]`), a URI's password, one written in a string."""
+    found: set[str] = set()
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found |= _strings(item) if secret_name(str(key)) else secrets_in(item)
+    elif isinstance(value, list | tuple):
+        for before, item in zip([None, *value], value, strict=False):
+            flag = isinstance(before, str) and before.startswith("-") and secret_name(before)
+            found |= _strings(item) if flag else secrets_in(item)
+    elif isinstance(value, str):
+        for match in re.finditer(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+", value):
+            with contextlib.suppress(ValueError):
+                found.add(urlsplit(match.group(0)).password or "")
+        found |= {next(group for group in match.groups() if group) for match in _IN_TEXT.finditer(value)}
+    return {secret.strip("'\"") for secret in found if len(secret.strip("'\"")) >= 3}
+
+
+def _strings(value: Any) -> set[str]:
+    if isinstance(value, dict):
+        return set().union(*(_strings(item) for item in value.values()))
+    if isinstance(value, list | tuple):
+        return set().union(*(_strings(item) for item in value))
+    return {str(value)} if value is not None else set()
+
+
+def masked(text: str, secrets: set[str]) -> str:
+    """`text` with every one of `secrets` (longest first) and every URI's credentials masked."""
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    return redact_text(text)
+
+
+def redact_values(value: Any) -> Any:
+    """Values as they may be shown or recorded (a Dataset source's args, MLflow params): every secret
+    `secrets_in` finds masked, every URI redacted."""
+    secrets = secrets_in(value)
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, dict):
+            return {key: REDACTED if secret_name(str(key)) else walk(inner) for key, inner in item.items()}
+        if isinstance(item, list | tuple):
+            return [walk(inner) for inner in item]
+        return masked(item, secrets) if isinstance(item, str) else item
+
+    return walk(value)
 
 
 def _endpoint() -> str | None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mhf_dist.errors import MhfError
-from mhf_dist.storage import Location, is_uri, redact, redact_text
+from mhf_dist.storage import Location, is_uri, redact, redact_text, redact_values
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -243,8 +243,8 @@ def log_dataset(
 def log_params(uri: str, run_id: str, params: dict[str, Any]) -> None:
     from mlflow.entities import Param
 
-    # A URI's user info and query options (where credentials could be) never reach MLflow.
-    items = [Param(key, redact_text(str(value))[:MAX_PARAM_LENGTH]) for key, value in params.items()]
+    # Credentials never reach MLflow: a URI's user info and query options, a Dataset source's secret args.
+    items = [Param(key, str(redact_values(value))[:MAX_PARAM_LENGTH]) for key, value in params.items()]
     with tracking_errors(uri):
         client = connect(uri)
         for start in range(0, len(items), 100):

@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,3 +49,17 @@ def train_process(settings: list[str], storage: Path, name: str) -> subprocess.P
     command = [sys.executable, "-m", "mhf_dist.cli", "train", *sets, "--storage", str(storage)]
     command += ["--name", name]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def terminate_when(process: subprocess.Popen, ready: Callable[[], bool], seconds: float = 240) -> None:
+    """SIGTERM `process` once `ready()` (polled), as a scheduler stopping it would; it must then end with
+    143 and one last line `interrupted: SIGTERM...` on its stderr (a pipe)."""
+    deadline = time.monotonic() + seconds
+    while not ready() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    assert process.poll() is None, "the command ended before it could be stopped: give it more work"
+    assert ready(), f"the command did not reach the point to stop it at within {seconds} s"
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1].startswith("interrupted: SIGTERM")

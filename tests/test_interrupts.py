@@ -288,7 +288,7 @@ def test_a_signal_during_ray_start_up_stops_train_with_one_line(sig, byte_shards
     deadline = time.monotonic() + 120
     while process.poll() is None and "raylet" not in _children(process.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert process.poll() is None, "train ended before Ray started"
+    assert process.poll() is None, "train ended before Ray started" + process.stderr.read()
     process.send_signal(sig)
     _one_interrupted_line(process, sig)
 

@@ -34,6 +34,7 @@ import pyarrow.ipc as ipc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+from mhf_dist.config import DATASET_PREFIX
 from mhf_dist.errors import DataError
 from mhf_dist.storage import Location, StorageError, describe_failure, is_uri
 
@@ -99,6 +100,11 @@ def corpus_files(spec: str) -> list[CorpusFile]:
         return [CorpusFile(BUILTIN_NAME, sum(map(len, builtin_documents())), "builtin")]  # size: for the key
     if spec.startswith("hf:"):
         return _huggingface_files(spec[3:])
+    if spec.startswith(DATASET_PREFIX):
+        raise DataError(
+            f"corpus {spec!r} is a ray.data.Dataset, which mhf prepare stages and reads; here give a file, "
+            "directory or glob"
+        )
     where = Location.of(spec)
     if where.is_dir():
         found = [(where / name, size) for name, size in where.files() if file_kind(name)]

@@ -2,7 +2,7 @@
 
 Three settings name the sources (`sources`):
 - `data.corpus`: one source, used whole.
-- `data.sources: [{name, corpus, weight}]`: the weights (normalised to sum 1) are shares of the
+- `data.sources: [{name, corpus | dataset, weight}]`: the weights (normalised to sum 1) are shares of the
   training tokens. Each source's training documents are taken in the order of a stable content key,
   MurmurHash3(text, data.mixture_seed), until its share is reached. Nothing is repeated (no
   upsampling): the source that runs out first is used whole and sets the total, so a heavy weight on a
@@ -25,23 +25,39 @@ each row's `source_tokens` (shards.py) says how many of its tokens came from eac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import mmh3
 import numpy as np
+from pydantic import ValidationError
 
-from mhf_dist.config import DataConfig
-from mhf_dist.storage import redact
+from mhf_dist.config import DATASET_PREFIX, DataConfig
+from mhf_dist.errors import DataError, problem_line
+from mhf_dist.storage import redact, redact_values
 
 NONE_SELECTED = 0  # a threshold that takes no document
+GIVEN_IN_PYTHON = "given in Python"  # a Dataset source handed to prepare(datasets=...)
 ALL_SELECTED = 2**32  # above every 32-bit key
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Where a Dataset source's `ray.data.Dataset` comes from (`prepare.staging`): a callable
+    "package.module:function" called with `args`, or (`callable` None) the Dataset `given` in Python."""
+
+    callable: str | None
+    args: dict[str, Any] = field(default_factory=dict)
+    given: Any = None
 
 
 @dataclass(frozen=True)
 class Source:
     """One source of training text. `keyed`: its training documents are chosen by key (else all are
-    used); `validation`: its held-out documents are part of the validation split."""
+    used); `validation`: its held-out documents are part of the validation split. `dataset`: a Dataset
+    source (then `corpus` only describes it)."""
 
     name: str
     corpus: str
@@ -50,6 +66,7 @@ class Source:
     seed: int = 0
     keyed: bool = False
     validation: bool = True
+    dataset: DatasetSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -60,39 +77,91 @@ class Candidates:
     tokens: np.ndarray
 
 
-def sources(data: DataConfig) -> list[Source]:
-    """The sources `data` names, in stream order."""
-    if len(data.sources) > 1:
-        total = sum(source.weight for source in data.sources)
-        return [
-            Source(
-                source.name,
-                source.corpus,
-                source.text_field or data.text_field,
-                source.weight / total,
-                data.mixture_seed,
-                keyed=True,
-            )
-            for source in data.sources
-        ]
+def with_datasets(data: DataConfig, datasets: Mapping[str, Any]) -> DataConfig:
+    """The data settings with Datasets given in Python: with no `data.sources`, one Dataset is the corpus
+    (a source of its name, weight 1, in place of the default corpus); checked like any config."""
+    if not datasets or data.sources:
+        return data
+    if len(datasets) > 1 or data.corpus != DataConfig.model_fields["corpus"].default:
+        raise DataError(
+            f"datasets {', '.join(map(repr, datasets))} and data.corpus={data.corpus!r} cannot be "
+            "weighed together; list every source with its weight in data.sources"
+        )
+    (name,) = datasets
+    try:
+        return DataConfig.model_validate({**data.model_dump(), "sources": [{"name": name, "weight": 1.0}]})
+    except ValidationError as err:
+        raise DataError(f"datasets {name!r}: data.{problem_line(err)}") from None
+
+
+def sources(data: DataConfig, datasets: Mapping[str, Any] | None = None) -> list[Source]:
+    """The sources `data` names, in stream order; `datasets`: Datasets given in Python by the name of a
+    `data.sources` entry that names neither a corpus nor a dataset (`with_datasets`)."""
+    datasets = dict(datasets or {})
+    unknown = sorted(set(datasets) - {source.name for source in data.sources})
+    if unknown:
+        raise DataError(
+            f"datasets {', '.join(map(repr, unknown))} are no source of data.sources; add an entry "
+            "{name, weight} for each"
+        )
     if data.sources:
-        (only,) = data.sources
-        return [Source(only.name, only.corpus, only.text_field or data.text_field, 1.0)]
-    if replays(data):
-        fraction = data.replay.fraction
-        return [
-            Source("corpus", data.corpus, data.text_field, 1 - fraction),
-            Source(
-                "replay",
-                str(data.replay.corpus),
-                data.text_field,
-                fraction,
-                data.replay.seed,
-                keyed=True,
-                validation=False,
-            ),
-        ]
-    return [Source("corpus", data.corpus, data.text_field, 1.0)]
+        total = sum(source.weight for source in data.sources)
+        keyed = len(data.sources) > 1
+        mixed = []
+        for source in data.sources:
+            described, spec = _origin(source.name, source.corpus, source.dataset, source.args, datasets)
+            text_field = source.text_field or data.text_field
+            seed = data.mixture_seed if keyed else 0
+            mixed.append(
+                Source(source.name, described, text_field, source.weight / total, seed, keyed, dataset=spec)
+            )
+        return mixed
+    described, spec = _origin("corpus", data.corpus, None, {}, {})
+    if not replays(data):
+        return [Source("corpus", described, data.text_field, 1.0, dataset=spec)]
+    fraction = data.replay.fraction
+    replayed, replay_spec = _origin("replay", data.replay.corpus, None, {}, {})
+    return [
+        Source("corpus", described, data.text_field, 1 - fraction, dataset=spec),
+        Source(
+            "replay",
+            replayed,
+            data.text_field,
+            fraction,
+            data.replay.seed,
+            keyed=True,
+            validation=False,
+            dataset=replay_spec,
+        ),
+    ]
+
+
+def _origin(
+    name: str, corpus: str | None, dataset: str | None, args: dict[str, Any], given: dict[str, Any]
+) -> tuple[str, DatasetSpec | None]:
+    """(how the source is described, its Dataset if it is one) of a source named `corpus` (which may
+    be `dataset:package.module:function`), `dataset` and `args`, or given in Python."""
+    if name in given:
+        if corpus is not None or dataset is not None:
+            raise DataError(
+                f"source {name!r} is given in Python and names {corpus or dataset!r} too; drop one of them"
+            )
+        return f"{DATASET_PREFIX}{name} ({GIVEN_IN_PYTHON})", DatasetSpec(None, given=given[name])
+    if corpus is not None and corpus.startswith(DATASET_PREFIX):
+        dataset = corpus.removeprefix(DATASET_PREFIX)
+    if dataset is not None:
+        return f"{DATASET_PREFIX}{dataset}", DatasetSpec(dataset, dict(args))
+    if corpus is None:
+        raise DataError(
+            f"source {name!r} names no corpus or dataset; give it one (or its Dataset in "
+            "prepare(datasets=...))"
+        )
+    return corpus, None
+
+
+def without_dataset(source: Source) -> Source:
+    """The source as a Ray worker needs it once its Dataset is staged (the Dataset stays in the driver)."""
+    return dataclasses.replace(source, dataset=None)
 
 
 def replays(data: DataConfig) -> bool:
@@ -144,12 +213,16 @@ def thresholds(
     return chosen
 
 
-def source_records(mixed: list[Source], taken: list[dict[str, int]]) -> list[dict[str, Any]]:
+def source_records(
+    mixed: list[Source], taken: list[dict[str, int]], staged: list[int | None] | None = None
+) -> list[dict[str, Any]]:
     """The manifest's `sources`: what each source gave (`taken`: documents, tokens and validation
-    counts per source)."""
+    counts per source); a Dataset source's record says what it was staged from (its args redacted) and
+    how many documents were staged (`staged`)."""
     total = sum(counts["tokens"] for counts in taken)
-    return [
-        {
+    records = []
+    for source, counts, documents in zip(mixed, taken, staged or [None] * len(mixed), strict=True):
+        record = {
             "name": source.name,
             "corpus": redact(source.corpus),
             "weight": source.weight,
@@ -159,8 +232,14 @@ def source_records(mixed: list[Source], taken: list[dict[str, int]]) -> list[dic
             "validation_documents": counts["validation_documents"],
             "validation_tokens": counts["validation_tokens"],
         }
-        for source, counts in zip(mixed, taken, strict=True)
-    ]
+        if source.dataset is not None:
+            record["staged"] = {
+                "dataset": source.dataset.callable or GIVEN_IN_PYTHON,
+                "args": redact_values(source.dataset.args),
+                "documents": documents,
+            }
+        records.append(record)
+    return records
 
 
 def describe(mixed: list[Source], records: list[dict[str, Any]], limits: list[int | None]) -> str:

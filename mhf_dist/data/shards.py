@@ -91,6 +91,14 @@ class Mixture(_Record):
     tokens: str  # what the token counts count
 
 
+class StagedInfo(_Record):
+    """What a Dataset source was staged from (`mhf_dist.data.prepare.staging`)."""
+
+    dataset: str  # its "package.module:function", or "given in Python"
+    args: dict[str, Any]  # the function's keyword arguments, redacted
+    documents: int  # documents staged (before the split and the mixture's choice)
+
+
 class SourceInfo(_Record):
     """One source of the text (`mhf_dist.data.mixture`), in the order of the shards' `source_tokens`.
     Tokens are document tokens with their boundary tokens, before packing."""
@@ -103,6 +111,7 @@ class SourceInfo(_Record):
     share: float  # the realised share: tokens over every source's training tokens
     validation_documents: int
     validation_tokens: int
+    staged: StagedInfo | None = Field(None, exclude_if=lambda value: value is None)  # a Dataset source
 
 
 class SplitInfo(_Record):

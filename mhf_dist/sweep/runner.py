@@ -327,7 +327,7 @@ def _trial_name(tune_trial: Any) -> str:
 
 def _concurrency(configs: Iterable[Config]) -> int:
     """Trials whose workers (the most any trial asks for) fit in the cluster's CPUs, leaving one CPU
-    for Ray Data's read tasks."""
+    for the work beside the trials (Tune's driver and Ray's own processes)."""
     import ray
 
     cpus = ray.cluster_resources().get("CPU", 1)

@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable
 
 from mhf_dist.config import TrainConfig
+from mhf_dist.console import clock
 from mhf_dist.files import write_json_atomic
 from mhf_dist.storage import Location
 from mhf_dist.tracking import log_steps
@@ -43,7 +44,6 @@ def format_progress(metrics: Metrics, steps: int) -> str:
 
     MFU and validation perplexity appear when the step has them.
     """
-    eta = int(metrics.get("eta_s", 0))
     parts = [
         f"step {int(metrics['step'])}/{steps}",
         f"loss {metrics['loss']:.4f}",
@@ -54,7 +54,7 @@ def format_progress(metrics: Metrics, steps: int) -> str:
         parts.append(f"MFU {metrics['mfu']:.1%}")
     if "val_ppl" in metrics:
         parts.append(f"val ppl {metrics['val_ppl']:.2f}")
-    parts.append(f"eta {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}")
+    parts.append(f"eta {clock(metrics.get('eta_s', 0))}")
     return " | ".join(parts)
 
 

@@ -1,0 +1,169 @@
+"""The manifest of a prepared dataset and the console lines that summarise it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mhf_dist.config import Config, DataConfig
+from mhf_dist.data import mixture
+from mhf_dist.data.mixture import Source
+from mhf_dist.data.packing import dropped_tokens
+from mhf_dist.data.prepare.plan import Selection
+from mhf_dist.data.shards import (
+    FORMAT,
+    ROWS_PER_GROUP,
+    SPLITS,
+    VERSION,
+    Manifest,
+    Mixture,
+    PreparedWith,
+    ShardEntry,
+    SourceInfo,
+    SplitInfo,
+    content_hash,
+    signatures_info,
+    tokenizer_info,
+)
+from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.signatures import SignatureTable
+from mhf_dist.storage import redact, redact_values
+
+
+def recorded_data(data: DataConfig) -> dict[str, Any]:
+    """The data settings as the manifest and the key record them: no path, corpora and args redacted."""
+    record = data.model_dump(exclude={"path"})
+    record["corpus"] = redact(record["corpus"])
+    record["sources"] = [
+        {
+            **source,
+            "corpus": source["corpus"] and redact(source["corpus"]),
+            "args": redact_values(source["args"]),
+        }
+        for source in record["sources"]
+    ]
+    if record["replay"]["corpus"] is not None:
+        record["replay"]["corpus"] = redact(record["replay"]["corpus"])
+    return record
+
+
+def build_manifest(
+    cfg: Config,
+    tokenizer: TextTokenizer,
+    table: SignatureTable,
+    splits: dict[str, SplitInfo],
+    document_format: str,
+    sources: list[dict[str, Any]],
+) -> Manifest:
+    """The manifest of the shards in `splits`, prepared with `tokenizer` and `table`."""
+    return Manifest(
+        format=FORMAT,
+        version=VERSION,
+        seq_len=cfg.train.seq_len,
+        packing=cfg.data.packing,
+        rows_per_group=ROWS_PER_GROUP,
+        splits=splits,
+        content_sha256=content_hash(splits),
+        document_format=document_format,
+        tokenizer=tokenizer_info(tokenizer, document_format),
+        signatures=signatures_info(table),
+        config=PreparedWith(
+            data=recorded_data(cfg.data), seq_len=cfg.train.seq_len, model_hash=cfg.model.hash.model_dump()
+        ),
+        sources=[SourceInfo.model_validate(source) for source in sources],
+    )
+
+
+def split_infos(
+    cfg: Config, sources: list[Source], selection: Selection, shards: list[tuple[str, ShardEntry]]
+) -> dict[str, SplitInfo]:
+    """Each split's record: its shards (`shards`: (split, entry) in order) and the counts behind them."""
+    seq_len, packing = cfg.train.seq_len, cfg.data.packing
+    splits = {}
+    for split in SPLITS:
+        entries = [entry for of_split, entry in shards if of_split == split]
+        rows = sum(entry.rows for entry in entries)
+        splits[split] = SplitInfo(
+            rows=rows,
+            target_tokens=rows * seq_len,
+            shards=entries,
+            documents=sum(t.documents[split] for t in selection.taken),
+            replaced=sum(t.replaced[split] for t in selection.taken),
+            dropped_tokens=dropped_tokens(
+                sum(int(t.tokens[split].sum()) for t in selection.taken), seq_len, packing
+            ),
+            mixture=_replay_mixture(cfg.data, sources, selection) if split == "train" else None,
+        )
+    return splits
+
+
+def _replay_mixture(data: DataConfig, sources: list[Source], selection: Selection) -> Mixture | None:
+    if not mixture.replays(data):
+        return None
+    records = mixture.source_records(sources, selection.totals)
+    threshold, pool = selection.limits[1], selection.pools[1]
+    assert threshold is not None and pool is not None
+    return Mixture.model_validate(mixture.replay_record(data, records, threshold, pool))
+
+
+# --- console lines ---------------------------------------------------------------------------------
+
+
+def log_tables(
+    log: Callable[[str], None], tokenizer: TextTokenizer, table: SignatureTable, document_format: str
+) -> None:
+    log(
+        f"tokenizer: {tokenizer.vocab_size} tokens (sha256 {tokenizer.sha256[:12]}), {document_format} "
+        f"documents ({_describe_format(tokenizer, document_format)}); signatures "
+        f"{table.spec} seed {table.seed} ({table.scheme} scheme), fingerprint {table.fingerprint[:12]}"
+    )
+    if table.duplicate_signatures:  # the authors' rule allows them (H=1, shared prefixes, all-LSH)
+        log(
+            f"warning: {table.duplicate_signatures} token(s) share an earlier token's signature; exact "
+            "scoring gives them equal scores (the authors' redraw rule, as in their tables; "
+            "model.hash.scheme=murmur32 is collision-free)"
+        )
+
+
+def _describe_format(tokenizer: TextTokenizer, document_format: str) -> str:
+    if document_format == "bos":
+        return f"{tokenizer.tokenizer.id_to_token(tokenizer.bos_id)} first, no EOS"
+    return f"{tokenizer.tokenizer.id_to_token(tokenizer.eos_id)} after each"
+
+
+def log_splits(log: Callable[[str], None], cfg: Config, splits: dict[str, SplitInfo]) -> None:
+    for split in SPLITS:
+        info = splits[split]
+        log(
+            f"{split}: {info.documents:,} documents -> {info.rows:,} rows of {cfg.train.seq_len + 1} "
+            f"({info.target_tokens:,} target tokens, {info.dropped_tokens:,} dropped), "
+            f"{len(info.shards)} shards"
+        )
+
+
+def log_sources(
+    log: Callable[[str], None],
+    cfg: Config,
+    sources: list[Source],
+    records: list[dict[str, Any]],
+    selection: Selection,
+    splits: dict[str, SplitInfo],
+) -> None:
+    """How the sources mixed, and the invalid UTF-8 that was replaced."""
+    if mixture.replays(cfg.data):
+        mix = splits["train"].mixture
+        assert mix is not None
+        main, replay = mix.sources
+        short = mix.realised_fraction < 0.9 * mix.requested_fraction
+        log(
+            f"{'warning: ' if short else ''}replay: {replay.documents:,} of {replay.candidate_documents:,} "
+            f"documents of {replay.corpus!r} ({replay.tokens:,} tokens) join {main.tokens:,} training "
+            f"tokens: {mix.realised_fraction:.2%} of them (asked for {mix.requested_fraction:.2%}"
+            f"{'; the replay corpus has too little text' if short else ''})"
+        )
+    elif len(sources) > 1:
+        log(mixture.describe(sources, records, selection.limits))
+    replaced = sum(splits[split].replaced for split in SPLITS)
+    if replaced:
+        corpora = ", ".join(repr(redact(source.corpus)) for source in sources)
+        log(f"warning: {replaced} invalid UTF-8 sequences in {corpora} were replaced by U+FFFD")

@@ -1,0 +1,167 @@
+"""Which output prepare may write, its work area, and publishing: the rules of ownership.
+
+The work area is `.NAME.partial/` beside a local output (renamed to NAME at the end), or the output
+prefix itself in a bucket (no rename there: readers trust only a manifest). At the end the progress
+folder is removed, the manifest written, and only then the key: an interrupted run never leaves a
+manifest, and a bucket prefix holding neither a manifest nor our key is not ours to replace. Nor is an
+output holding anything prepare does not write (`check_output`): `--overwrite` refuses it, in one line,
+and touches nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from mhf_dist.data.prepare.records import KEY_FILE, PARTS, PROGRESS, SHARDS, STAGED, InputsKey, read_record
+from mhf_dist.data.shards import (
+    FORMAT,
+    MANIFEST,
+    SHARD_FILE,
+    SIGNATURES_FILE,
+    TOKENIZER_FILE,
+    Manifest,
+    write_manifest,
+)
+from mhf_dist.errors import DataError, MhfError
+from mhf_dist.files import publish_directory
+from mhf_dist.signatures import load_table
+from mhf_dist.storage import Location
+
+# Every file a prepare writes in its output (the progress folder only while a bucket run is unfinished).
+WRITTEN_HERE = re.compile(
+    "|".join(
+        (
+            *(re.escape(name) for name in (MANIFEST, TOKENIZER_FILE, SIGNATURES_FILE)),
+            SHARD_FILE.pattern,
+            rf"{PROGRESS}/{re.escape(KEY_FILE)}",
+            rf"{PROGRESS}/{PARTS}/\d{{5,}}\.(arrow|json)",  # a part's tokens, and its record
+            rf"{PROGRESS}/{SHARDS}/({SHARD_FILE.pattern})\.json",
+            rf"{PROGRESS}/{STAGED}/[A-Za-z0-9_-]+(\.json|/\d{{6,}}\.parquet)",  # a Dataset source, staged
+        )
+    )
+)
+
+
+def check_output(out: Location, overwrite: bool, flag: str = "--out") -> None:
+    """Before any work: `out` (named by the option `flag`) is absent, an empty directory, or shards this
+    command wrote, replaced only with `overwrite` (a bucket prefix holding a partial run of ours is
+    resumed); anything else is never touched. A local one must be writable."""
+    keep_out = f"choose another {flag} or remove it yourself"
+    if out.remote:
+        out.check_bucket()
+    elif out.local.is_symlink():
+        raise DataError(f"output {str(out)!r} is a symbolic link, not a directory of shards; {keep_out}")
+    if out.is_file():
+        raise DataError(f"output {str(out)!r} is a file, not a directory of shards; {keep_out}")
+    entries = out.children()
+    if entries:
+        foreign = _foreign(out, entries)
+        if foreign is not None:
+            raise DataError(f"output {str(out)!r} is not shards mhf prepare wrote ({foreign}); {keep_out}")
+        if (out / MANIFEST).is_file() and not overwrite:
+            raise DataError(
+                f"output {str(out)!r} holds prepared shards; pass --overwrite or choose another {flag}"
+            )
+    if not out.remote:
+        check_writable(out.local.parent, flag)
+
+
+def _foreign(out: Location, entries: list[Location]) -> str | None:
+    """Why the non-empty directory `out` is not shards of ours (to replace, or in a bucket to resume),
+    or None when it is: every file in it one this command writes, under the names and in the folders it
+    writes them, and a manifest of ours, or (damaged) one beside a signature table of ours."""
+    files = [path for path, _ in out.files()]
+    stranger = next((path for path in files if not WRITTEN_HERE.fullmatch(path)), None)
+    if stranger is None:  # an empty folder, or a link to one
+        holding = {path.split("/", 1)[0] for path in files}
+        stranger = next((entry.name for entry in entries if entry.name not in holding), None)
+    if stranger is not None:
+        return f"it holds {stranger!r}"
+    if out.remote and any(path.startswith(f"{PROGRESS}/") for path in files):
+        return None  # a bucket run of ours that did not finish (its key, or only a staged Dataset so far)
+    if MANIFEST not in files:
+        return f"it has no {MANIFEST}"
+    try:
+        raw = json.loads((out / MANIFEST).read_bytes())
+    except ValueError:
+        return None if _our_signature_table(out) else f"its {MANIFEST} is not JSON"
+    if isinstance(raw, dict) and raw.get("format") == FORMAT:
+        return None
+    return f"its {MANIFEST} is not an mhf shard manifest"
+
+
+def _our_signature_table(out: Location) -> bool:
+    try:
+        load_table(out / SIGNATURES_FILE)
+    except MhfError:
+        return False
+    return True
+
+
+def check_writable(directory: Path, flag: str = "--out") -> None:
+    """The output's parent must exist or be creatable, and take new files, before any work starts."""
+    existing = next(parent for parent in (directory, *directory.parents) if parent.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise DataError(
+            f"cannot write under {str(existing)!r} (not a writable directory); choose another {flag}"
+        )
+
+
+def work_directory(out: Location) -> Location:
+    """Where a prepare of `out` writes: `.NAME.partial` beside a local output, the prefix itself in a
+    bucket."""
+    return out if out.remote else Location.of(out.local.parent / f".{out.local.name}.partial")
+
+
+def open_work(work: Location, key: InputsKey, log: Callable[[str], None]) -> None:
+    """Resume `work` if its key is `key`, else start it afresh, keeping only the staged snapshots
+    (checked by their own records). A remote `work` is ours: check_output."""
+    key_file = work / PROGRESS / KEY_FILE
+    if key_file.is_file():
+        if read_record(key_file, InputsKey) == key:
+            log(f"resuming the partial prepare in {work} (same inputs and settings)")
+            return
+        log(f"the partial prepare in {work} had other inputs or settings; starting over")
+    retract_manifest(work)
+    for entry in work.children():
+        if entry.name != PROGRESS:
+            entry.remove()
+    for entry in (work / PROGRESS).children():
+        if entry.name != STAGED:
+            entry.remove()
+    for folder in (PARTS, SHARDS):
+        (work / PROGRESS / folder).make_dirs()
+    key_file.write_text(key.model_dump_json(indent=1) + "\n")
+
+
+def retract_manifest(work: Location) -> None:
+    """A work area that holds a manifest (a bucket prefix being replaced) is no longer complete before
+    any of it changes."""
+    if (work / MANIFEST).is_file():
+        (work / MANIFEST).remove()
+
+
+def publish(work: Location, out: Location, manifest: Manifest) -> None:
+    """The progress folder and anything else the manifest does not name (a write an interrupted run
+    left half done) removed, the manifest written, then the key; a local output is renamed into place
+    (what it replaces: check_output allowed)."""
+    for folder in (PARTS, SHARDS, STAGED):
+        (work / PROGRESS / folder).remove()
+    named = {shard.file for info in manifest.splits.values() for shard in info.shards}
+    for entry in work.children():
+        if entry.name not in named | {TOKENIZER_FILE, SIGNATURES_FILE, PROGRESS}:
+            entry.remove()
+    write_manifest(work, manifest)
+    (work / PROGRESS).remove()
+    if not out.remote:
+        publish_directory(work.local, out.local, replace=True)
+
+
+def discard(work: Location, error: DataError) -> DataError:
+    """A run that cannot succeed with these inputs leaves nothing to resume."""
+    work.remove()
+    return error

@@ -1,0 +1,84 @@
+"""`data.corpus: recall`: generated associative-recall rows, written in one staged step (no corpus to
+read, no Ray)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from mhf_dist.config import Config
+from mhf_dist.data import recall
+from mhf_dist.data.prepare.manifest import build_manifest, log_splits, log_tables
+from mhf_dist.data.prepare.plan import shard_bounds
+from mhf_dist.data.prepare.vocabulary import check_model_documents, signature_table
+from mhf_dist.data.shards import (
+    MANIFEST,
+    SIGNATURES_FILE,
+    SPLITS,
+    TOKENIZER_FILE,
+    Manifest,
+    SplitInfo,
+    save_tokenizer,
+    shard_name,
+    write_manifest,
+    write_shard,
+)
+from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.errors import DataError
+from mhf_dist.files import staged_directory
+from mhf_dist.signatures import SignatureTable, save_table
+from mhf_dist.storage import Location
+
+
+def prepare_recall(cfg: Config, out: Location, log: Callable[[str], None]) -> Manifest:
+    if cfg.data.document_format == "bos":  # generated rows, not documents: their generator's layout
+        raise DataError(
+            "data.corpus=recall writes generated rows in the eos layout; drop data.document_format=bos "
+            "(or set it to eos)"
+        )
+    tokenizer = TextTokenizer.recall(cfg.model.vocab_size)
+    table = signature_table(cfg, tokenizer)
+    check_model_documents(cfg, "eos")
+    log_tables(log, tokenizer, table, "eos")
+    with staged_directory(out.uri, replace=True, marker=MANIFEST) as staging:  # replaceable: check_output
+        splits = _write_recall_shards(cfg, table, staging)
+        save_tokenizer(tokenizer, staging / TOKENIZER_FILE)
+        save_table(table, staging / SIGNATURES_FILE)
+        manifest = build_manifest(cfg, tokenizer, table, splits, "eos", [])
+        write_manifest(staging, manifest)
+    log_splits(log, cfg, splits)
+    log(f"wrote {out} (content sha256 {manifest.content_sha256[:12]})")
+    return manifest
+
+
+def _write_recall_shards(cfg: Config, table: SignatureTable, staging: Path) -> dict[str, SplitInfo]:
+    """Generated associative-recall rows, one example per row, from a different seed for each split."""
+    settings = cfg.data.recall
+    examples = {
+        "train": settings.examples,
+        "validation": round(settings.examples * cfg.data.val_percent / 100),
+    }
+    seeds = {"train": recall.TRAIN_SEED, "validation": recall.VALIDATION_SEED}
+    splits = {}
+    for split in SPLITS:
+        rows = recall.make_recall(
+            examples[split],
+            settings.num_pairs,
+            settings.num_queries,
+            cfg.train.seq_len,
+            cfg.model.vocab_size,
+            seeds[split],
+        ).rows
+        shards = [
+            write_shard(rows[first:end], table, staging, shard_name(split, index))
+            for index, (first, end) in enumerate(shard_bounds(len(rows), cfg.data.rows_per_shard))
+        ]
+        splits[split] = SplitInfo(
+            rows=len(rows),
+            target_tokens=len(rows) * cfg.train.seq_len,
+            shards=shards,
+            documents=len(rows),
+            replaced=0,
+            dropped_tokens=0,
+        )
+    return splits
