@@ -7,11 +7,10 @@ whose one-line message names the bad key or value and what is allowed.
 
 from __future__ import annotations
 
-import datetime
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_origin
 
 import yaml
 from pydantic import (
@@ -74,26 +73,11 @@ Overrides = Mapping[str, Any] | Iterable[str]
 
 
 class StrictModel(BaseModel):
-    """Rejects unknown keys so that a typo is an error, never a silently ignored setting; and numbers
-    that are not finite, or true/false given for a number (pydantic would read `true` as 1)."""
+    """Rejects unknown keys so that a typo is an error, never a silently ignored setting; numbers that
+    are not finite; and values of another type (pydantic's strict mode: `true` is no number, `"50"` no
+    integer), which YAML 1.2's core schema (`readers.load_yaml`) has already typed."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_truth_values_for_numbers(cls, value: Any, info: Any) -> Any:
-        annotation = cls.model_fields[info.field_name].annotation
-        if isinstance(value, bool) and _admits(annotation, (int, float)) and not _admits(annotation, (bool,)):
-            raise ValueError("true/false is not a number; write a number")
-        return value
-
-
-def _admits(annotation: Any, types: tuple[type, ...]) -> bool:
-    """Whether a field typed `annotation` takes values of `types` (directly or in a union, a list, an
-    `Annotated`); `Any` takes everything."""
-    if annotation is Any or annotation in types:
-        return True
-    return any(_admits(arg, types) for arg in get_args(annotation))
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 # The paper's K-names whose B is not a multiple of 1024 (HUIYINXUE/MHF README: "MHF(H3B10K)" is the
@@ -639,30 +623,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     PyYAML's 1.1: `010` is 10 (not octal 8), `1e-3` a float, `1:30` and `yes` stay text."""
     key, value = split_assignment(text)
     try:
-        loaded = load_yaml(value)
+        return key, load_yaml(value)
     except DuplicateKeyError as err:
         raise ConfigError(f"--set {text!r}: {err.problem}; {err.fix}") from None
     except yaml.YAMLError:
         return key, value
-    return key, _core_scalar(value.strip(), loaded)
-
-
-YAML12_INT = re.compile(r"[-+]?[0-9]+")
-YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
-
-
-def _core_scalar(text: str, loaded: Any) -> Any:
-    if YAML12_INT.fullmatch(text):
-        return int(text)
-    if YAML12_FLOAT.fullmatch(text):
-        return float(text)
-    if isinstance(loaded, bool):
-        return loaded if text.lower() in ("true", "false") else text  # YAML 1.1's yes/no/on/off
-    if isinstance(loaded, int | float) and not text.lstrip("+-").startswith("."):
-        return text  # 1:30 (sexagesimal), 1_000, 0x1F: not numbers in YAML 1.2's core schema
-    if isinstance(loaded, datetime.date):
-        return text  # YAML 1.2's core schema has no timestamps
-    return loaded
 
 
 def parse_overrides(overrides: Overrides) -> dict[str, Any]:

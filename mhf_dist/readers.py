@@ -8,6 +8,7 @@ names the file, where in it the problem is (a line, a byte offset) and the calle
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,39 @@ def read_jsonl_located(
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, but a key given twice in one mapping is an error: PyYAML keeps the last
-    one silently, so a setting written twice would be half ignored."""
+    """PyYAML's safe loader with YAML 1.2's core schema in place of PyYAML's YAML 1.1 rules (`010` is 10,
+    not octal 8; `1e-3` a number; `yes`, `1:30` and `2024-01-01` text), so that a value means the same
+    in a config file, a sweep's `set:` and `--set`; and a key given twice in one mapping is an error:
+    PyYAML keeps the last one silently, so a setting written twice would be half ignored."""
+
+
+_UniqueKeyLoader.yaml_implicit_resolvers = {}
+for _tag, _pattern, _first in (
+    ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
+    ("bool", r"true|True|TRUE|false|False|FALSE", list("tTfF")),
+    ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", list("-+0123456789")),
+    ("float", r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)",
+     list("-+.0123456789")),
+    ("merge", r"<<", ["<"]),
+):  # fmt: skip
+    _UniqueKeyLoader.add_implicit_resolver(
+        f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_pattern})$"), _first
+    )
+
+
+def _core_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    base = {"0o": 8, "0x": 16}.get(text[:2], 10)
+    return int(text[2:] if base != 10 else text, base)
+
+
+def _core_float(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node).lower()
+    return float(text.replace(".inf", "inf").replace(".nan", "nan"))
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _core_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _core_float)
 
 
 class DuplicateKeyError(yaml.constructor.ConstructorError):
@@ -154,7 +186,8 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def load_yaml(text: str) -> Any:
-    """`yaml.safe_load(text)`, refusing a key given twice in a mapping (a `yaml.YAMLError`)."""
+    """`yaml.safe_load(text)` by YAML 1.2's core schema, refusing a key given twice in a mapping (a
+    `yaml.YAMLError`)."""
     return yaml.load(text, Loader=_UniqueKeyLoader)
 
 

@@ -115,6 +115,53 @@ def test_an_override_is_typed_as_yaml_reads_its_value(text, key, value):
     assert parse_override(text) == (key, value)
 
 
+@pytest.mark.parametrize(
+    ("key", "text", "value"),
+    [
+        ("train.steps", "010", 10),  # YAML 1.1: octal 8
+        ("train.lr", "3e-4", 3e-4),  # YAML 1.1: the text "3e-4"
+        ("data.corpus", "yes", "yes"),  # YAML 1.1: True
+        ("data.corpus", "1:30", "1:30"),  # YAML 1.1: 90
+        ("model.hash.d_hash", "null", None),
+        ("data.path", "2024-01-01", "2024-01-01"),  # YAML 1.1: a date
+    ],
+)
+def test_a_value_means_the_same_in_a_config_file_a_set_and_a_sweeps_set(tmp_path, key, text, value):
+    from mhf_dist.sweep.spec import load_sweep, trial_configs
+
+    section, *inner, name = key.split(".")
+    nested = "".join(f"\n{'  ' * (depth + 1)}{part}:" for depth, part in enumerate(inner))
+    (tmp_path / "c.yaml").write_text(f"preset: tiny\n{section}:{nested} {{{name}: {text}}}\n")
+    (tmp_path / "s.yaml").write_text(
+        f"name: s\nkind: seeds\nconfig: tiny\nseeds: [0]\nset: {{{key}: {text}}}\nstorage: {tmp_path}\n"
+    )
+    from_file = load_config(str(tmp_path / "c.yaml"))
+    from_set = load_config("tiny", [f"{key}={text}"])
+    (from_sweep,) = trial_configs(load_sweep(tmp_path / "s.yaml")).values()
+
+    def at(cfg):
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        return node
+
+    assert at(from_file) == at(from_set) == at(from_sweep) == value
+    assert type(at(from_file)) is type(at(from_set)) is type(at(from_sweep)) is type(value)
+
+
+def test_a_value_of_another_type_is_refused_not_converted():
+    for setting, problem in (
+        ("train.steps=true", "train.steps: Input should be a valid integer (got True)"),
+        ("train.lr=false", "train.lr: Input should be a valid number (got False)"),
+        ("train.steps=1.0", "train.steps: Input should be a valid integer (got 1.0)"),
+        ('train.steps="50"', "train.steps: Input should be a valid integer (got '50')"),
+        ("data.text_field=7", "data.text_field: Input should be a valid string (got 7)"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            load_config("tiny", [setting])
+        assert str(info.value) == problem
+
+
 def test_overrides_as_texts_or_a_mapping_give_one_mapping_where_the_later_value_wins():
     settings = parse_overrides(["train.steps=1", "train.lr=0.1", "train.steps=2"])
     assert list(settings.items()) == [("train.lr", 0.1), ("train.steps", 2)]
