@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
 EXPERIMENT = "mhf"
-MAX_PARAM_LENGTH = 500  # MLflow's limit for a param value
 MLFLOW_TABLES = {"alembic_version", "experiments", "runs"}  # what MLflow's SQLite schema has at least
 MAX_TAG_LENGTH = 8000  # MLflow's limit for a tag value (a run's description is one)
 CUT_NOTE = "\n\n(cut at MLflow's limit for a description: the whole table is the artifact compare.md)"
@@ -242,9 +241,10 @@ def log_dataset(
 
 def log_params(uri: str, run_id: str, params: dict[str, Any]) -> None:
     from mlflow.entities import Param
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH  # 6,000 characters in MLflow 3
 
     # Credentials never reach MLflow: a URI's user info and query options, a Dataset source's secret args.
-    items = [Param(key, str(redact_values(value))[:MAX_PARAM_LENGTH]) for key, value in params.items()]
+    items = [Param(key, str(redact_values(value))[:MAX_PARAM_VAL_LENGTH]) for key, value in params.items()]
     with tracking_errors(uri):
         client = connect(uri)
         for start in range(0, len(items), 100):

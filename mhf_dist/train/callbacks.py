@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from mhf_dist.config import TrainConfig
 from mhf_dist.console import clock
@@ -35,8 +36,23 @@ def due(step: int, every: int, last_step: int) -> bool:
     return step == last_step or bool(every and step % every == 0)
 
 
-def is_log_step(step: int, cfg: TrainConfig) -> bool:
-    return step % cfg.log_every == 0 or step == cfg.steps
+@dataclass(frozen=True)
+class Moment:
+    """What a step of a run is to the callbacks: a log step (every `train.log_every` and the last of
+    `train.steps`), a checkpoint step (every `train.checkpoint_every` and this run's last step), this
+    run's last step."""
+
+    log: bool
+    checkpoint: bool
+    last: bool
+
+
+def moment(step: int, cfg: TrainConfig, last_step: int) -> Moment:
+    return Moment(
+        log=step % cfg.log_every == 0 or step == cfg.steps,
+        checkpoint=due(step, cfg.checkpoint_every, last_step),
+        last=step == last_step,
+    )
 
 
 def format_progress(metrics: Metrics, steps: int) -> str:
@@ -88,7 +104,8 @@ class MemoryMetrics(StepCallback):
         step = int(metrics["step"])
         if step == self.first_step:
             metrics.update(self.model_state())
-        if is_log_step(step, self.cfg) or step == self.last_step:
+        now = moment(step, self.cfg, self.last_step)
+        if now.log or now.last:
             metrics.update(self.peak_memory())
 
 
@@ -125,8 +142,8 @@ class SourceTokens(StepCallback):
         self.seen = [int(counted[-1][key]) for key in self.keys] if counted else [0] * len(self.keys)
 
     def on_step_end(self, metrics: Metrics) -> None:
-        step = int(metrics["step"])
-        if is_log_step(step, self.cfg) or due(step, self.cfg.checkpoint_every, self.last_step):
+        now = moment(int(metrics["step"]), self.cfg, self.last_step)
+        if now.log or now.checkpoint:
             self.seen = [a + b for a, b in zip(self.seen, self.total(self.pending()), strict=True)]
             metrics.update(zip(self.keys, map(float, self.seen), strict=True))
 
@@ -138,7 +155,7 @@ class ProgressLines(StepCallback):
         self.cfg, self.log = cfg, log
 
     def on_step_end(self, metrics: Metrics) -> None:
-        if is_log_step(int(metrics["step"]), self.cfg):
+        if moment(int(metrics["step"]), self.cfg, self.cfg.steps).log:
             self.log(format_progress(metrics, self.cfg.steps))
 
 
@@ -168,8 +185,8 @@ class MLflowSteps(StepCallback):
         self.seen = start_step  # history.entries[:seen] were looked at before
 
     def on_step_end(self, metrics: Metrics) -> None:
-        step = int(metrics["step"])
-        if is_log_step(step, self.cfg) or due(step, self.cfg.checkpoint_every, self.last_step):
+        now = moment(int(metrics["step"]), self.cfg, self.last_step)
+        if now.log or now.checkpoint:
             self.flush()
 
     def flush(self) -> None:
@@ -199,7 +216,8 @@ class Checkpoints(StepCallback):
 
     def on_step_end(self, metrics: Metrics) -> None:
         step = int(metrics["step"])
-        if due(step, self.cfg.checkpoint_every, self.last_step):
+        now = moment(step, self.cfg, self.last_step)
+        if now.checkpoint:
             self.save(step, metrics)
-        elif is_log_step(step, self.cfg):
+        elif now.log:
             self.report(metrics)
