@@ -435,6 +435,11 @@ class DataConfig(StrictModel):
         "one `mhf import-hf` wrote; default: built from the tokenizer by model.hash",
     )
     val_percent: float = Field(5.0, ge=0, lt=100, description="share of documents held out for validation")
+    missing_text: Literal["error", "skip"] = Field(
+        "error",
+        description="records without text (no text_field, or null): error stops prepare naming the first "
+        "and their count; skip leaves them out, counted in the manifest and MLflow",
+    )
     packing: Literal["overlap", "blocks"] = Field(
         "overlap",
         description="rows of seq_len + 1 tokens: overlap = consecutive rows share one token (every token a "

@@ -39,7 +39,8 @@ import pyarrow.fs as pafs
 from mhf_dist.errors import MhfError
 
 CONNECT_TIMEOUT_S = 5
-REQUEST_TIMEOUT_S = 20
+REQUEST_TIMEOUT_S = 20  # a store that stops answering fails a request after this (MHF_STORAGE_TIMEOUT_S)
+TIMEOUT_VARIABLE = "MHF_STORAGE_TIMEOUT_S"
 MAX_ATTEMPTS = 3  # per request: an unreachable endpoint fails in seconds
 CACHE_VARIABLE = "MHF_CACHE"  # where remote models are copied to before loading (default ~/.cache/mhf-dist)
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -152,11 +153,23 @@ def _endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
+def request_timeout() -> float:
+    """Seconds a request to an object store may go unanswered: MHF_STORAGE_TIMEOUT_S, else 20."""
+    text = os.environ.get(TIMEOUT_VARIABLE) or str(REQUEST_TIMEOUT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise StorageError(f"{TIMEOUT_VARIABLE}={text!r}: give a number of seconds above 0, e.g. 20")
+    return seconds
+
+
 @functools.lru_cache(maxsize=16)
 def _s3(endpoint: str | None, region: str | None) -> pafs.FileSystem:
     options: dict[str, Any] = {
         "connect_timeout": CONNECT_TIMEOUT_S,
-        "request_timeout": REQUEST_TIMEOUT_S,
+        "request_timeout": request_timeout(),
         "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=MAX_ATTEMPTS),
     }
     if endpoint:
@@ -168,7 +181,7 @@ def _s3(endpoint: str | None, region: str | None) -> pafs.FileSystem:
 
 @functools.lru_cache(maxsize=16)
 def _gcs(emulator: str | None) -> pafs.FileSystem:
-    options: dict[str, Any] = {"retry_time_limit": timedelta(seconds=REQUEST_TIMEOUT_S)}
+    options: dict[str, Any] = {"retry_time_limit": timedelta(seconds=request_timeout())}
     if emulator:
         options.update(endpoint_override=emulator, scheme="http", anonymous=True)
     return pafs.GcsFileSystem(**options)
@@ -357,8 +370,9 @@ class Location:
 
 def local_copy(location: str | Path | Location, marker: str | None = None) -> Path:
     """A local path holding `location`: itself on the local disk, else a cached copy keyed by the URI and
-    its listing (names, sizes), so an unchanged remote model is downloaded once. With `marker`, a remote
-    directory without that file is refused as incomplete."""
+    the version of every object in it (name, size, ETag), so an unchanged remote model is downloaded
+    once and a replaced object (even of the same size, in the same second) again. With `marker`, a
+    remote directory without that file is refused as incomplete."""
     where = Location.of(location)
     if not where.remote:
         return where.local
@@ -367,7 +381,8 @@ def local_copy(location: str | Path | Location, marker: str | None = None) -> Pa
         raise StorageError(f"{where} does not exist; check the URI")
     if marker is not None and where.is_dir() and marker not in dict(listing):
         raise StorageError(f"{where} has no {marker}: it is incomplete or not what was asked for")
-    key = hashlib.sha256(repr((redact(where.uri), listing)).encode()).hexdigest()[:16]
+    versions = [(name, size, _version(where / name if name else where)) for name, size in listing]
+    key = hashlib.sha256(repr((redact(where.uri), versions)).encode()).hexdigest()[:16]
     cache = Path(os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "mhf-dist") / "remote"
     target = cache / key / where.name  # the copy keeps its name (MLflow names artifacts after it)
     if not target.exists():
@@ -382,6 +397,16 @@ def local_copy(location: str | Path | Location, marker: str | None = None) -> Pa
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _version(where: Location) -> str:
+    """An object's version as its store tells it: the ETag (S3, GCS), else its modification time."""
+    with storage_errors(where), where.fs.open_input_stream(where.path, compression=None) as stream:
+        metadata = {key.lower(): value for key, value in (stream.metadata() or {}).items()}
+    etag = metadata.get("etag")
+    if etag:
+        return etag.decode() if isinstance(etag, bytes) else str(etag)
+    return str(where.info().mtime_ns)
 
 
 @contextmanager

@@ -179,3 +179,48 @@ def test_a_run_refuses_credentials_in_its_locations_before_anything_starts(tmp_p
     with pytest.raises(TrainingError, match=r"^'s3://bucket/runs' carries user info") as raised:
         train(cfg, TrainOptions(name="x"))
     assert "cret" not in str(raised.value)
+
+
+def test_a_store_that_stops_answering_mid_run_is_one_line_in_bounded_time_and_the_run_goes_on_after(
+    ray_session, s3_server, tmp_path
+):
+    """moto frozen (SIGSTOP, not closed) after step 10 of a 2-worker run stored in it: the run ends within
+    a bounded time (requests time out after MHF_STORAGE_TIMEOUT_S, 3 tries) with one line, not Ray Train's
+    traceback; once the store answers again, --continue goes on to the end."""
+    import os
+    import signal
+
+    from mhf_dist.data.prepare import prepare
+
+    data = tmp_path / "data"
+    recall = ["data.corpus=recall", "model.vocab_size=40", "train.seq_len=32"]
+    prepare(load_config("tiny", recall), data, log=lambda _: None)
+    bucket = s3_server.make_bucket("frozen-store")
+    sets = [*recall, f"data.path={data}", "train.steps=30", "train.checkpoint_every=5", "train.log_every=5",
+            "train.eval_rows=8", "train.precision=fp32"]  # fmt: skip
+    command = [sys.executable, "-m", "mhf_dist.cli", "train", *(arg for s in sets for arg in ("--set", s)),
+               "--storage", f"{bucket}/runs", "--name", "frozen"]  # fmt: skip
+    environment = {**os.environ, "MHF_STORAGE_TIMEOUT_S": "3"}
+    process = subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        while not (line := process.stdout.readline()).startswith("step 10/") and line:
+            pass
+        assert line, process.stderr.read()
+        os.kill(s3_server.process.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        _, stderr = process.communicate(timeout=240)
+        waited = time.monotonic() - frozen
+    finally:
+        os.kill(s3_server.process.pid, signal.SIGCONT)
+    assert process.returncode == 2 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1].startswith("error: cannot reach the object store at "), stderr
+    assert stderr.strip().endswith("rerun with --continue to go on from its last complete checkpoint")
+    assert waited < 120, waited
+    again = subprocess.run(
+        [*command, "--continue"], env=environment, capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode == 0, again.stderr
+    history = read_history(newest_checkpoint(Location.of(f"{bucket}/runs/frozen")))
+    assert [int(entry["step"]) for entry in history] == list(range(1, 31))

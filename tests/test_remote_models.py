@@ -79,6 +79,26 @@ def test_eval_and_generate_on_a_model_in_a_bucket_print_exactly_the_local_result
     assert load_exported(f"{bucket}/model").path == Location.of(f"{bucket}/model")
 
 
+def test_eval_of_a_bucket_model_whose_weights_were_replaced_scores_the_new_weights(
+    tiny, bucket, tmp_path, capsys
+):
+    """Another model's weights of the same size put in place of the bucket's, at once: the cached copy
+    is of the old object, and the next eval fetches the new one."""
+    _, cfg, table, tokenizer_file = tiny
+    export_to(tiny, f"{bucket}/model")
+    torch.manual_seed(1)
+    other = export_model(build_model(cfg, table).eval(), cfg, table, tokenizer_file, tmp_path / "other")
+    (tmp_path / "texts.txt").write_text(TEXTS)
+    ppl = ["eval", "--task", "ppl", "--data", str(tmp_path / "texts.txt"), "--seq-len", "8"]
+    before = printed(capsys, [*ppl, "--model", f"{bucket}/model"])
+    weights = Location.of(f"{bucket}/model/model.safetensors")
+    replacement = (other / "model.safetensors").read_bytes()
+    assert len(replacement) == weights.size()
+    weights.write_bytes(replacement)
+    after = printed(capsys, [*ppl, "--model", f"{bucket}/model"])
+    assert after != before and after == printed(capsys, [*ppl, "--model", str(other)])
+
+
 def test_export_hf_to_a_bucket_imports_back_from_it_to_the_same_model(tiny, bucket, tmp_path, capsys):
     export_to(tiny, f"{bucket}/ours")
     assert main(["export-hf", f"{bucket}/ours", "--out", f"{bucket}/hf"]) == 0

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import itertools
 import json
+import os
 import pydoc_data.topics
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ import pyarrow.parquet as pq
 
 from mhf_dist.config import DATASET_PREFIX
 from mhf_dist.errors import DataError
-from mhf_dist.storage import Location, StorageError, describe_failure, is_uri
+from mhf_dist.storage import Location, StorageError, describe_failure, is_uri, redact
 
 BUILTIN_NAME = "builtin"
 KINDS = {
@@ -93,9 +95,10 @@ def file_kind(name: str) -> tuple[str, str | None] | None:
     return kind, compression
 
 
-def corpus_files(spec: str) -> list[CorpusFile]:
-    """The sorted files that `spec` names; a one-line error for none or an unknown kind, and a
-    `StorageError` for a bucket that is missing or cannot be reached."""
+def corpus_files(spec: str, log: Callable[[str], None] | None = None) -> list[CorpusFile]:
+    """The sorted files that `spec` names, each once: a file a link (or a glob's second way) reaches again
+    is left out, and `log` says how many; a link that loops is followed no further. A one-line error for
+    none or an unknown kind, and a `StorageError` for a bucket that is missing or cannot be reached."""
     if spec == BUILTIN_NAME:
         return [CorpusFile(BUILTIN_NAME, sum(map(len, builtin_documents())), "builtin")]  # size: for the key
     if spec.startswith("hf:"):
@@ -107,7 +110,8 @@ def corpus_files(spec: str) -> list[CorpusFile]:
         )
     where = Location.of(spec)
     if where.is_dir():
-        found = [(where / name, size) for name, size in where.files() if file_kind(name)]
+        listed = _local_tree(where.local) if not where.remote else where.files()
+        found = [(where / name, size) for name, size in listed if file_kind(name)]
         if not found:
             raise DataError(f"corpus directory {str(where)!r} holds no {SUFFIXES_TEXT} files")
     elif where.is_file():
@@ -116,13 +120,39 @@ def corpus_files(spec: str) -> list[CorpusFile]:
         found = _glob(spec) if _WILDCARD.search(where.path) else []
         if not found:
             raise _nothing_at(where)
-    files = []
+    files, reached = [], set()
     for location, size in found:
         kind = file_kind(location.name)
         if kind is None:
             raise DataError(f"corpus file {str(location)!r} is not {SUFFIXES_TEXT}; convert it")
-        files.append(CorpusFile(location.uri, size, *kind))
+        real = location.uri if location.remote else os.path.realpath(location.path)
+        if real not in reached:
+            reached.add(real)
+            files.append(CorpusFile(location.uri, size, *kind))
+    if len(files) < len(found) and log is not None:
+        log(
+            f"corpus {redact(spec)!r} reaches {len(found) - len(files)} of its files a second time (through "
+            "links); each is read once"
+        )
     return files
+
+
+def _local_tree(root: Path) -> list[tuple[str, int]]:
+    """(path relative to `root`, size) of every file below it, sorted, following links to directories
+    but no loop: a directory reached again (by a link to a parent, say) is not entered again."""
+    entered: set[tuple[int, int]] = set()
+    found = []
+    for folder, folders, names in os.walk(root, followlinks=True):
+        identity = os.stat(folder)
+        if (identity.st_dev, identity.st_ino) in entered:
+            folders.clear()
+            continue
+        entered.add((identity.st_dev, identity.st_ino))
+        for name in names:
+            path = Path(folder) / name
+            if path.is_file():
+                found.append((str(path.relative_to(root)), path.stat().st_size))
+    return sorted(found)
 
 
 def _nothing_at(where: Location) -> DataError:
@@ -148,21 +178,45 @@ def _glob(spec: str) -> list[tuple[Location, int]]:
     ]
 
 
+@dataclass
+class Skipped:
+    """The records of corpus files that are no documents: `missing` their text (no text field, or null)
+    and `empty` (text of no characters); `first_missing` is where the first missing one is
+    (`record_place`: a file's `path:line` or `path: row N`)."""
+
+    missing: int = 0
+    empty: int = 0
+    first_missing: str | None = None
+
+    def add(self, other: Skipped) -> None:
+        self.missing += other.missing
+        self.empty += other.empty
+        self.first_missing = self.first_missing or other.first_missing
+
+
 def read_documents(
-    file: CorpusFile, text_field: str = "text", row_groups: tuple[int, int] | None = None
+    file: CorpusFile,
+    text_field: str = "text",
+    row_groups: tuple[int, int] | None = None,
+    skipped: Skipped | None = None,
 ) -> Iterator[pa.Table]:
     """The documents of one corpus file as tables {"text": string, "replaced": int64} of at most about
-    BATCH_BYTES of text each, in file order (`row_groups`: only parquet row groups [first, end))."""
+    BATCH_BYTES of text each, in file order (`row_groups`: only parquet row groups [first, end)).
+    Records without text or with empty text are no documents: left out, and counted in `skipped`."""
+    skipped = skipped if skipped is not None else Skipped()
     if file.kind == "builtin":
-        yield _documents(pa.array(builtin_documents(), pa.string()))
+        yield _documents(pa.array(builtin_documents(), pa.string()), Records(file, skipped))
         return
     where = Location.of(file.uri)
+    records = Records(file, skipped)
     try:
         if file.kind == "parquet":
-            yield from _parquet_documents(where, text_field, row_groups)
+            yield from _parquet_documents(where, text_field, row_groups, records)
         else:
             readers = {"text": _text_documents, "json": _json_documents, "arrow": _arrow_documents}
-            yield from readers[file.kind](where, file.compression, text_field)
+            yield from readers[file.kind](where, file.compression, text_field, records)
+    except TextTypeError as err:
+        raise DataError(err.line(where)) from None
     except (OSError, pa.ArrowInvalid) as err:
         # A store that cannot be reached says so in its message; any other failure is the file's content.
         line = describe_failure(str(where), str(err))
@@ -204,11 +258,53 @@ def split_documents(text: str) -> list[str]:
     return [doc for doc in documents if doc]
 
 
-def _documents(texts: pa.Array, replaced: list[int] | None = None) -> pa.Table:
-    """A batch of documents; a missing (null) text is an empty document, as it was read."""
-    texts = pc.fill_null(pc.cast(texts, pa.string()), "")
+@dataclass
+class Records:
+    """Where a reader is in one file: records read so far (rows, or non-blank JSON lines), and the tally
+    of those that are no documents."""
+
+    file: CorpusFile
+    skipped: Skipped
+    read: int = 0
+
+
+def _documents(texts: pa.Array, records: Records, replaced: list[int] | None = None) -> pa.Table:
+    """A batch of documents: the next records of the file, less those without text or with empty text
+    (counted in `records.skipped`)."""
+    texts = pc.cast(texts, pa.string())
     counts = pa.array(replaced if replaced is not None else [0] * len(texts), pa.int64())
-    return pa.table({"text": texts, "replaced": counts})
+    present = pc.is_valid(texts)
+    missing = len(texts) - present.true_count
+    if missing and records.skipped.first_missing is None:
+        records.skipped.first_missing = record_place(
+            records.file, records.read + present.index(False).as_py()
+        )
+    empty = pc.and_(present, pc.equal(pc.binary_length(texts), 0))
+    records.skipped.missing += missing
+    records.skipped.empty += empty.true_count
+    records.read += len(texts)
+    keep = pc.and_(present, pc.invert(empty))
+    return pa.table({"text": texts.filter(keep), "replaced": counts.filter(keep)})
+
+
+def record_place(file: CorpusFile, index: int) -> str:
+    """Where record `index` of a file is, as a person finds it: `path:line` in a JSON lines file (blank
+    lines are no records), `path: row N` (from 1) elsewhere."""
+    where = Location.of(file.uri)
+    if file.kind != "json":
+        return f"{where}: row {index + 1}"
+    with _input_stream(where, file.compression) as stream:
+        records = (number for number, line in enumerate(_lines(stream), start=1) if line.strip())
+        return f"{where}:{next(itertools.islice(records, index, None), '?')}"
+
+
+def _lines(stream: Any) -> Iterator[bytes]:
+    carry = b""
+    while chunk := stream.read(1 << 20):
+        *lines, carry = (carry + chunk).split(b"\n")
+        yield from lines
+    if carry:
+        yield carry
 
 
 def bounded_ranges(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
@@ -223,11 +319,11 @@ def bounded_ranges(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
     return [*ranges, (start, len(sizes))] if len(sizes) else []
 
 
-def _bounded(texts: pa.Array) -> Iterator[pa.Table]:
+def _bounded(texts: pa.Array, records: Records) -> Iterator[pa.Table]:
     """`texts` cut into batches of at most about BATCH_BYTES (a longer document is a batch alone)."""
     sizes = pc.fill_null(pc.binary_length(texts), 0).to_numpy(zero_copy_only=False).tolist()
     for start, stop in bounded_ranges(sizes, BATCH_BYTES):
-        yield _documents(texts[start:stop])
+        yield _documents(texts[start:stop], records)
 
 
 def _input_stream(where: Location, compression: str | None) -> Any:
@@ -236,7 +332,9 @@ def _input_stream(where: Location, compression: str | None) -> Any:
     return where.fs.open_input_stream(where.path, compression=compression)
 
 
-def _text_documents(where: Location, compression: str | None, _field: str) -> Iterator[pa.Table]:
+def _text_documents(
+    where: Location, compression: str | None, _field: str, records: Records
+) -> Iterator[pa.Table]:
     """Read in chunks cut after a blank line: every document lies whole in one chunk, and the chunks'
     documents are the file's (a cut inside the whitespace between documents moves none of them).
     A chunk is decoded alone, so `replaced` follows `split_text_file`'s rule per chunk."""
@@ -249,7 +347,7 @@ def _text_documents(where: Location, compression: str | None, _field: str) -> It
             if cut:
                 documents, replaced = split_text_file(data[:cut])
                 if documents:
-                    yield _documents(pa.array(documents, pa.string()), replaced)
+                    yield _documents(pa.array(documents, pa.string()), records, replaced)
             carry = data[cut:]
             if not chunk:
                 return
@@ -264,19 +362,33 @@ def _last_blank_line_end(data: bytes, start: int) -> int:
     return end
 
 
-def _json_documents(where: Location, compression: str | None, field: str) -> Iterator[pa.Table]:
+def _json_documents(
+    where: Location, compression: str | None, field: str, records: Records
+) -> Iterator[pa.Table]:
     options = pajson.ParseOptions(
         explicit_schema=pa.schema([pa.field(field, pa.string())]), unexpected_field_behavior="ignore"
     )
     with _input_stream(where, compression) as stream:
-        reader = pajson.open_json(
-            stream, read_options=pajson.ReadOptions(block_size=JSON_BLOCK_BYTES), parse_options=options
-        )
-        for index, batch in enumerate(reader):
+        reader = None
+        for index in itertools.count():
+            try:  # pyarrow parses the first block as it opens the file, every other one as it reads it
+                reader = reader or pajson.open_json(
+                    stream,
+                    read_options=pajson.ReadOptions(block_size=JSON_BLOCK_BYTES),
+                    parse_options=options,
+                )
+                batch = reader.read_next_batch()
+            except StopIteration:
+                return
+            except pa.ArrowInvalid as err:  # a value of another JSON type where the text belongs
+                if (kind := _JSON_TYPE_CHANGE.search(str(err))) is None:
+                    raise
+                place = record_place(records.file, records.read + int(kind.group(2)))
+                raise TextTypeError(field, f"a JSON {kind.group(1)}", place) from None
             column = batch.column(field)
             if index == 0 and len(column) and column.null_count == len(column):
                 raise DataError(_no_field(where, field, _json_fields(where, compression)))
-            yield from _bounded(column)
+            yield from _bounded(column, records)
 
 
 def _json_fields(where: Location, compression: str | None) -> list[str]:
@@ -290,24 +402,31 @@ def _json_fields(where: Location, compression: str | None) -> list[str]:
     return sorted(record) if isinstance(record, dict) else []
 
 
-def _parquet_documents(where: Location, field: str, row_groups: tuple[int, int] | None) -> Iterator[pa.Table]:
+def _parquet_documents(
+    where: Location, field: str, row_groups: tuple[int, int] | None, records: Records
+) -> Iterator[pa.Table]:
     with where.fs.open_input_file(where.path) as handle:
         parquet = pq.ParquetFile(handle)
         names = parquet.schema_arrow.names
         if field not in names:
             raise DataError(_no_field(where, field, names))
+        check_text_type(field, parquet.schema_arrow.field(field).type)
         groups = range(*row_groups) if row_groups else range(parquet.num_row_groups)
+        records.read = sum(parquet.metadata.row_group(group).num_rows for group in range(groups.start))
         for group in groups:
             for batch in parquet.iter_batches(batch_size=4096, row_groups=[group], columns=[field]):
-                yield from _bounded(batch.column(0))
+                yield from _bounded(batch.column(0), records)
 
 
-def _arrow_documents(where: Location, compression: str | None, field: str) -> Iterator[pa.Table]:
+def _arrow_documents(
+    where: Location, compression: str | None, field: str, records: Records
+) -> Iterator[pa.Table]:
     with _arrow_stream(where, compression) as stream, ipc.open_stream(stream) as reader:
         if field not in reader.schema.names:
             raise DataError(_no_field(where, field, reader.schema.names))
+        check_text_type(field, reader.schema.field(field).type)
         for batch in reader:
-            yield from _bounded(batch.column(field))
+            yield from _bounded(batch.column(field), records)
 
 
 def _arrow_stream(where: Location, compression: str | None) -> Any:
@@ -318,6 +437,33 @@ def _arrow_stream(where: Location, compression: str | None) -> Any:
         return stream
     stream.close()
     return _input_stream(where, compression)
+
+
+_JSON_TYPE_CHANGE = re.compile(r"changed from string to (\w+) in row (\d+)")
+
+
+class TextTypeError(Exception):
+    """The text field of a corpus holds something else than text: where (`place`, when one record shows
+    it), and what."""
+
+    def __init__(self, field: str, kind: str, place: str | None = None) -> None:
+        super().__init__(field, kind, place)
+        self.field, self.kind, self.place = field, kind, place
+
+    def line(self, where: Location | str) -> str:
+        at = self.place or f"corpus {str(where)!r}"
+        return (
+            f"{at}: field {self.field!r} holds {self.kind}, not text; set data.text_field to a text field "
+            "or convert it"
+        )
+
+
+def check_text_type(field: str, kind: pa.DataType) -> None:
+    """A column of text (strings, dictionary-encoded strings, or nothing but nulls), else TextTypeError."""
+    if isinstance(kind, pa.DictionaryType):
+        kind = kind.value_type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+        raise TextTypeError(field, str(kind))
 
 
 def _no_field(where: Location, field: str, names: list[str]) -> str:

@@ -214,14 +214,21 @@ def thresholds(
 
 
 def source_records(
-    mixed: list[Source], taken: list[dict[str, int]], staged: list[int | None] | None = None
+    mixed: list[Source],
+    taken: list[dict[str, int]],
+    staged: list[int | None] | None = None,
+    skipped: list[Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The manifest's `sources`: what each source gave (`taken`: documents, tokens and validation
     counts per source); a Dataset source's record says what it was staged from (its args redacted) and
-    how many documents were staged (`staged`)."""
+    how many documents were staged (`staged`); `skipped` (`corpus.Skipped`): its records that were no
+    documents, left out."""
     total = sum(counts["tokens"] for counts in taken)
     records = []
-    for source, counts, documents in zip(mixed, taken, staged or [None] * len(mixed), strict=True):
+    none = [None] * len(mixed)
+    for source, counts, documents, left_out in zip(
+        mixed, taken, staged or none, skipped or none, strict=True
+    ):
         record = {
             "name": source.name,
             "corpus": redact(source.corpus),
@@ -232,6 +239,8 @@ def source_records(
             "validation_documents": counts["validation_documents"],
             "validation_tokens": counts["validation_tokens"],
         }
+        if left_out is not None:
+            record |= {"missing_text": left_out.missing, "empty": left_out.empty}
         if source.dataset is not None:
             record["staged"] = {
                 "dataset": source.dataset.callable or GIVEN_IN_PYTHON,

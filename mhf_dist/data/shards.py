@@ -91,6 +91,13 @@ class Mixture(_Record):
     tokens: str  # what the token counts count
 
 
+class CorpusFileInfo(_Record):
+    """A corpus file a source was read from (redacted) and its size."""
+
+    path: str
+    bytes: int
+
+
 class StagedInfo(_Record):
     """What a Dataset source was staged from (`mhf_dist.data.prepare.staging`)."""
 
@@ -112,6 +119,9 @@ class SourceInfo(_Record):
     validation_documents: int
     validation_tokens: int
     staged: StagedInfo | None = Field(None, exclude_if=lambda value: value is None)  # a Dataset source
+    files: list[CorpusFileInfo] = Field(default_factory=list, exclude_if=lambda value: not value)  # read
+    missing_text: int = Field(0, exclude_if=lambda value: value == 0)  # records without text, left out
+    empty: int = Field(0, exclude_if=lambda value: value == 0)  # records of empty text, left out
 
 
 class SplitInfo(_Record):

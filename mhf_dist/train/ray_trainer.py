@@ -32,7 +32,7 @@ from mhf_dist.plugins import outside_registrations
 from mhf_dist.ray_utils import ensure_ray, workers_print_to_console
 from mhf_dist.readers import read_json
 from mhf_dist.signatures import load_table
-from mhf_dist.storage import Location, local_copy, redact
+from mhf_dist.storage import Location, StorageError, describe_failure, local_copy, redact
 from mhf_dist.tracking import end_run, log_artifact, log_dataset, reopen_run, start_run, tracking_uri
 from mhf_dist.train.callbacks import StepCallback
 from mhf_dist.train.checkpoints import (
@@ -241,6 +241,12 @@ def train(
             raise _interrupted(sig, run_dir, options.name, cfg.train.keep_checkpoints) from None
         except BaseException as err:
             end_run(uri, run_id, "FAILED")
+            unreachable = _storage_failure(err, storage)
+            if unreachable is not None:  # the store may not answer a listing now either: name none
+                raise TrainingError(
+                    f"{unreachable}; the run stopped: once the store answers, rerun with --continue to go on "
+                    "from its last complete checkpoint"
+                ) from None
             user_error = _worker_user_error(err)
             if user_error is None:
                 raise
@@ -306,11 +312,33 @@ def _tracking_run(
         run_id = read_json(record, TrainingError, "start a new run with another --name")["run_id"]
         reopen_run(uri, run_id)
         return run_id
-    run_id = start_run(uri, options.experiment, options.name, cfg.flat(), tags)
+    left_out = {  # what prepare did not make documents of (data.missing_text), beside the settings
+        "data.records_without_text": sum(source.missing_text for source in manifest.sources),
+        "data.empty_records": sum(source.empty for source in manifest.sources),
+    }
+    run_id = start_run(uri, options.experiment, options.name, {**cfg.flat(), **left_out}, tags)
     log_dataset(uri, run_id, cfg.data.path, manifest.content_sha256)
     run_dir.make_dirs()
     write_json_atomic(record, {"run_id": run_id, "tracking_uri": redact(uri)})  # no password on disk
     return run_id
+
+
+def _storage_failure(err: BaseException, storage: Location) -> StorageError | None:
+    """A run's storage that stopped answering (a request timed out, the connection was refused), out of
+    Ray Train's wrappers: the controller's (it writes the run's state there) or a worker's."""
+    from ray.train import ControllerError, WorkerGroupError
+
+    causes: list[BaseException] = []
+    if isinstance(err, ControllerError):
+        causes.append(err.controller_failure)
+    elif isinstance(err, WorkerGroupError):
+        causes += [getattr(failure, "_base_exc", failure) for failure in err.worker_failures.values()]
+    for cause in causes:
+        if isinstance(cause, StorageError):
+            return cause
+        if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):
+            return StorageError(describe_failure(str(storage), str(cause)))
+    return None
 
 
 def _worker_user_error(err: BaseException) -> MhfError | None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from mhf_dist.config import Config
 from mhf_dist.data import mixture, recall
-from mhf_dist.data.corpus import CorpusFile, corpus_files, read_documents
+from mhf_dist.data.corpus import CorpusFile, Skipped, corpus_files, read_documents
 from mhf_dist.data.mixture import Source
 from mhf_dist.data.packing import row_count
 from mhf_dist.data.prepare import plan
@@ -93,7 +93,7 @@ def prepare(
         return prepare_recall(cfg, out, log)
     cfg = cfg.model_copy(update={"data": mixture.with_datasets(cfg.data, datasets or {})})  # as recorded
     sources = mixture.sources(cfg.data, datasets)
-    files = [[] if source.dataset else corpus_files(source.corpus) for source in sources]
+    files = [[] if source.dataset else corpus_files(source.corpus, log) for source in sources]
     for source, source_files in zip(sources, files, strict=True):
         if source_files:  # a missing field is an error before any work
             next(read_documents(source_files[0], source.text_field), None)
@@ -170,7 +170,9 @@ def _inputs_key(
         part_bytes=plan.PART_BYTES,
         files=[[(redact(file.uri), file.size) for file in source_files] for source_files in files],
         staged=[snapshot.snapshot if snapshot else None for snapshot in snapshots],
-        data=recorded_data(cfg.data),
+        # missing_text decides no shard (records without text are never tokenized): a rerun with `skip`
+        # after a refusal goes on from the tokenized parts
+        data={key: value for key, value in recorded_data(cfg.data).items() if key != "missing_text"},
         seq_len=cfg.train.seq_len,
         model_hash=cfg.model.hash.model_dump(),
         vocab_size=cfg.model.vocab_size,
@@ -210,8 +212,9 @@ def _write_shards(
     )
     _log_resumed(log, "tokenized parts", tokenized)
     counts = [done.output for done in tokenized]
-    _check_text(work, sources, parts, counts)
     selection = plan.select(sources, parts, counts)
+    _check_records(cfg, sources, selection.skipped, log)
+    _check_text(work, sources, parts, counts)
     _check_rows(cfg, work, selection)
     jobs = plan.shard_jobs(cfg, parts, selection)
     write = WriteShards(
@@ -238,7 +241,10 @@ def _write_shards(
     entries = [(job.split, done.output) for job, done in zip(jobs, written, strict=True)]
     splits = split_infos(cfg, sources, selection, entries)
     staged = [snapshot.documents if snapshot else None for snapshot in snapshots]
-    records = mixture.source_records(sources, selection.totals, staged)
+    records = mixture.source_records(sources, selection.totals, staged, selection.skipped)
+    for record, source, source_files in zip(records, sources, files, strict=True):
+        if source.dataset is None:  # the files read, each once (a staged Dataset's are its own)
+            record["files"] = [{"path": redact(file.uri), "bytes": file.size} for file in source_files]
     log_sources(log, cfg, sources, records, selection, splits)
     return splits, records
 
@@ -253,6 +259,29 @@ def _check_text(work: Location, sources: list[Source], parts: list[Part], counts
         )
         if documents == 0:
             raise discard(work, no_text(source))
+
+
+def _check_records(
+    cfg: Config, sources: list[Source], skipped: list[Skipped], log: Callable[[str], None]
+) -> None:
+    """Records without text stop the run (`data.missing_text: error`; the tokenized parts stay, so a rerun
+    with `skip` goes on from them) or are left out with a warning; empty ones are left out, and said."""
+    for source, tally in zip(sources, skipped, strict=True):
+        corpus = redact(source.corpus)
+        if tally.missing and cfg.data.missing_text == "error":
+            raise DataError(
+                f"{tally.missing:,} records of corpus {corpus!r} have no text in {source.text_field!r} (the "
+                f"first: {tally.first_missing}); fix them, or pass --set data.missing_text=skip to leave "
+                "them out"
+            )
+        if tally.missing:
+            log(
+                f"warning: {tally.missing:,} records of corpus {corpus!r} without text in "
+                f"{source.text_field!r} were left out (data.missing_text=skip; the first: "
+                f"{tally.first_missing})"
+            )
+        if tally.empty:
+            log(f"{tally.empty:,} records of corpus {corpus!r} with empty text were left out")
 
 
 def _check_rows(cfg: Config, work: Location, selection: Selection) -> None:

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from mhf_dist.config import Config
 from mhf_dist.data import mixture
-from mhf_dist.data.corpus import CorpusFile, bounded_ranges
+from mhf_dist.data.corpus import CorpusFile, Skipped, bounded_ranges
 from mhf_dist.data.mixture import Candidates, Source
 from mhf_dist.data.packing import row_count, token_range
 from mhf_dist.data.prepare.records import Part, PartRecord, Piece, ShardJob, Unit
@@ -68,6 +68,7 @@ class PartCounts:
     documents: dict[str, int]
     replaced: dict[str, int]
     candidates: dict[str, np.ndarray] | None
+    skipped: Skipped  # records that are no documents
 
     @classmethod
     def of(cls, record: PartRecord) -> PartCounts:
@@ -77,6 +78,7 @@ class PartCounts:
             dict(record.documents),
             dict(record.replaced),
             None if pool is None else {k: np.asarray(v, np.int64) for k, v in pool.model_dump().items()},
+            Skipped(record.missing_text, record.empty, record.first_missing),
         )
 
     def taken(self, threshold: int | None) -> PartCounts:
@@ -94,6 +96,7 @@ class PartCounts:
             {**self.documents, "train": int(chosen.sum())},
             {**self.replaced, "train": int(pool["replaced"][chosen].sum())},
             None,
+            self.skipped,
         )
 
 
@@ -105,6 +108,7 @@ class Selection:
     taken: list[PartCounts]  # per part
     totals: list[dict[str, int]]  # per source: documents and tokens of each split
     pools: list[Candidates | None]  # per source: a keyed one's candidates
+    skipped: list[Skipped]  # per source: its records that are no documents
 
 
 def select(sources: list[Source], parts: list[Part], counts: list[PartCounts]) -> Selection:
@@ -118,9 +122,12 @@ def select(sources: list[Source], parts: list[Part], counts: list[PartCounts]) -
     whole = [sum(int(c.tokens["train"].sum()) for c in chosen) for chosen in of_source]
     limits = mixture.thresholds(sources, whole, pools)
     taken = [c.taken(limits[part.source]) for c, part in zip(counts, parts, strict=True)]
-    totals = []
+    totals, skipped = [], []
     for index in range(len(sources)):
         mine = [t for t, part in zip(taken, parts, strict=True) if part.source == index]
+        skipped.append(Skipped())
+        for counted in mine:
+            skipped[-1].add(counted.skipped)
         totals.append(
             {
                 "documents": sum(t.documents["train"] for t in mine),
@@ -129,7 +136,7 @@ def select(sources: list[Source], parts: list[Part], counts: list[PartCounts]) -
                 "validation_tokens": sum(int(t.tokens["validation"].sum()) for t in mine),
             }
         )
-    return Selection(limits, taken, totals, pools)
+    return Selection(limits, taken, totals, pools, skipped)
 
 
 def _candidates(counts: list[PartCounts]) -> Candidates:

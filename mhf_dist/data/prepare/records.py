@@ -120,6 +120,9 @@ class PartRecord(Record):
     documents: dict[str, int]
     replaced: dict[str, int]
     candidates: Candidates | None
+    missing_text: int = 0  # records without text (no field, or null), left out
+    empty: int = 0  # records of empty text, left out
+    first_missing: str | None = None  # where the first record without text is
 
     @property
     def tokens(self) -> int:

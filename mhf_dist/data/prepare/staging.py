@@ -35,7 +35,7 @@ from ray.data.datasource.datasink import WriteResult
 from ray.exceptions import RayError, RayTaskError
 
 from mhf_dist.console import clock
-from mhf_dist.data.corpus import BATCH_BYTES, CorpusFile
+from mhf_dist.data.corpus import BATCH_BYTES, CorpusFile, TextTypeError, check_text_type
 from mhf_dist.data.mixture import GIVEN_IN_PYTHON, DatasetSpec, Source
 from mhf_dist.data.prepare.execute import ray_data_settings
 from mhf_dist.data.prepare.records import PROGRESS, STAGED, StagedSnapshot, read_record, write_record
@@ -175,16 +175,15 @@ def text_column_check(source: str, field: str, kinds: dict[str, Any]) -> None:
             f"dataset source {source!r} has no field {field!r} (fields: {', '.join(kinds)}); set its "
             "text_field"
         )
-    kind = kinds[field]
-    if isinstance(kind, pa.DictionaryType):
-        kind = kind.value_type
-    if not isinstance(kind, pa.DataType):  # a pandas block's dtype: checked once the block is Arrow
+    if not isinstance(kinds[field], pa.DataType):  # a pandas block's dtype: checked once the block is Arrow
         return
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+    try:
+        check_text_type(field, kinds[field])
+    except TextTypeError as err:
         raise DataError(
-            f"dataset source {source!r}: field {field!r} holds {kind}, not text; set text_field to a string "
-            "column or convert it"
-        )
+            f"dataset source {source!r}: field {field!r} holds {err.kind}, not text; set text_field to a "
+            "string column or convert it"
+        ) from None
 
 
 def check_functions(sources: list[Source]) -> None:

@@ -16,7 +16,7 @@ import pyarrow.ipc as ipc
 from tokenizers import Tokenizer
 
 from mhf_dist.data import mixture
-from mhf_dist.data.corpus import bounded_ranges, read_documents
+from mhf_dist.data.corpus import Skipped, bounded_ranges, read_documents
 from mhf_dist.data.mixture import Source
 from mhf_dist.data.prepare.execute import Done, UnitWork
 from mhf_dist.data.prepare.records import (
@@ -73,6 +73,7 @@ class TokenizeParts(UnitWork[Part, PartRecord]):
         if done is not None and target.is_file() and target.size() == done.bytes:
             return Done(done, done.tokens, resumed=True)
         counts = PartCounter(keyed=source.keyed)
+        skipped = Skipped()
         options = ipc.IpcWriteOptions(compression=PART_COMPRESSION)
         with (
             storage_errors(target),
@@ -80,7 +81,7 @@ class TokenizeParts(UnitWork[Part, PartRecord]):
             ipc.new_file(sink, PART_SCHEMA, options=options) as writer,
         ):
             for unit in part.units:
-                for documents in read_documents(unit.file, source.text_field, unit.row_groups):
+                for documents in read_documents(unit.file, source.text_field, unit.row_groups, skipped):
                     batch, replaced = tokenize_documents(
                         documents, self.tokenizer, self.before, self.after, source, self.val_percent
                     )
@@ -88,7 +89,7 @@ class TokenizeParts(UnitWork[Part, PartRecord]):
                     for start, stop in bounded_ranges(lengths, CHUNK_TOKENS):
                         writer.write_batch(batch.slice(start, stop - start))
                         counts.add(batch.slice(start, stop - start), replaced[start:stop])
-        record = counts.record(part.index, target.size())
+        record = counts.record(part.index, target.size(), skipped)
         write_record(record_file, record)
         return Done(record, record.tokens, resumed=False)
 
@@ -152,7 +153,7 @@ class PartCounter:
             pool["tokens"] += tokens[~held_out].tolist()
             pool["replaced"] += replaced[~held_out].tolist()
 
-    def record(self, part: int, size: int) -> PartRecord:
+    def record(self, part: int, size: int, skipped: Skipped) -> PartRecord:
         return PartRecord(
             part=part,
             bytes=size,
@@ -160,4 +161,7 @@ class PartCounter:
             documents=self.documents,
             replaced=self.replaced,
             candidates=None if self.candidates is None else Candidates(**self.candidates),
+            missing_text=skipped.missing,
+            empty=skipped.empty,
+            first_missing=skipped.first_missing,
         )
