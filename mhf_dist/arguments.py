@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import glob
 import math
-import os
 import re
 import sys
 import urllib.parse
@@ -27,6 +26,7 @@ from typing import Any, NoReturn
 
 from mhf_dist.config import MAX_SEED, MAX_VOCAB, MIN_VOCAB
 from mhf_dist.errors import MhfError
+from mhf_dist.files import unwritable
 from mhf_dist.storage import is_uri
 
 
@@ -130,6 +130,12 @@ def _local(text: str) -> Path | None:
     return Path(text.removeprefix("file://")).expanduser()
 
 
+def _matching(text: str, pattern: str) -> str:
+    if not re.fullmatch(pattern, text):
+        raise ValueError(text)  # Kind says what it takes
+    return text
+
+
 def _fail(message: str) -> NoReturn:
     raise argparse.ArgumentTypeError(message)
 
@@ -171,10 +177,8 @@ def _output(text: str) -> str:
     path = _local(place)
     if path is None:
         return place
-    existing = path.absolute()
-    while not existing.exists():
-        existing = existing.parent
-    if not os.access(existing, os.W_OK | os.X_OK):
+    existing = unwritable(path.absolute())
+    if existing is not None:
         _fail(f"{text!r} cannot be written: {str(existing)!r} is not writable; choose a writable place")
     return place
 
@@ -291,6 +295,14 @@ JOBS_API = Kind(
     ("http://127.0.0.1:8265", "https://ray.example.com", "ray://head:10001", "auto"),
 )
 TEXT = Kind("text", "give some text", _nonempty, ("", "   "), ("x", "héllo wörld"))
+# Ray names a job's log files and records by it: no `/`, no space (such a job stays PENDING for good).
+SUBMISSION_ID = Kind(
+    "submission id",
+    "use letters, digits, '-', '_' and '.', starting with a letter or digit",
+    lambda text: _matching(text, r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"),
+    ("", "a/b", "has space", "-x", "../up"),
+    ("pretrain-7", "run_2026.12"),
+)
 VARIABLE = Kind(
     "variable",
     "write NAME=VALUE, NAME of letters, digits and _, e.g. MHF_STORAGE=/shared/mhf",
@@ -340,7 +352,7 @@ CORPUS = Kind(
     ),
 )
 OUTPUT_DIRECTORY = Kind(
-    "output directory", "give a directory to write to", _output, ("",), ("s3://bucket/out",)
+    "output directory", "give a directory to write to", _output, ("", "/proc/x/out"), ("s3://bucket/out",)
 )
 # Where a command finds what it reads (an MLflow store, a cluster's state) and writes what it makes.
 PLACE = Kind("place", "give a directory", _place, ("",), ("s3://bucket/store",))

@@ -31,7 +31,7 @@ from mhf_dist.config import (
     parse_overrides,
     split_assignment,
 )
-from mhf_dist.errors import ConfigError, Interrupted, MhfError
+from mhf_dist.errors import ConfigError, Interrupted, MhfError, TrainingError
 from mhf_dist.eval import LAYER as EVAL_LAYER
 from mhf_dist.eval import TASKS as EVAL_TASKS
 from mhf_dist.eval import WINDOW as EVAL_WINDOW
@@ -126,9 +126,13 @@ def add_count_parser(commands: argparse._SubParsersAction) -> None:
 def cmd_count(args: argparse.Namespace) -> None:
     from mhf_dist.models import FAMILIES, forward_flops_per_token, param_count
     from mhf_dist.models.registry import resolved_config
+    from mhf_dist.signatures import scheme_for_config
     from mhf_dist.tables import markdown_table
 
     cfg = _config(args)
+    short = scheme_for_config(cfg.model.hash).shortfall(cfg.model.vocab_size)
+    if short is not None and cfg.model.hash.signature_scheme == "murmur32":
+        raise ConfigError(f"{short}, collision-free); use more hashes or buckets")
     mhf_total = param_count(cfg.model.model_copy(update={"family": "mhf"}))
     qwen3_total = param_count(cfg.model.model_copy(update={"family": "qwen3"}))
     rows, unmatched = [], []
@@ -160,6 +164,12 @@ def cmd_count(args: argparse.Namespace) -> None:
     )
     for line in unmatched:
         print(line)
+    if short is not None:  # the reference scheme's redraw rule gives the rest duplicates
+        shared = cfg.model.vocab_size - scheme_for_config(cfg.model.hash).capacity
+        print(
+            f"warning: {short}): {shared:,} tokens at least share another's signature and score alike; use "
+            "more hashes or buckets"
+        )
 
 
 def add_prepare_parser(commands: argparse._SubParsersAction) -> None:
@@ -300,8 +310,16 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     cfg = _config(args)
     from mhf_dist.data.prepare import prepare_if_missing
+    from mhf_dist.storage import Location
+    from mhf_dist.train.checkpoints import newest_checkpoint
     from mhf_dist.train.ray_trainer import train
 
+    storage = Location.of(cfg.topology.storage)
+    if args.continue_run and newest_checkpoint(storage / args.name) is None:  # (a sweep's trials: either)
+        raise TrainingError(
+            f"--continue: run {args.name!r} has no checkpoint in {storage} to go on from; leave --continue "
+            "out to start it"
+        )
     if args.prepare:
         check_topology(cfg)  # train() checks it too; here before minutes of preparing
         prepare_if_missing(cfg, verbose=args.verbose)
@@ -432,7 +450,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     layer = EVAL_LAYER if args.layer is None else args.layer
     results = run_task(exported, args.task, args.data, args.limit, seq_len, layer, batch_size=args.batch_size)
     print(markdown_table([{"task": args.task, **results}], ["task", *results]))
-    if windows:
+    if windows and "short_window" in results:
+        print(f"scored in one window of {results['short_window']} tokens: the text is shorter than {seq_len}")
+    elif windows:
         print(f"scored in windows of {seq_len} tokens, no context carried across windows")
     if uri is not None:
         log_metrics(uri, args.run_id, {f"eval.{args.task}.{k}": v for k, v in results.items()})
@@ -777,7 +797,9 @@ def add_submit_parser(commands: argparse._SubParsersAction) -> None:
         metavar="NAME=VALUE",
         help="set a variable the spec names",
     )
-    submit.add_argument("--submission-id", type=kinds.TEXT, help="the job's id (default: Ray picks one)")
+    submit.add_argument(
+        "--submission-id", type=kinds.SUBMISSION_ID, help="the job's id (default: Ray picks one)"
+    )
     submit.set_defaults(func=cmd_submit)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mhf_dist.config import INIT_NEW_ROWS, Config, ModelConfig, ReplayConfig
+from mhf_dist.config import INIT_NEW_ROWS, Config, ModelConfig
 from mhf_dist.data.shards import MANIFEST, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import TrainingError
@@ -219,22 +219,27 @@ def run_cpt(
     split = trainable_split(expansion.model, trainable)  # a bad pattern fails here, before prepare
     log(f"train.trainable ({recipe}): {trainable if trainable else 'every parameter'}; {split.summary()}")
     workdir = Location.of(cfg.topology.storage) / options.name  # a local directory or a bucket
-    init_dir = workdir / INIT_DIR
-    workdir.make_dirs()
+    init_dir, init_record = workdir / INIT_DIR, workdir / "init.json"
     tokenizer_file = workdir / "tokenizer.json"
-    with staged_file(tokenizer_file) as staging:
-        tokenizer.save(staging)
-    init_record = workdir / "init.json"  # how init/ was made: a rerun must not train from other rows
-    if init_dir.exists():
-        fix = "remove the run directory or pick another --name"
-        made = read_json(init_record, TrainingError, fix) if init_record.is_file() else {}
-        if made.get("init_new_rows") != expansion.init_new_rows:
-            raise TrainingError(
-                f"{str(init_dir)!r} holds rows initialised by {made.get('init_new_rows')!r}, not "
-                f"{expansion.init_new_rows!r}; pass --init-new-rows {made.get('init_new_rows')} or pick "
-                "another --name"
-            )
-    else:
+    # What init/ is made from; its record is written after it, so a run stopped half-way makes it again,
+    # and a rerun with another parent, tokenizer or --init-new-rows is refused rather than given old rows.
+    made_from = {
+        "parent_fingerprint": parent.table.fingerprint,
+        "tokenizer_sha256": tokenizer.sha256,
+        "init_new_rows": expansion.init_new_rows,
+    }
+    made = read_json(init_record, TrainingError, "remove it") if init_record.is_file() else None
+    if made is not None and made != made_from:
+        changed = ", ".join(key for key in made_from if made.get(key) != made_from[key])
+        raise TrainingError(
+            f"{str(init_dir)!r} was made from another {changed} ({made.get('init_new_rows')!r} rows); pick "
+            "another --name, or remove the run directory to start it again"
+        )
+    if made is None:
+        init_record.remove()
+        init_dir.remove()  # a half-made one, or none
+        with staged_file(tokenizer_file) as staging:
+            tokenizer.save(staging)
         lineage = [
             *parent.lineage,
             {"fingerprint": parent.table.fingerprint, "vocab_size": parent.config.vocab_size},
@@ -248,7 +253,7 @@ def run_cpt(
             lineage,
             document_format=parent.document_format,  # the new data is framed as the parent's was
         )
-        write_json_atomic(init_record, {"init_new_rows": expansion.init_new_rows})
+        write_json_atomic(init_record, made_from)
 
     # The shards carry the expanded table itself: an imported parent's rows need not follow our rule.
     data = cfg.data.model_copy(
@@ -264,11 +269,17 @@ def run_cpt(
     if not (workdir / "data" / MANIFEST).is_file():
         prepare(run_cfg, data.path, log=log, verbose=options.verbose, flag="--name")
     manifest = read_manifest(data.path)
-    prepared_replay = manifest.config.data.get("replay", ReplayConfig().model_dump())
-    if prepared_replay != recorded_data(data)["replay"]:
+    # Shards an earlier run of this name prepared from other data are refused (the tokenizer and table:
+    # by the fingerprint below; a key older manifests lack had its default then).
+    wanted = {
+        key: value for key, value in recorded_data(data).items() if key not in ("tokenizer", "signatures")
+    }
+    earlier = manifest.config.data
+    other = next((key for key in wanted if key in earlier and earlier[key] != wanted[key]), None)
+    if other is not None:
         raise TrainingError(
-            f"shards in {data.path!r} were prepared with data.replay {prepared_replay}, not "
-            f"{data.replay.model_dump()}; remove the directory or pick another --name"
+            f"shards in {data.path!r} were prepared with data.{other} {earlier[other]!r}, not "
+            f"{wanted[other]!r}; remove the directory or pick another --name"
         )
     mixture = manifest.splits["train"].mixture
     if mixture is not None:

@@ -98,6 +98,18 @@ def publish_directory(staging: Path, path: Path, replace: bool = False) -> None:
     shutil.rmtree(retired)
 
 
+def unwritable(path: Path) -> Path | None:
+    """The nearest existing part of `path` (itself, or the folder it would be made in) when nothing can
+    be made there: a file, or a folder that refuses a new entry, tried by making one and removing it
+    (`os.access` says yes to root everywhere, `/proc` included). None when `path` can be written."""
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".mhf-probe-"))
+    except OSError:  # NotADirectoryError for a file, PermissionError, or a file system that takes none
+        return existing
+    return None
+
+
 def _remote(path: str | Path | Location) -> bool:
     return path.remote if isinstance(path, Location) else is_uri(path)
 

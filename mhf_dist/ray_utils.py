@@ -9,7 +9,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from mhf_dist.console import quiet_driver
+from mhf_dist.errors import MhfError
 from mhf_dist.interrupts import deferred
+from mhf_dist.storage import reachable
 
 # Logical CPUs a local instance adds beyond the physical cores: Ray Train's workers each hold one CPU
 # for the whole run, and whatever runs beside them (a `--prepare` job's Ray Data tasks, a second sweep
@@ -83,6 +85,11 @@ def _init(num_cpus: int | None, verbose: bool) -> None:
 
     global _session_dir
     address = os.environ.get("RAY_ADDRESS")
+    if address and address != "auto" and not reachable(address if "://" in address else f"tcp://{address}"):
+        raise MhfError(  # ray.init retries a closed port for half a minute
+            f"cannot reach the Ray cluster at RAY_ADDRESS={address} (nothing answers there); start it, or "
+            "unset RAY_ADDRESS to run on a local Ray"
+        )
     if address:
         context = ray.init(
             address=address,

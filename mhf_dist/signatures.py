@@ -142,6 +142,15 @@ class Scheme(ABC):
     def capacity(self) -> int:
         """How many distinct signatures the scheme can give."""
 
+    def shortfall(self, vocab_size: int) -> str | None:
+        """What a vocabulary of `vocab_size` tokens is short of signatures (None: enough for each one)."""
+        if vocab_size <= self.capacity:
+            return None
+        return (
+            f"vocabulary of {vocab_size} tokens exceeds the {self.capacity} signatures of "
+            f"H={self.num_hashes}, B={self.num_buckets} ({self.name} scheme"
+        )
+
     def padding_id(self, tokens: Sequence[str], pad_token: str | None) -> int:
         """The id whose signature this scheme keeps all zeros (NO_PAD: none, as here)."""
         return NO_PAD
@@ -258,13 +267,9 @@ class Murmur32Scheme(Scheme):
 
     def draw(self, earlier: np.ndarray, tokens: Sequence[str], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
         """Each token's first salted draw that no earlier token holds."""
-        total = len(earlier) + len(tokens)
-        if total > self.capacity:
-            raise SignatureError(
-                f"vocabulary of {total} tokens exceeds the {self.capacity} signatures of "
-                f"H={self.num_hashes}, B={self.num_buckets} (murmur32 scheme, collision-free); "
-                "use more hashes or buckets"
-            )
+        short = self.shortfall(len(earlier) + len(tokens))
+        if short is not None:
+            raise SignatureError(f"{short}, collision-free); use more hashes or buckets")
         taken = {tuple(row) for row in earlier.tolist()}
         rows, salts = [], []
         for token in tokens:

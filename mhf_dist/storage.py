@@ -24,6 +24,7 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -147,6 +148,19 @@ def redact_values(value: Any) -> Any:
         return masked(item, secrets) if isinstance(item, str) else item
 
     return walk(value)
+
+
+def reachable(url: str, timeout: float = 3.0) -> bool:
+    """Whether anything accepts a TCP connection at the URL's host and port within `timeout` seconds:
+    a cheap first look before a client that retries for half a minute (Ray Client, the Hugging Face
+    hub) is asked."""
+    parts = urlsplit(url)
+    default = {"https": 443, "http": 80}.get(parts.scheme, 0)
+    try:
+        with socket.create_connection((parts.hostname or "", parts.port or default), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _endpoint() -> str | None:

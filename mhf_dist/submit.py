@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mhf_dist.errors import ConfigError, MhfError, first_problem
 from mhf_dist.readers import read_yaml
+from mhf_dist.storage import reachable
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -119,6 +120,11 @@ def _client(address: str) -> Any:
     from ray.exceptions import AuthenticationError, RpcError
     from ray.job_submission import JobSubmissionClient
 
+    if address != "auto" and not reachable(address):  # Ray Client retries a closed port for half a minute
+        raise JobError(
+            f"cannot reach the Ray Jobs API at {address} (nothing answers there); start a cluster (mhf "
+            "cluster start) or pass --address"
+        )
     try:
         return JobSubmissionClient(address)
     except AuthenticationError:
@@ -147,15 +153,23 @@ def submit_job(
     runtime_env = resolved_runtime_env(spec, environ, Path.cwd())
     entrypoint = " ".join([spec.entrypoint, *map(_shell_word, extra_args)])
     client = _client(address)
-    job_id = client.submit_job(
-        entrypoint=entrypoint,
-        runtime_env=runtime_env,
-        metadata=spec.metadata or None,
-        submission_id=submission_id,
-        entrypoint_num_cpus=spec.entrypoint_num_cpus,
-        entrypoint_num_gpus=spec.entrypoint_num_gpus,
-        entrypoint_resources=spec.entrypoint_resources or None,
-    )
+    try:
+        job_id = client.submit_job(
+            entrypoint=entrypoint,
+            runtime_env=runtime_env,
+            metadata=spec.metadata or None,
+            submission_id=submission_id,
+            entrypoint_num_cpus=spec.entrypoint_num_cpus,
+            entrypoint_num_gpus=spec.entrypoint_num_gpus,
+            entrypoint_resources=spec.entrypoint_resources or None,
+        )
+    except RuntimeError as err:  # the Jobs API's refusal, as Ray's client raises it
+        if submission_id is not None and "already exists" in str(err):
+            raise JobError(
+                f"submission id {submission_id!r} is taken on the cluster at {address}; choose another "
+                "--submission-id, or leave it out for Ray to pick one"
+            ) from None
+        raise
     return client, job_id
 
 

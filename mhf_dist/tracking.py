@@ -19,6 +19,7 @@ longer retries, so a tracking server restarted mid-run does not fail the run.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -28,7 +29,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mhf_dist.errors import MhfError
 from mhf_dist.storage import Location, is_uri, redact, redact_text, redact_values
@@ -164,12 +165,36 @@ def browse_hint(uri: str, experiment: str) -> str:
 
 
 def connect(uri: str) -> MlflowClient:
-    """A client for a command's own requests: bounded retries (see the module's docstring)."""
+    """A client for a command's own requests: bounded retries (see the module's docstring). MLflow reads
+    its retry settings from the environment at each request, so they are set for the length of each of
+    this client's calls only: another client in the process (rank 0's logger) keeps MLflow's own."""
     from mlflow.tracking import MlflowClient
 
-    for name, value in BOUNDED_RETRIES.items():
-        os.environ.setdefault(name, value)
-    return MlflowClient(tracking_uri=uri)
+    return cast("MlflowClient", _BoundedClient(MlflowClient(tracking_uri=uri)))
+
+
+class _BoundedClient:
+    def __init__(self, client: MlflowClient) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._client, name)
+        if not callable(attribute):
+            return attribute
+
+        @functools.wraps(attribute)
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            chosen = [
+                variable for variable in BOUNDED_RETRIES if variable not in os.environ
+            ]  # a user's own values win
+            os.environ.update({variable: BOUNDED_RETRIES[variable] for variable in chosen})
+            try:
+                return attribute(*args, **kwargs)
+            finally:
+                for variable in chosen:
+                    os.environ.pop(variable, None)
+
+        return bounded
 
 
 @contextmanager

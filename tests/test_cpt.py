@@ -3,6 +3,7 @@ baseline's new rows start as the mean of their old pieces' rows (HUIYINXUE/MHF `
 training keeps the authors' frozen split and can replay the parent's corpus."""
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -230,6 +231,21 @@ def test_cpt_prepares_the_new_corpus_and_hands_mhf_train_the_expanded_model_line
         "cpt_trainable": "authors-ve",
         "cpt_replay_fraction": mixture.realised_fraction,
     }
+
+    # A rerun of the name goes on from what the first one left only when it was made from the same inputs.
+    from mhf_dist.train.ray_trainer import TrainOptions
+
+    fewer = lambda old: old.with_added_tokens(NEW_TOKENS[:2])  # noqa: E731
+    with pytest.raises(TrainingError, match=r"/init' was made from another tokenizer_sha256 \('none' rows\)"):
+        run_cpt(cfg, str(parent.path), fewer, TrainOptions(name="zh"))
+    less_replay = cfg.data.replay.model_copy(update={"fraction": 0.2})
+    other = cfg.model_copy(update={"data": cfg.data.model_copy(update={"replay": less_replay})})
+    with pytest.raises(TrainingError, match=r"were prepared with data\.replay \{.*'fraction': 0\.3"):
+        cpt_adding_new_tokens(other, parent)
+    record = tmp_path / "cpt" / "zh" / "init.json"
+    record.unlink()  # as a run stopped before init/ was complete leaves it: made again
+    cpt_adding_new_tokens(cfg, parent)
+    assert len(handed) == 2 and json.loads(record.read_text())["tokenizer_sha256"] == init.tokenizer.sha256
 
 
 def test_cpt_trains_from_the_expanded_weights_and_the_trained_model_keeps_the_lineage(

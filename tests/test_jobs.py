@@ -48,8 +48,10 @@ def submit(cluster, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
 
-    def run(*extra: str, storage: str = str(tmp_path), env: tuple[str, ...] = ()) -> tuple[int, str, str]:
-        argv = ["submit", "jobs/pretrain.job.yaml", "--address", cluster.dashboard_url, "--wait"]
+    def run(
+        *extra: str, storage: str = str(tmp_path), env: tuple[str, ...] = (), options: tuple[str, ...] = ()
+    ) -> tuple[int, str, str]:
+        argv = ["submit", "jobs/pretrain.job.yaml", "--address", cluster.dashboard_url, "--wait", *options]
         environment = [arg for assignment in env for arg in ("--env", assignment)]
         status = main([*argv, "--env", f"MHF_STORAGE={storage}", *environment, "--", *extra])
         out, err = capsys.readouterr()
@@ -65,11 +67,17 @@ def test_the_cluster_has_a_head_and_a_worker_node_and_refuses_a_second_start(clu
         start_local_cluster(cluster.directory)
 
 
-def test_a_failing_job_surfaces_its_error_and_a_nonzero_exit(submit):
-    status, out, err = submit("--set", "train.steps=-1")
+def test_a_failing_job_surfaces_its_error_and_a_nonzero_exit_and_its_id_stays_taken(submit, cluster):
+    named = ("--submission-id", "mhf-failing-job")
+    status, out, err = submit("--set", "train.steps=-1", options=named)
     assert status == 1
     assert "error: train.steps" in out  # mhf's own one-line error, streamed from the job's logs
     assert "FAILED" in err and "exit code 2" in err
+    status, out, err = submit("--set", "train.steps=-1", options=named)  # nothing is submitted again
+    assert (status, out) == (2, "") and err.strip().splitlines()[-1] == (
+        f"error: submission id 'mhf-failing-job' is taken on the cluster at {cluster.dashboard_url}; choose "
+        "another --submission-id, or leave it out for Ray to pick one"
+    )
 
 
 def test_a_pretrain_job_succeeds_with_its_mlflow_run_and_metrics(submit, tmp_path):

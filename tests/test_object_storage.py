@@ -224,3 +224,8 @@ def test_a_store_that_stops_answering_mid_run_is_one_line_in_bounded_time_and_th
     assert again.returncode == 0, again.stderr
     history = read_history(newest_checkpoint(Location.of(f"{bucket}/runs/frozen")))
     assert [int(entry["step"]) for entry in history] == list(range(1, 31))
+    # Nothing lost or trained twice (no incomplete checkpoint was resumed from): every step once, and the
+    # stopped-and-continued curve is an uninterrupted local run's.
+    local = load_config("tiny", [*sets, f"topology.storage={tmp_path / 'whole'}"])
+    whole = read_history(train(local, TrainOptions(name="whole")).checkpoint)
+    assert [entry["loss"] for entry in history] == pytest.approx([entry["loss"] for entry in whole], abs=1e-6)

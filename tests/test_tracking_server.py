@@ -58,6 +58,35 @@ def test_an_unreachable_tracking_server_is_one_line_and_exit_2_within_30_s(tmp_p
     assert not (tmp_path / "report").exists()
 
 
+def test_a_commands_bounded_retries_belong_to_its_client_not_to_the_process(monkeypatch):
+    """`connect`'s client gives up on a closed port within seconds; a client made after it in the same
+    process (a second run's, rank 0's logger) still has MLflow's own retries, and a user's value wins."""
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
+    from mlflow.exceptions import MlflowException
+
+    from mhf_dist.tracking import connect
+
+    for variable in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(variable, raising=False)
+    defaults = MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_TIMEOUT.get()
+    closed = f"http://127.0.0.1:{servers.free_port()}"
+    start = time.monotonic()
+    with pytest.raises(MlflowException):
+        connect(closed).get_experiment_by_name("anything")
+    assert time.monotonic() - start < 30
+    assert (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_TIMEOUT.get()) == defaults
+    assert defaults[0] > 1  # MLflow's own: more than the one retry a command allows itself
+    seen = []
+    client = connect(closed)
+    monkeypatch.setattr(type(client._client), "get_run", lambda self, run_id: seen.append(
+        (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_TIMEOUT.get())))  # fmt: skip
+    client.get_run("any")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+    client.get_run("any")
+    assert seen == [(1, 10), (3, 10)]
+    assert MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 3 and MLFLOW_HTTP_REQUEST_TIMEOUT.get() == defaults[1]
+
+
 @pytest.fixture
 def tracking_server(postgres_url, bucket, tmp_path):
     """The tracking server of cluster/README.md on 127.0.0.1: runs in a new PostgreSQL database,

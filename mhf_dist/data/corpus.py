@@ -26,6 +26,7 @@ import os
 import pydoc_data.topics
 import re
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ import pyarrow.parquet as pq
 
 from mhf_dist.config import DATASET_PREFIX
 from mhf_dist.errors import DataError
-from mhf_dist.storage import Location, StorageError, describe_failure, is_uri, redact
+from mhf_dist.storage import Location, StorageError, describe_failure, is_uri, reachable, redact
 
 BUILTIN_NAME = "builtin"
 KINDS = {
@@ -470,6 +471,20 @@ def _no_field(where: Location, field: str, names: list[str]) -> str:
     return f"corpus {str(where)!r} has no field {field!r} (fields: {', '.join(names)}); set data.text_field"
 
 
+@contextmanager
+def _hub_offline(offline: bool) -> Iterator[None]:
+    """The Hugging Face libraries' offline switch, which they read at each call, set for the block."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    saved = (datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE)
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = offline or saved[1]
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
+
+
 def _huggingface_files(name: str) -> list[CorpusFile]:
     try:
         import datasets
@@ -477,11 +492,16 @@ def _huggingface_files(name: str) -> list[CorpusFile]:
         raise DataError(
             f"hf:{name} needs the `datasets` package; pip install 'mhf-dist[hf]' or pass a local path"
         ) from None
+    from huggingface_hub import constants
+
+    online = reachable(constants.ENDPOINT)
     try:
-        dataset = datasets.load_dataset(name, split="train")
+        with _hub_offline(not online):  # offline: the local cache at once, not half a minute of retries
+            dataset = datasets.load_dataset(name, split="train")
     except Exception as err:  # offline, unknown name, gated: all surface as different exception types
+        why = type(err).__name__ if online else f"{constants.ENDPOINT} does not answer, nor is it cached"
         raise DataError(
-            f"cannot load Hugging Face dataset {name!r} ({type(err).__name__}); offline? pass a local path"
+            f"cannot load Hugging Face dataset {name!r} ({why}); offline? pass a local path"
         ) from None
     files = [Path(entry["filename"]) for entry in dataset.cache_files]
     if not files:

@@ -4,7 +4,8 @@ Log-likelihoods come from the same code as `mhf eval` (`mhf_dist.eval.scoring`: 
 vocabulary, V_actl-renormalised for `mhf`), so both agree on the same data. lm-eval's `--batch_size`
 sets the requests scored per forward pass (right-padded, longest first; the same scores as one at a
 time): an integer, or `auto` / `auto:N`, which mean AUTO_BATCH_SIZE (no memory probing). Contexts
-longer than `max_length` lose their oldest tokens, as in lm-eval's Hugging Face model.
+longer than `max_length` lose their oldest tokens, as in lm-eval's Hugging Face model; `max_length`
+(default 1024, or the model's max_position_embeddings where smaller) may not pass max_position_embeddings.
 
     mhf-lm-eval --model mhf --model_args path=runs/.../model --tasks hellaswag --include_path my_tasks/
     # or in Python, after `import mhf_dist.eval.harness`:
@@ -40,11 +41,13 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 from mhf_dist import interrupts
 from mhf_dist.errors import Interrupted, MhfError
 from mhf_dist.eval.scoring import ScoringError, score_continuations
+from mhf_dist.eval.tasks import check_positions
 from mhf_dist.export import load_exported
 from mhf_dist.models.generation import Sampling, generate_batch
 
 AUTO_BATCH_SIZE = 16  # what `--batch_size auto` (or auto:N) means here
 MODEL_ARGS = ("path", "max_length", "batch_size")
+DEFAULT_MAX_LENGTH = 1024  # lm-eval's Hugging Face default, lowered to max_position_embeddings where smaller
 RUNNER_ARGS = ("device", "max_batch_size")  # lm-eval passes them to every model; the scoring needs neither
 DEFAULT_MAX_GEN_TOKS = 128  # a generate_until request without max_gen_toks
 UNKNOWN_TASKS = "Tasks not found:"  # how lm-eval's task manager refuses a task name
@@ -67,17 +70,19 @@ class MhfHarnessLM(LM):
     def __init__(
         self,
         path: str,
-        max_length: int | str = 1024,
+        max_length: int | str | None = None,
         batch_size: int | str = 1,
         device: str | None = None,
         max_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         self.batch_size = harness_batch_size(batch_size)
-        if not str(max_length).isdigit() or int(max_length) < 2:
+        if max_length is not None and (not str(max_length).isdigit() or int(max_length) < 2):
             raise ScoringError(f"max_length={max_length!r}; use an integer of at least 2 (ids read at once)")
-        self.max_length = int(max_length)
         exported = load_exported(path)
+        most = exported.config.backbone.max_position_embeddings
+        self.max_length = min(DEFAULT_MAX_LENGTH, most) if max_length is None else int(max_length)
+        check_positions(exported, self.max_length, "max_length is", f"pass max_length={most} or less")
         self.model = exported.model.eval()
         self.tokenizer = exported.tokenizer
         self.document_format = exported.document_format

@@ -62,19 +62,21 @@ def text_scores(
 
     The texts are packed into windows of seq_len targets (no context carried across a window); the tail
     that does not fill a window is dropped, and the byte count (each boundary token counted as one byte)
-    is scaled by the share of tokens scored.
+    is scaled by the share of tokens scored. A text shorter than one window is scored whole in one
+    shorter window, as lm-eval's rolling log-likelihood does, and the result says so (`window`: its
+    targets).
     """
     stream = [token for ids in tokenizer.encode_documents(list(texts), document_format) for token in ids]
-    rows = pack_rows(np.asarray(stream), seq_len)  # rows overlap by one token: each target scored once
+    if len(stream) < 2:
+        raise DataError(f"the text holds {len(stream)} token(s), none to predict; give more text")
+    short = len(stream) < seq_len + 1
+    window = len(stream) - 1 if short else seq_len
+    rows = pack_rows(np.asarray(stream), window)  # rows overlap by one token: each target scored once
     total, count = nll_totals(model, rows, batch_size)
-    if count == 0:
-        raise DataError(
-            f"the text holds {len(stream)} tokens, fewer than one window of {seq_len} + 1; "
-            "give more text or a smaller --seq-len"
-        )
     scored_bytes = sum(len(text.encode("utf-8")) + 1 for text in texts) * count / max(1, len(stream) - 1)
     return {
         **nll_summary(total, count),
         "bits_per_byte": total / math.log(2) / scored_bytes,
         "bytes": scored_bytes,
+        **({"window": window} if short else {}),
     }

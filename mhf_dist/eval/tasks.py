@@ -119,7 +119,8 @@ def eval_text(
         exported.model, exported.tokenizer, texts, seq_len, batch_size, exported.document_format
     )
     return {"nll": scores["val_nll"], "ppl": scores["val_ppl"], "bits_per_byte": scores["bits_per_byte"],
-            "tokens": scores["val_tokens"], "documents": len(texts)}  # fmt: skip
+            "tokens": scores["val_tokens"], "documents": len(texts),
+            **({"short_window": scores["window"]} if "window" in scores else {})}  # fmt: skip
 
 
 def eval_prepared(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:

@@ -11,7 +11,6 @@ and touches nothing.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ from mhf_dist.data.shards import (
     write_manifest,
 )
 from mhf_dist.errors import DataError, MhfError
-from mhf_dist.files import publish_directory
+from mhf_dist.files import publish_directory, unwritable
 from mhf_dist.signatures import load_table
 from mhf_dist.storage import Location
 
@@ -104,8 +103,8 @@ def _our_signature_table(out: Location) -> bool:
 
 def check_writable(directory: Path, flag: str = "--out") -> None:
     """The output's parent must exist or be creatable, and take new files, before any work starts."""
-    existing = next(parent for parent in (directory, *directory.parents) if parent.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    existing = unwritable(directory)
+    if existing is not None:
         raise DataError(
             f"cannot write under {str(existing)!r} (not a writable directory); choose another {flag}"
         )

@@ -1,0 +1,147 @@
+"""Mistakes a user makes that once went through without a word, or as a traceback: each one line and
+exit 2, or said on the console (issue 43's classes; `test_contract.py` holds every argument to its kind)."""
+
+import pytest
+
+from mhf_dist.cli import main
+
+
+def test_continue_without_a_checkpoint_is_refused_with_the_fix_not_started_afresh(tmp_path, capsys):
+    argv = ["train", "--continue", "--name", "never-ran", "--storage", str(tmp_path / "runs")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --continue: run 'never-ran' has no checkpoint in {tmp_path / 'runs'} to go on from; leave "
+        "--continue out to start it"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_count_says_when_a_hash_spec_has_fewer_signatures_than_tokens(capsys):
+    short = ["count", "--set", "model.hash.spec=H1B64", "--set", "model.vocab_size=300"]
+    assert main(short) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "warning: vocabulary of 300 tokens exceeds the 64 signatures of H=1, B=64 (reference scheme): 236 "
+        "tokens at least share another's signature and score alike; use more hashes or buckets"
+    )
+    assert main([*short, "--set", "model.hash.scheme=murmur32"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: vocabulary of 300 tokens exceeds the 64 signatures of H=1, B=64 (murmur32 scheme, "
+        "collision-free); use more hashes or buckets"
+    )
+    assert main(["count", "--set", "model.hash.spec=H2B64", "--set", "model.vocab_size=300"]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_a_service_that_is_not_there_is_one_line_within_seconds_not_half_a_minute_of_retries(
+    tmp_path, capsys, monkeypatch
+):
+    import subprocess
+    import sys
+    import time
+
+    from servers import free_port
+
+    from mhf_dist.data.corpus import corpus_files
+    from mhf_dist.errors import DataError
+
+    closed = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("HF_ENDPOINT", f"http://{closed}")  # the hub, unreachable; the name never cached
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    start = time.monotonic()
+    with pytest.raises(
+        DataError, match=r"cannot load Hugging Face dataset 'org/never-cached' \(.* does not answer"
+    ):
+        corpus_files("hf:org/never-cached")
+    assert time.monotonic() - start < 5
+
+    start = time.monotonic()
+    argv = ["submit", "jobs/pretrain.job.yaml", "--address", f"ray://{closed}", "--env", "MHF_STORAGE=/s"]
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[1])
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: cannot reach the Ray Jobs API at ray://{closed} (nothing answers there); start a cluster "
+        "(mhf cluster start) or pass --address"
+    )
+    assert time.monotonic() - start < 5
+
+    start = time.monotonic()
+    prepare = [
+        "prepare",
+        "--tokenizer",
+        "bytes",
+        "--set",
+        "model.vocab_size=259",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "mhf_dist.cli", *prepare],
+        env={**__import__("os").environ, "RAY_ADDRESS": f"ray://{closed}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        f"error: cannot reach the Ray cluster at RAY_ADDRESS=ray://{closed} (nothing answers there); start "
+        "it, or unset RAY_ADDRESS to run on a local Ray"
+    )
+    assert time.monotonic() - start < 15  # the interpreter and mhf's imports included
+
+
+@pytest.fixture
+def byte_model(tmp_path):
+    """A tiny exported byte-level mhf model of 64 positions, its tokenizer and signature table."""
+    import torch
+
+    from mhf_dist.config import load_config
+    from mhf_dist.data.tokenizer import TextTokenizer
+    from mhf_dist.export import export_model
+    from mhf_dist.models import build_model
+    from mhf_dist.signatures import SignatureTable
+
+    tokenizer = TextTokenizer.bytes()
+    tokenizer.save(tmp_path / "tokenizer.json")
+    overrides = ["model.vocab_size=259", "model.hash.spec=H2B64", "model.backbone.max_position_embeddings=64"]
+    cfg = load_config("tiny", overrides).model
+    table = SignatureTable.build(tokenizer.vocabulary(), 2, 64)
+    torch.manual_seed(0)
+    model = build_model(cfg, table).eval()
+    export_model(model, cfg, table, tmp_path / "tokenizer.json", tmp_path / "model")
+    return model, tokenizer, tmp_path / "model"
+
+
+def test_a_text_shorter_than_one_window_is_scored_in_one_shorter_window_and_said(
+    byte_model, tmp_path, capsys
+):
+    from mhf_dist.eval.perplexity import text_scores
+
+    model, tokenizer, exported = byte_model
+    text = "a short note"  # 12 bytes + EOS: 12 targets, under a window of 64
+    short = text_scores(model, tokenizer, [text], 64)
+    exact = text_scores(model, tokenizer, [text], 12)  # the same window asked for
+    assert short["window"] == 12 and "window" not in exact
+    assert (short["val_nll"], short["val_tokens"], short["bits_per_byte"]) == (
+        exact["val_nll"], exact["val_tokens"], exact["bits_per_byte"]
+    )  # fmt: skip
+    (tmp_path / "note.txt").write_text(text)
+    argv = ["eval", "--model", str(exported), "--task", "ppl", "--data", str(tmp_path / "note.txt")]
+    assert main([*argv, "--seq-len", "64"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "scored in one window of 12 tokens: the text is shorter than 64"
+    )
+
+
+def test_lm_eval_never_reads_past_the_models_positions(byte_model):
+    """lm-eval's default max_length (1024) is lowered to a model of 64 positions; asking past them is
+    refused, not scored with positions the model never learned."""
+    from mhf_dist.eval.harness import MhfHarnessLM
+    from mhf_dist.eval.tasks import EvalDataError
+
+    _, _, exported = byte_model
+    assert MhfHarnessLM(str(exported)).max_length == 64
+    assert MhfHarnessLM(str(exported), max_length="32").max_length == 32
+    with pytest.raises(EvalDataError) as refused:
+        MhfHarnessLM(str(exported), max_length="128")
+    assert str(refused.value) == (
+        "max_length is 128, above the model's max_position_embeddings 64; pass max_length=64 or less"
+    )
