@@ -4,7 +4,9 @@ Tables 1, 3 and 4 are sweep files (jobs/report/, jobs/triple/) that `mhf sweep -
 are (a sweep that exists is resumed: finished trials are not rerun); this job runs them in order, reads
 every trial's final metrics back from MLflow (`mhf compare`'s reader) and draws `mhf compare`'s plots
 into benchmarks/report/. Table 2 is jobs/cpt_multilingual.py over three seeds. The numbers go to
-benchmarks/report/results.json, from which benchmarks/REPORT.md quotes its tables.
+benchmarks/report/results.json, from which benchmarks/REPORT.md quotes its tables. Table 6 (jobs/scaling.py)
+is a grid of matched sweeps over width and training tokens, with the gap's fitted trend and two plots
+(benchmarks/report/scaling/, also logged to an MLflow run `report-table-6`).
 
     python jobs/report.py                  # every table
     python jobs/report.py --tables 1 4     # tables 1 and 4 only (33 trials, ~1 h on 2 CPUs)
@@ -25,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import scaling
 from triple_benchmarks import PAPER  # the triple-latent paper's numbers, keyed by (sweep, family)
 
 from mhf_dist.compare import read_runs
@@ -35,7 +38,7 @@ from mhf_dist.files import write_json_atomic, write_text_atomic
 from mhf_dist.sweep.runner import SWEEP_FILE, sweep_dir
 from mhf_dist.sweep.spec import SweepConfig, load_sweep
 from mhf_dist.tables import markdown_table
-from mhf_dist.tracking import reading_uri
+from mhf_dist.tracking import connect, reading_uri
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = Path("jobs")
@@ -75,6 +78,10 @@ METRICS = {
     "eval.recall.acc": "recall accuracy",
     "tokens_per_s": "tokens/s",
 }
+# Table 6's cells (width, steps of 8 x 128 tokens): three widths at the largest budget and three budgets at
+# the largest width, the largest cell first (the 2-core machine's time did not fit the full 3 x 3 grid)
+SCALING_SWEEPS = [f"report/scaling-w{w}-t{t}.sweep.yaml" for w, t in ((128, 400), (64, 400), (32, 400),
+                                                                      (128, 100), (128, 25))]  # fmt: skip
 BUILTIN_VALIDATION = Path("runs/report/builtin-validation.txt")
 CPT_SEEDS = ("0", "1", "2")
 # (train split, replay fraction) of each table-2 recipe: the authors' split, without and with 25% English
@@ -83,9 +90,14 @@ CPT_RESULTS = Path("runs/jobs/cpt-multilingual/results.json")
 
 
 def mhf(*args: str) -> None:
-    """One `mhf` command, echoed as the report quotes it; a failure stops the job."""
+    """One `mhf` command, echoed as the report quotes it, run in this process (one Ray instance for the
+    whole job); a failure stops the job."""
+    from mhf_dist.cli import main as mhf_main
+
     print("$ mhf " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "mhf_dist.cli", *args], check=True)
+    code = mhf_main(list(args))
+    if code:
+        raise subprocess.CalledProcessError(code, ["mhf", *args])
 
 
 def write_builtin_validation() -> None:
@@ -174,6 +186,31 @@ def cpt_rows(start_runs: bool) -> list[dict[str, Any]]:
             row[f"{key}.std"] = statistics.stdev(values) if len(values) > 1 else 0.0
         rows.append(row)
     return rows
+
+
+def scaling_result(sweep_files: list[str], start_runs: bool) -> dict[str, list[dict[str, Any]]]:
+    """Table 6 from the cells' MLflow runs; every cell is checked to be matched before any run starts."""
+    specs = [load_sweep(JOBS / sweep_file) for sweep_file in sweep_files]
+    for spec in specs:
+        scaling.check_cell(spec)
+    result: dict[str, list[dict[str, Any]]] = {"cells": [], "gaps": []}
+    for sweep_file in sweep_files:
+        if found := run_sweep_file(sweep_file, start_runs):
+            rows, gaps = scaling.cell_rows(found[0].name, scaling.cell_runs(*found))
+            result["cells"] += rows
+            result["gaps"] += gaps
+    if not result["gaps"]:
+        return {}
+    result["trends"] = scaling.trend_rows(result["gaps"])
+    plots = scaling.plot(result["gaps"], OUT / "scaling")
+    client = connect(reading_uri(specs[0].storage))
+    experiment = client.get_experiment_by_name(specs[0].experiment).experiment_id
+    run = client.create_run(experiment, run_name="report-table-6", tags={"report_table": "6"})
+    for path in plots:
+        client.log_artifact(run.info.run_id, str(path))
+    client.log_text(run.info.run_id, scaling.tables(result), "table-6.md")
+    client.set_terminated(run.info.run_id)
+    return result
 
 
 def mean_std(mean: float, std: float) -> str:
@@ -286,10 +323,10 @@ def cpt_table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(shown, list(shown[0]))
 
 
-def render(name: str, rows: list[dict[str, Any]]) -> str:
+def render(name: str, rows: Any) -> str:
     if not rows:
         return "(not run yet)"
-    return {"2": cpt_table, "5": benchmark_table}.get(name, table)(rows)
+    return {"2": cpt_table, "5": benchmark_table, "6": scaling.tables}.get(name, table)(rows)
 
 
 def fill_report(results: dict[str, list[dict[str, Any]]]) -> None:
@@ -304,7 +341,7 @@ def fill_report(results: dict[str, list[dict[str, Any]]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    choices = sorted([*TABLES, "2", "5"])
+    choices = sorted([*TABLES, "2", "5", "6"])
     parser.add_argument("--tables", nargs="+", choices=choices, default=choices)
     parser.add_argument(
         "--no-runs", action="store_true", help="tables from the trials that finished; start no training run"
@@ -318,6 +355,8 @@ def main() -> None:
             results[name] = cpt_rows(not args.no_runs)
         elif name == "5":
             results[name] = benchmark_rows()
+        elif name == "6":
+            results[name] = scaling_result(SCALING_SWEEPS, not args.no_runs)
         else:
             sources = TABLES[name].items()
             rows = [source_rows(source, files, not args.no_runs) for source, files in sources]

@@ -130,23 +130,29 @@ class MlflowServer:
     proxied into `artifacts` (a bucket URI); `url` for MLFLOW_TRACKING_URI."""
 
     def __init__(self, backend: str, artifacts: str, log: Path) -> None:
-        port = free_port()
-        command = [
-            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+        self.port = free_port()
+        self.command = [
+            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
             "--backend-store-uri", backend, "--artifacts-destination", artifacts, "--serve-artifacts",
             "--workers", "1",  # one process to import: a busy machine starts it sooner
         ]  # fmt: skip
+        self.log = log
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        """Serve on the same port (again, after `stop`)."""
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        with open(log, "w") as output:  # its own process group: stop() ends its workers too
+        with open(self.log, "a") as output:  # its own process group: stop() ends its workers too
             self.process = subprocess.Popen(
-                command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+                self.command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
             )
-        self.url = f"http://127.0.0.1:{port}"
-        wait_until_answering(f"{self.url}/health", self.process, log, 180)
+        wait_until_answering(f"{self.url}/health", self.process, self.log, 180)
 
     def stop(self) -> None:
-        os.killpg(self.process.pid, signal.SIGTERM)
-        self.process.wait(timeout=30)
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=30)
 
 
 def new_database(postgres_url: str) -> str:

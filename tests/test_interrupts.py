@@ -61,6 +61,15 @@ def test_a_command_started_with_sigterm_ignored_keeps_ignoring_it():
     count = "def count(args):\n    os.kill(os.getpid(), signal.SIGTERM)\n    print('went on')\n"
     done = mhf_count_running(count, preexec_fn=ignoring)
     assert (done.returncode, done.stdout, done.stderr) == (0, "went on\n", "")
+    # mhf-lm-eval keeps the same rule: its evaluation, sent SIGTERM, goes on
+    code = (
+        "import os, signal\nfrom mhf_dist.eval import harness\n"
+        "def evaluate():\n    os.kill(os.getpid(), signal.SIGTERM)\n    print('went on')\n"
+        "harness._evaluate = evaluate\nharness.cli()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          preexec_fn=ignoring)  # fmt: skip
+    assert (done.returncode, done.stdout, done.stderr) == (0, "went on\n", "")
 
 
 def test_a_signal_the_process_ignores_stays_ignored_in_a_deferred_block():

@@ -229,3 +229,61 @@ def test_a_store_that_stops_answering_mid_run_is_one_line_in_bounded_time_and_th
     local = load_config("tiny", [*sets, f"topology.storage={tmp_path / 'whole'}"])
     whole = read_history(train(local, TrainOptions(name="whole")).checkpoint)
     assert [entry["loss"] for entry in history] == pytest.approx([entry["loss"] for entry in whole], abs=1e-6)
+
+
+def test_a_store_that_stops_answering_mid_prepare_is_one_line_and_the_rerun_writes_the_undisturbed_shards(
+    ray_session, s3_server, tmp_path
+):
+    """moto frozen (SIGSTOP) once the corpus is tokenized into the bucket and before its shards are
+    written: `mhf prepare` ends with one line within a bounded time and publishes no manifest; once the
+    store answers, the rerun resumes and its files are byte for byte an undisturbed run's."""
+    import os
+    import signal
+
+    from mhf_dist.data.prepare import prepare
+    from mhf_dist.data.shards import SIGNATURES_FILE
+    from mhf_dist.signatures import load_table
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for part in range(4):
+        (corpus / f"part{part}.txt").write_text(
+            "".join(f"Line {part}.{n} of a corpus.\n\n" for n in range(2000))
+        )
+    sets = [f"data.corpus={corpus}", "data.tokenizer=bytes", "model.vocab_size=259", "model.hash.spec=H2B64"]
+    out = Location.of(f"{s3_server.make_bucket('frozen-prepare')}/data")
+    command = [sys.executable, "-m", "mhf_dist.cli", "prepare", *(arg for s in sets for arg in ("--set", s)),
+               "--out", out.uri]  # fmt: skip
+    environment = {**os.environ, "MHF_STORAGE_TIMEOUT_S": "3"}
+    process = subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        while not (line := process.stdout.readline()).startswith("tokenize parts:") and line:
+            pass
+        assert line, process.stderr.read()
+        os.kill(s3_server.process.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        _, stderr = process.communicate(timeout=240)
+        waited = time.monotonic() - frozen
+    finally:
+        os.kill(s3_server.process.pid, signal.SIGCONT)
+    assert process.returncode == 2 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1].startswith("error: cannot reach the object store at "), stderr
+    assert waited < 120, waited
+    assert not (out / "manifest.json").is_file()  # nothing published over incomplete shards
+
+    again = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert "resum" in again.stdout  # the tokenized parts were kept, not redone
+    undisturbed = prepare(load_config("tiny", sets), tmp_path / "undisturbed", log=lambda _: None)
+    written = sorted(path for path, _ in out.files())
+    assert written == sorted(path.name for path in (tmp_path / "undisturbed").iterdir())
+    for name in written:
+        if (
+            name != SIGNATURES_FILE
+        ):  # safetensors orders its header's metadata per process: compared by content
+            assert (out / name).read_bytes() == (tmp_path / "undisturbed" / name).read_bytes(), name
+    tables = load_table(out / SIGNATURES_FILE), load_table(tmp_path / "undisturbed" / SIGNATURES_FILE)
+    assert tables[0].fingerprint == tables[1].fingerprint and (tables[0].rows == tables[1].rows).all()
+    assert undisturbed.content_sha256 == json.loads((out / "manifest.json").read_bytes())["content_sha256"]

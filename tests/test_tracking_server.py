@@ -88,14 +88,20 @@ def test_a_commands_bounded_retries_belong_to_its_client_not_to_the_process(monk
 
 
 @pytest.fixture
-def tracking_server(postgres_url, bucket, tmp_path):
+def mlflow_server(postgres_url, bucket, tmp_path):
     """The tracking server of cluster/README.md on 127.0.0.1: runs in a new PostgreSQL database,
-    artifacts proxied into `<bucket>/mlflow`; its URL."""
+    artifacts proxied into `<bucket>/mlflow`."""
     server = servers.MlflowServer(
         servers.new_database(postgres_url), f"{bucket}/mlflow", tmp_path / "mlflow-server.log"
     )
-    yield server.url
+    yield server
     server.stop()
+
+
+@pytest.fixture
+def tracking_server(mlflow_server):
+    """The tracking server's URL."""
+    return mlflow_server.url
 
 
 @pytest.fixture
@@ -178,3 +184,92 @@ def test_a_sweep_of_four_concurrent_trials_logs_through_the_server_and_compare_r
     stored = {name for name, _ in Location.of(f"{bucket}/mlflow").files()}
     assert {f"{parent}/compare.md", f"{parent}/curves.png"} <= stored  # logged to the sweep's parent
     assert "cv.mhf" in client.get_run(result.parent_run_id).data.tags
+
+
+def test_a_tracking_server_down_mid_sweep_loses_no_step_and_logs_none_twice(
+    ray_session, mlflow_server, tmp_path, monkeypatch, capsys
+):
+    """The server stopped for 20 s while two trials train, then started again on the same port: rank 0's
+    logging waits it out (MLflow's own retries), both trials finish, every step's metrics are in MLflow
+    exactly once with the values the trials' histories hold, and `mhf compare` reads the table those give."""
+    import threading
+
+    from mlflow.tracking import MlflowClient
+
+    from mhf_dist.cli import main
+    from mhf_dist.data.prepare import prepare
+    from mhf_dist.sweep.runner import TRIALS_DIR, run_sweep
+    from mhf_dist.sweep.spec import parse_sweep
+    from mhf_dist.train.checkpoints import newest_checkpoint, read_history
+
+    steps = 100
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
+    monkeypatch.chdir(tmp_path)
+    prepare(load_config("tiny", BYTES), "data", log=lambda _: None)
+    settings = {
+        **BYTES,
+        "data.path": "data",
+        "train.steps": steps,
+        "train.log_every": 1,
+        "train.eval_rows": 8,
+    }
+    spec = parse_sweep(
+        {"name": "outage", "kind": "seeds", "seeds": [0, 1], "set": {**settings, "topology.workers": 1},
+         "storage": "sweeps", "max_concurrent": 2}
+    )  # fmt: skip
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    outage: list[float] = []
+
+    def trained_to(step: int) -> bool:
+        experiment = client.get_experiment_by_name(spec.experiment)
+        runs = (
+            []
+            if experiment is None
+            else client.search_runs([experiment.experiment_id], "tags.family = 'mhf'")
+        )
+        return len(runs) == 2 and all(
+            any(m.step >= step for m in client.get_metric_history(run.info.run_id, "loss")) for run in runs
+        )
+
+    def stop_mid_training() -> None:
+        """Once both trials have logged step 5, the server goes away for 20 s."""
+        while not trained_to(5):
+            time.sleep(0.2)
+        mlflow_server.stop()
+        outage.append(time.time())
+        time.sleep(20)
+        mlflow_server.start()
+        outage.append(time.time())
+
+    saboteur = threading.Thread(target=stop_mid_training, daemon=True)
+    saboteur.start()
+    result = run_sweep(spec, log=lambda _: None)
+    saboteur.join(timeout=300)
+    assert len(outage) == 2, "the server was never stopped mid-sweep"
+
+    experiment = client.get_experiment_by_name(spec.experiment)
+    children = client.search_runs(
+        [experiment.experiment_id], f"tags.mlflow.parentRunId = '{result.parent_run_id}'"
+    )
+    assert len(children) == 2 and {run.info.status for run in children} == {"FINISHED"}
+    assert min(run.info.end_time for run in children) / 1000 > outage[1]  # both trained through it
+    finals = []
+    for run in children:
+        history = read_history(
+            newest_checkpoint(tmp_path / "sweeps" / "outage" / TRIALS_DIR / run.info.run_name)
+        )
+        for key in run.data.metrics:
+            steps_logged = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+            assert len(steps_logged) == len(set(steps_logged)), (key, steps_logged)  # never twice
+        loss = sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)
+        assert [(m.step, m.value) for m in loss] == [
+            (int(h["step"]), h["loss"]) for h in history
+        ]  # none lost
+        assert len(loss) == steps
+        finals.append(history[-1]["loss"])
+    argv = ["compare", "--experiment", spec.experiment, "--sweep", result.parent_run_id, "--metric", "loss"]
+    assert main([*argv, "--out", str(tmp_path / "report")]) == 0
+    header, row = (tmp_path / "report" / "compare.csv").read_text().splitlines()
+    assert float(dict(zip(header.split(","), row.split(","), strict=True))["mean"]) == pytest.approx(
+        statistics.fmean(finals), rel=1e-9
+    )

@@ -198,7 +198,9 @@ class MhfHarnessLM(LM):
 
 def cli() -> None:
     """`mhf-lm-eval`: lm-eval's command line with the `mhf` model registered."""
-    previous = signal.signal(signal.SIGTERM, interrupts.terminated)
+    previous = signal.getsignal(signal.SIGTERM)
+    if interrupts.answered(previous):  # a SIGTERM the process was started to ignore stays ignored
+        signal.signal(signal.SIGTERM, interrupts.terminated)
     try:
         _evaluate_in_one_line()
     # An interrupt, or a library's clean-up that failed as one unwound through it (as `mhf` reports it).
