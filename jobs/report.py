@@ -38,7 +38,7 @@ from mhf_dist.files import write_json_atomic, write_text_atomic
 from mhf_dist.sweep.runner import SWEEP_FILE, sweep_dir
 from mhf_dist.sweep.spec import SweepConfig, load_sweep
 from mhf_dist.tables import markdown_table
-from mhf_dist.tracking import connect, reading_uri
+from mhf_dist.tracking import connect, end_run, log_files, reading_uri, start_run, tracking_errors
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = Path("jobs")
@@ -203,14 +203,22 @@ def scaling_result(sweep_files: list[str], start_runs: bool) -> dict[str, list[d
         return {}
     result["trends"] = scaling.trend_rows(result["gaps"])
     plots = scaling.plot(result["gaps"], OUT / "scaling")
-    client = connect(reading_uri(specs[0].storage))
-    experiment = client.get_experiment_by_name(specs[0].experiment).experiment_id
-    run = client.create_run(experiment, run_name="report-table-6", tags={"report_table": "6"})
-    for path in plots:
-        client.log_artifact(run.info.run_id, str(path))
-    client.log_text(run.info.run_id, scaling.tables(result), "table-6.md")
-    client.set_terminated(run.info.run_id)
+    log_table_run(specs[0], "6", {path.name: path.read_bytes() for path in plots}, scaling.tables(result))
     return result
+
+
+def log_table_run(spec: SweepConfig, table: str, files: dict[str, bytes], markdown: str) -> None:
+    """The table's own MLflow run in the sweeps' experiment (tag report_table; a rerun reuses it): its
+    Markdown and plots as artifacts."""
+    uri = reading_uri(spec.storage)
+    with tracking_errors(uri):
+        experiment = connect(uri).get_experiment_by_name(spec.experiment)
+        found = connect(uri).search_runs([experiment.experiment_id], f"tags.report_table = '{table}'")
+    run_id = found[0].info.run_id if found else start_run(
+        uri, spec.experiment, f"report-table-{table}", {}, {"report_table": table}
+    )  # fmt: skip
+    log_files(uri, run_id, {**files, f"table-{table}.md": markdown.encode()})
+    end_run(uri, run_id, "FINISHED")
 
 
 def mean_std(mean: float, std: float) -> str:

@@ -6,13 +6,12 @@ Each cell of the grid (a width and a training-token budget) is one matched sweep
 run's exact test NLL and bits/byte, its parameters and the tokens it trained on. The gap of an objective
 to a baseline is paired by seed (`mhf` seed s minus the baseline's seed s). Its trend is a least-squares
 line of the mean gap against log10 parameters (the widths at the largest budget) and against log10
-tokens (the budgets at the largest width), with a bootstrap over each cell's seeds for the spread.
+tokens (the budgets at the largest width), its uncertainty propagated from each cell's seed spread.
 """
 
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -29,7 +28,6 @@ NLL, BPB = "eval.ppl.nll", "eval.ppl.bits_per_byte"
 OBJECTIVES = {"coordinates": "mhf", "vocab": "mhf_vocab"}  # objective -> the group trained on it
 BASELINES = ("qwen3", "qwen3_matched")
 GROUPS = (*OBJECTIVES.values(), *BASELINES)
-BOOTSTRAP_DRAWS = 2000
 
 
 def check_cell(spec: SweepConfig) -> None:
@@ -65,15 +63,15 @@ def _spread(values: Sequence[float]) -> tuple[float, float]:
 def cell_rows(cell: str, runs: dict[str, dict[str, RunCurve]]) -> tuple[list[dict], list[dict]]:
     """One row per group (NLL and bits/byte over seeds) and one per objective x baseline (the gap)."""
     nll = runs[NLL]
-    first = {key.split("/")[0]: curve for key, curve in nll.items()}
+    any_seed = {key.split("/")[0]: curve for key, curve in nll.items()}  # params and tokens: alike over seeds
     width = int(next(iter(nll.values())).config["model.backbone.hidden_size"])
     rows = []
     for group in GROUPS:
         keys = sorted(key for key in nll if key.split("/")[0] == group)
         if not keys:
             continue
-        row = {"cell": cell, "width": width, "group": group, "params": first[group].params}
-        row |= {"tokens": first[group].tokens_seen, "seeds": len(keys)}
+        row = {"cell": cell, "width": width, "group": group, "params": any_seed[group].params}
+        row |= {"tokens": any_seed[group].tokens_seen, "seeds": len(keys)}
         for metric, name in ((NLL, "nll"), (BPB, "bpb")):
             row[f"{name}.mean"], row[f"{name}.std"] = _spread([runs[metric][key].final for key in keys])
         rows.append(row)
@@ -89,8 +87,8 @@ def cell_rows(cell: str, runs: dict[str, dict[str, RunCurve]]) -> tuple[list[dic
             if paired:
                 mean, std = _spread(paired)
                 gaps.append(
-                    {"cell": cell, "width": width, "params": first[group].params,
-                     "tokens": first[group].tokens_seen, "objective": objective, "baseline": baseline,
+                    {"cell": cell, "width": width, "params": any_seed[group].params,
+                     "tokens": any_seed[group].tokens_seen, "objective": objective, "baseline": baseline,
                      "gap.mean": mean, "gap.std": std, "gap.seeds": paired}
                 )  # fmt: skip
     return rows, gaps
@@ -105,40 +103,43 @@ def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, flo
     return mean_y - slope * mean_x, slope
 
 
-def fit_trend(gaps: Iterable[dict], axis: str, seed: int = 0) -> dict[str, Any] | None:
-    """The gap's slope per decade of `axis` (params or tokens) over the cells on one line of the grid (the
-    largest value of the other axis), with a bootstrap over each cell's seeds, and the scale where the
-    fitted gap would reach zero if the trend held (None if it does not shrink toward zero)."""
+def fit_trend(gaps: Iterable[dict], axis: str) -> dict[str, Any] | None:
+    """The gap's least-squares slope per decade of `axis` (params or tokens) over the cells on one line of
+    the grid (the largest value of the other axis). Its standard error propagates each cell's seed spread
+    (the standard error of the cell's mean gap) through the least-squares weights, and its 90% interval
+    takes Student's t at the seeds' pooled degrees of freedom; a cell of one seed has no spread, so the
+    line gets no interval and no verdict. The zero of the fitted line is kept as log10 of the scale."""
     other = "tokens" if axis == "params" else "params"
     gaps = list(gaps)
-    if not gaps:
-        return None
-    line = [gap for gap in gaps if gap[other] == max(g[other] for g in gaps)]
+    line = [gap for gap in gaps if gap[other] == max(g[other] for g in gaps)] if gaps else []
     if len({gap[axis] for gap in line}) < 2:
         return None
     xs = [math.log10(gap[axis]) for gap in line]
     intercept, slope = _least_squares(xs, [gap["gap.mean"] for gap in line])
-    draws = random.Random(seed)
-    slopes = sorted(
-        _least_squares(xs, [statistics.fmean(draws.choices(gap["gap.seeds"], k=len(gap["gap.seeds"])))
-                            for gap in line])[1]
-        for _ in range(BOOTSTRAP_DRAWS)
-    )  # fmt: skip
-    low, high = slopes[int(0.05 * BOOTSTRAP_DRAWS)], slopes[int(0.95 * BOOTSTRAP_DRAWS) - 1]
-    gap_now = intercept + slope * max(xs)
-    shrinks = slope != 0 and (gap_now > 0) == (slope < 0)
-    trend = "shrinks" if shrinks else "grows"
-    verdict = "flat within the seed spread" if low <= 0 <= high else trend
-    return {
-        "verdict": verdict,
-        "axis": axis,
-        "cells": len(line),
-        "at": f"{other} = {line[0][other]:,}",
-        "slope": slope,
-        "slope.std": statistics.stdev(slopes),
-        "slope.90%": [low, high],
-        "zero_at": 10 ** (-intercept / slope) if shrinks else None,
-    }
+    mean_x = statistics.fmean(xs)
+    weights = [(x - mean_x) / sum((x - mean_x) ** 2 for x in xs) for x in xs]
+    seeds = [len(gap["gap.seeds"]) for gap in line]
+    freedom = sum(n - 1 for n in seeds)
+    zero = -intercept / slope if slope else None  # log10 of the scale where the fitted gap is 0
+    ends = [intercept + slope * min(xs), intercept + slope * max(xs)]
+    fit = {"axis": axis, "cells": len(line), "at": f"{other} = {line[0][other]:,}", "slope": slope,
+           "slope.se": None, "slope.90%": None, "zero_at.log10": None, "seeds": min(seeds)}  # fmt: skip
+    if ends[0] * ends[1] < 0:
+        return fit | {"verdict": "crosses zero inside the grid", "zero_at.log10": zero}
+    if min(seeds) < 2:
+        return fit | {"verdict": "one seed: no spread, no verdict"}
+    from scipy.stats import t as student
+
+    error = math.sqrt(
+        sum(w**2 * gap["gap.std"] ** 2 / n for w, gap, n in zip(weights, line, seeds, strict=True))
+    )
+    half = student.ppf(0.95, freedom) * error
+    fit |= {"slope.se": error, "slope.90%": [slope - half, slope + half]}
+    if slope - half <= 0 <= slope + half:
+        return fit | {"verdict": "flat within the seed spread"}
+    if (ends[1] > 0) == (slope < 0):
+        return fit | {"verdict": "shrinks", "zero_at.log10": zero}
+    return fit | {"verdict": "grows"}
 
 
 def trend_rows(gaps: list[dict]) -> list[dict[str, Any]]:
@@ -157,6 +158,22 @@ def _pm(mean: float, std: float, sign: str = "") -> str:
     return f"{mean:{sign}.3f} +- {std:.3f}"
 
 
+def _trend_cells(trend: dict[str, Any]) -> dict[str, str]:
+    spread = "" if trend["slope.se"] is None else f" +- {trend['slope.se']:.3f}"
+    interval = trend["slope.90%"]
+    zero = trend["zero_at.log10"]
+    return {
+        "objective": trend["objective"],
+        "gap to": trend["baseline"],
+        "against": f"log10 {trend['axis']}",
+        "over": f"{trend['cells']} cells at {trend['at']}",
+        "slope (nats/decade)": f"{trend['slope']:+.3f}{spread}",
+        "90% interval": "" if interval is None else f"[{interval[0]:+.3f}, {interval[1]:+.3f}]",
+        "gap": trend["verdict"],
+        "fitted gap zero at": "" if zero is None else f"10^{zero:.1f} {trend['axis']}",
+    }
+
+
 def tables(result: dict[str, list[dict]]) -> str:
     """Markdown: the cells, the gaps, and the fitted trends."""
     models = [
@@ -171,14 +188,7 @@ def tables(result: dict[str, list[dict]]) -> str:
          "seeds": len(g["gap.seeds"])}
         for g in result["gaps"]
     ]  # fmt: skip
-    trends = [
-        {"objective": t["objective"], "gap to": t["baseline"], "against": f"log10 {t['axis']}",
-         "over": f"{t['cells']} cells at {t['at']}",
-         "slope (nats/decade)": _pm(t["slope"], t["slope.std"], "+"),
-         "90% bootstrap": "[{:+.3f}, {:+.3f}]".format(*t["slope.90%"]), "gap": t["verdict"],
-         "gap zero at": "does not shrink" if t["zero_at"] is None else f"{t['zero_at']:.3g} {t['axis']}"}
-        for t in result["trends"]
-    ]  # fmt: skip
+    trends = [_trend_cells(trend) for trend in result["trends"]]
     return "\n\n".join(markdown_table(rows, list(rows[0])) for rows in (models, gaps, trends) if rows)
 
 

@@ -228,14 +228,19 @@ def run_cpt(
         "tokenizer_sha256": tokenizer.sha256,
         "init_new_rows": expansion.init_new_rows,
     }
-    made = read_json(init_record, TrainingError, "remove it") if init_record.is_file() else None
-    if made is not None and made != made_from:
-        changed = ", ".join(key for key in made_from if made.get(key) != made_from[key])
-        raise TrainingError(
-            f"{str(init_dir)!r} was made from another {changed} ({made.get('init_new_rows')!r} rows); pick "
-            "another --name, or remove the run directory to start it again"
+    made = read_json(init_record, TrainingError, "remove it") if init_record.is_file() else {}
+    made = made if isinstance(made, dict) else {}
+    if made.keys() == made_from.keys() and made != made_from:
+        changed = "; ".join(
+            f"{key} {str(made[key])[:12]} -> {str(made_from[key])[:12]}"
+            for key in made_from
+            if made[key] != made_from[key]
         )
-    if made is None:
+        raise TrainingError(
+            f"{str(init_dir)!r} was made from another parent, tokenizer or row initialisation ({changed}); "
+            "pick another --name, or remove the run directory to start it again"
+        )
+    if made != made_from:  # none yet, a half-made one, or one recorded by an older mhf-dist: made again
         init_record.remove()
         init_dir.remove()  # a half-made one, or none
         with staged_file(tokenizer_file) as staging:

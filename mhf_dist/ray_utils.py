@@ -85,7 +85,11 @@ def _init(num_cpus: int | None, verbose: bool) -> None:
 
     global _session_dir
     address = os.environ.get("RAY_ADDRESS")
-    if address and address != "auto" and not reachable(address if "://" in address else f"tcp://{address}"):
+    if (
+        address
+        and address not in ("auto", "local")
+        and not reachable(address if "://" in address else f"tcp://{address}")
+    ):
         raise MhfError(  # ray.init retries a closed port for half a minute
             f"cannot reach the Ray cluster at RAY_ADDRESS={address} (nothing answers there); start it, or "
             "unset RAY_ADDRESS to run on a local Ray"

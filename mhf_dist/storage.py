@@ -155,7 +155,7 @@ def reachable(url: str, timeout: float = 3.0) -> bool:
     a cheap first look before a client that retries for half a minute (Ray Client, the Hugging Face
     hub) is asked."""
     parts = urlsplit(url)
-    default = {"https": 443, "http": 80}.get(parts.scheme, 0)
+    default = {"https": 443, "http": 80, "ray": 10001}.get(parts.scheme, 0)  # Ray Client's own default
     try:
         with socket.create_connection((parts.hostname or "", parts.port or default), timeout=timeout):
             return True

@@ -25,6 +25,7 @@ import json
 import os
 import sqlite3
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import closing, contextmanager
@@ -173,6 +174,32 @@ def connect(uri: str) -> MlflowClient:
     return cast("MlflowClient", _BoundedClient(MlflowClient(tracking_uri=uri)))
 
 
+_bounded = threading.Lock()
+_bounded_calls = 0  # calls of `connect` clients under way, in any thread
+_bounded_set: list[str] = []  # the variables they set (a user's own values win)
+
+
+@contextmanager
+def _bounded_requests() -> Iterator[None]:
+    """BOUNDED_RETRIES in the environment while any `connect` client's call runs. The environment is the
+    process's: a client of MLflow's own defaults whose request overlaps one in another thread gets the
+    bounds too, which costs it retries, never a value it set."""
+    global _bounded_calls, _bounded_set
+    with _bounded:
+        if _bounded_calls == 0:
+            _bounded_set = [variable for variable in BOUNDED_RETRIES if variable not in os.environ]
+            os.environ.update({variable: BOUNDED_RETRIES[variable] for variable in _bounded_set})
+        _bounded_calls += 1
+    try:
+        yield
+    finally:
+        with _bounded:
+            _bounded_calls -= 1
+            if _bounded_calls == 0:
+                for variable in _bounded_set:
+                    os.environ.pop(variable, None)
+
+
 class _BoundedClient:
     def __init__(self, client: MlflowClient) -> None:
         self._client = client
@@ -184,15 +211,8 @@ class _BoundedClient:
 
         @functools.wraps(attribute)
         def bounded(*args: Any, **kwargs: Any) -> Any:
-            chosen = [
-                variable for variable in BOUNDED_RETRIES if variable not in os.environ
-            ]  # a user's own values win
-            os.environ.update({variable: BOUNDED_RETRIES[variable] for variable in chosen})
-            try:
+            with _bounded_requests():
                 return attribute(*args, **kwargs)
-            finally:
-                for variable in chosen:
-                    os.environ.pop(variable, None)
 
         return bounded
 

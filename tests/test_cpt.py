@@ -236,7 +236,11 @@ def test_cpt_prepares_the_new_corpus_and_hands_mhf_train_the_expanded_model_line
     from mhf_dist.train.ray_trainer import TrainOptions
 
     fewer = lambda old: old.with_added_tokens(NEW_TOKENS[:2])  # noqa: E731
-    with pytest.raises(TrainingError, match=r"/init' was made from another tokenizer_sha256 \('none' rows\)"):
+    with pytest.raises(
+        TrainingError,
+        match=r"/init' was made from another parent, tokenizer or row initialisation "
+        r"\(tokenizer_sha256 \w{12} -> \w{12}\); pick",
+    ):
         run_cpt(cfg, str(parent.path), fewer, TrainOptions(name="zh"))
     less_replay = cfg.data.replay.model_copy(update={"fraction": 0.2})
     other = cfg.model_copy(update={"data": cfg.data.model_copy(update={"replay": less_replay})})

@@ -120,3 +120,8 @@ def test_wrong_keys_are_one_line_for_every_command_that_touches_a_bucket(
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert REFUSED.fullmatch(line), line
     assert sorted(path.name for path in tmp_path.iterdir()) == ["s.yaml", "text.txt"]
+    import boto3
+
+    owner = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=key_id,
+                         aws_secret_access_key=secret)  # fmt: skip
+    assert owner.list_objects_v2(Bucket="owned")["KeyCount"] == 0  # nor in the bucket

@@ -127,3 +127,42 @@ def test_table_6_is_computed_from_the_runs_the_job_made(ray_session, tmp_path, m
         assert new_gaps[key] == pytest.approx(gap["gap.mean"] + moved)
     assert slope("vocab", "qwen3", "params") == pytest.approx(slope_before + 1.5 / run)
     assert report.render("6", result) != report.render("6", before)
+
+
+def gap(params: int, seeds: list[float], tokens: int = 1000) -> dict:
+    import statistics
+
+    std = statistics.stdev(seeds) if len(seeds) > 1 else 0.0
+    return {"params": params, "tokens": tokens, "gap.mean": statistics.fmean(seeds), "gap.std": std,
+            "gap.seeds": seeds}  # fmt: skip
+
+
+def test_the_fitted_trend_propagates_the_seed_spread_and_says_what_the_line_does(monkeypatch):
+    """Made-up gaps with a known answer: the slope per decade, its standard error from the seeds, the
+    verdict, and where the fitted gap reaches zero."""
+    monkeypatch.syspath_prepend(str(JOBS))
+    from scaling import fit_trend
+
+    # 1.0 -> 0.8 -> 0.6 nats over three decades, seeds +-0.01: shrinks at -0.2/decade, zero at 10^(3+5).
+    shrinking = [gap(10**3, [1.01, 0.99]), gap(10**4, [0.81, 0.79]), gap(10**5, [0.61, 0.59])]
+    off_line = gap(10**6, [9.0, 9.0], tokens=10)  # a cell of a smaller budget: not on this line
+    fit = fit_trend([*shrinking, off_line], "params")
+    assert fit["cells"] == 3 and fit["slope"] == pytest.approx(-0.2)
+    # each cell's mean gap has standard error 0.01 * sqrt(2) / sqrt(2) = 0.01; weights -1/2, 0, 1/2
+    assert fit["slope.se"] == pytest.approx(math.sqrt(0.25 * 1e-4 * 2))
+    assert fit["verdict"] == "shrinks" and fit["zero_at.log10"] == pytest.approx(8.0)
+    noisy = [gap(10**3, [1.5, 0.5]), gap(10**4, [1.4, 0.4]), gap(10**5, [1.3, 0.3])]
+    assert fit_trend(noisy, "params")["verdict"] == "flat within the seed spread"
+    assert fit_trend(noisy, "params")["zero_at.log10"] is None
+    rising = [gap(10**3, [0.21, 0.19]), gap(10**4, [0.41, 0.39])]
+    assert fit_trend(rising, "params")["verdict"] == "grows"
+    crossing = [gap(10**3, [0.21, 0.19]), gap(10**5, [-0.19, -0.21])]
+    fit = fit_trend(crossing, "params")
+    assert fit["verdict"] == "crosses zero inside the grid" and fit["zero_at.log10"] == pytest.approx(4.0)
+    one_seed = [gap(10**3, [1.0]), gap(10**4, [0.8])]
+    assert fit_trend(one_seed, "params")["verdict"] == "one seed: no spread, no verdict"
+    nearly_flat = [gap(10**6, [1.11, 1.11]), gap(2 * 10**6, [1.11, 1.1100001])]
+    assert fit_trend(nearly_flat, "params")["zero_at.log10"] is None or math.isfinite(
+        fit_trend(nearly_flat, "params")["zero_at.log10"]
+    )  # a line whose zero is astronomically far is no overflow
+    assert fit_trend([gap(10**3, [1.0, 1.0])], "params") is None  # one cell: no line

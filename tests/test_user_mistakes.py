@@ -46,7 +46,9 @@ def test_a_service_that_is_not_there_is_one_line_within_seconds_not_half_a_minut
 
     closed = f"127.0.0.1:{free_port()}"
     monkeypatch.setenv("HF_ENDPOINT", f"http://{closed}")  # the hub, unreachable; the name never cached
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://{closed}")  # read at its import
+    for variable in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(variable, raising=False)
     start = time.monotonic()
     with pytest.raises(
         DataError, match=r"cannot load Hugging Face dataset 'org/never-cached' \(.* does not answer"

@@ -25,6 +25,7 @@ import json
 import os
 import pydoc_data.topics
 import re
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -494,7 +495,8 @@ def _huggingface_files(name: str) -> list[CorpusFile]:
         ) from None
     from huggingface_hub import constants
 
-    online = reachable(constants.ENDPOINT)
+    # Through a proxy the hub is not ours to probe: the libraries' own retries decide.
+    online = bool(urllib.request.getproxies().get("https")) or reachable(constants.ENDPOINT)
     try:
         with _hub_offline(not online):  # offline: the local cache at once, not half a minute of retries
             dataset = datasets.load_dataset(name, split="train")

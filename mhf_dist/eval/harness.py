@@ -211,7 +211,8 @@ def cli() -> None:
         print(f"interrupted: {stop}", file=sys.stderr)
         sys.exit(stop.exit_code)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if previous is not None:  # None: a handler installed outside Python, never replaced
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _evaluate_in_one_line() -> None:
