@@ -136,6 +136,13 @@ def _matching(text: str, pattern: str) -> str:
     return text
 
 
+def _exists(path: Path, text: str) -> bool:
+    try:
+        return path.exists()
+    except OSError as err:  # a name longer than the filesystem allows, say
+        _fail(f"{text!r} cannot be used ({err.strerror}); choose another path")
+
+
 def _fail(message: str) -> NoReturn:
     raise argparse.ArgumentTypeError(message)
 
@@ -146,7 +153,7 @@ def _existing(text: str, want: str | None) -> str:
     path = _local(_nonempty(text))
     if path is None:
         return text
-    if not path.exists():
+    if not _exists(path, text):
         _fail(f"{text!r} does not exist; give an existing {want or 'file or directory'}")
     if want == "file" and not path.is_file():
         _fail(f"{text!r} is a directory; give a file")
@@ -160,10 +167,10 @@ def _place(text: str) -> str:
     path = _local(_nonempty(text))
     if path is None:
         return text
-    if path.exists() and not path.is_dir():
+    if _exists(path, text) and not path.is_dir():
         _fail(f"{text!r} is a file; give a directory")
     parent = path.absolute()
-    while not parent.exists():
+    while not _exists(parent, text):
         parent = parent.parent
     if not parent.is_dir():
         _fail(f"{text!r} cannot be created: {str(parent)!r} is a file; choose a path under a directory")
@@ -320,21 +327,26 @@ ASSIGNMENT = Kind(
 SIZE = Kind(
     "size", "write a size in bytes or such as 500MB", _size, ("0", "-5", "5XB", ""), ("500MB", "1000")
 )
+TOO_LONG = "/tmp/" + "n" * 300  # a path component over every common filesystem's 255 bytes
 FILE = Kind(
-    "file", "give an existing file", lambda text: _existing(text, "file"), ("",), ("s3://bucket/file.yaml",)
+    "file",
+    "give an existing file",
+    lambda text: _existing(text, "file"),
+    ("", TOO_LONG),
+    ("s3://bucket/file.yaml",),
 )
 DIRECTORY = Kind(
     "directory",
     "give an existing directory",
     lambda text: _existing(text, "directory"),
-    ("",),
+    ("", TOO_LONG),
     ("s3://bucket/model",),
 )
 FILE_OR_DIRECTORY = Kind(
     "file or directory",
     "give an existing path",
     lambda text: _existing(text, None),
-    ("",),
+    ("", TOO_LONG),
     ("s3://bucket/x",),
 )
 CORPUS = Kind(
@@ -352,10 +364,14 @@ CORPUS = Kind(
     ),
 )
 OUTPUT_DIRECTORY = Kind(
-    "output directory", "give a directory to write to", _output, ("", "/proc/x/out"), ("s3://bucket/out",)
+    "output directory",
+    "give a directory to write to",
+    _output,
+    ("", "/proc/x/out", TOO_LONG),
+    ("s3://bucket/out",),
 )
 # Where a command finds what it reads (an MLflow store, a cluster's state) and writes what it makes.
-PLACE = Kind("place", "give a directory", _place, ("",), ("s3://bucket/store",))
+PLACE = Kind("place", "give a directory", _place, ("", TOO_LONG), ("s3://bucket/store",))
 # A file, directory or name the command resolves itself (a preset name or a YAML file; a run name or a
 # checkpoint directory): existence is checked where the name is looked up.
 NAME_OR_PATH = Kind("name or path", "give a name or a path", _nonempty, ("",), ("tiny", "my-run"))

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from mhf_dist.config import INIT_NEW_ROWS, Config, ModelConfig
-from mhf_dist.data.shards import MANIFEST, read_manifest
+from mhf_dist.data.shards import MANIFEST, file_sha256, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import TrainingError
-from mhf_dist.export import ExportedModel, export_model, load_exported
+from mhf_dist.export import CONFIG_FILE, WEIGHTS_FILE, ExportedModel, export_model, load_exported
 from mhf_dist.files import staged_file, write_json_atomic
 from mhf_dist.models import build_model, param_count
 from mhf_dist.models.base import CausalLM
@@ -225,6 +225,8 @@ def run_cpt(
     # and a rerun with another parent, tokenizer or --init-new-rows is refused rather than given old rows.
     made_from = {
         "parent_fingerprint": parent.table.fingerprint,
+        # the weights, not only the vocabulary: two checkpoints of one run share a signature table
+        "parent_weights_sha256": file_sha256(local_copy(parent.path, marker=CONFIG_FILE) / WEIGHTS_FILE),
         "tokenizer_sha256": tokenizer.sha256,
         "init_new_rows": expansion.init_new_rows,
     }

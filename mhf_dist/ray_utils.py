@@ -80,16 +80,18 @@ def workers_print_to_console() -> bool:
     return printer is not None and printer.is_alive()
 
 
+def ray_answers(address: str) -> bool:
+    """Whether something listens at a Ray address (a bare host:port is a GCS); `auto` and `local` are
+    resolved inside Ray. A first look: Ray Client and ray.init retry a closed port for half a minute."""
+    return address in ("auto", "local") or reachable(address if "://" in address else f"tcp://{address}")
+
+
 def _init(num_cpus: int | None, verbose: bool) -> None:
     import ray
 
     global _session_dir
     address = os.environ.get("RAY_ADDRESS")
-    if (
-        address
-        and address not in ("auto", "local")
-        and not reachable(address if "://" in address else f"tcp://{address}")
-    ):
+    if address and not ray_answers(address):
         raise MhfError(  # ray.init retries a closed port for half a minute
             f"cannot reach the Ray cluster at RAY_ADDRESS={address} (nothing answers there); start it, or "
             "unset RAY_ADDRESS to run on a local Ray"

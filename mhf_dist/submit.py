@@ -21,8 +21,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mhf_dist.errors import ConfigError, MhfError, first_problem
+from mhf_dist.ray_utils import ray_answers
 from mhf_dist.readers import read_yaml
-from mhf_dist.storage import reachable
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -120,9 +120,11 @@ def _client(address: str) -> Any:
     from ray.exceptions import AuthenticationError, RpcError
     from ray.job_submission import JobSubmissionClient
 
-    if address != "auto" and not reachable(address):  # Ray Client retries a closed port for half a minute
+    target = os.environ.get("RAY_ADDRESS", "auto") if address == "auto" else address
+    if not ray_answers(target):
+        named = f"RAY_ADDRESS={target}" if target != address else target
         raise JobError(
-            f"cannot reach the Ray Jobs API at {address} (nothing answers there); start a cluster (mhf "
+            f"cannot reach the Ray Jobs API at {named} (nothing answers there); start a cluster (mhf "
             "cluster start) or pass --address"
         )
     try:

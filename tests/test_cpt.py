@@ -242,6 +242,12 @@ def test_cpt_prepares_the_new_corpus_and_hands_mhf_train_the_expanded_model_line
         r"\(tokenizer_sha256 \w{12} -> \w{12}\); pick",
     ):
         run_cpt(cfg, str(parent.path), fewer, TrainOptions(name="zh"))
+    # another checkpoint of the same run: the same vocabulary and signature table, other weights
+    with torch.no_grad():
+        next(parent.model.parameters()).add_(1.0)
+    export_model(parent.model, parent.config, parent.table, tmp_path / "tokenizer.json", tmp_path / "later")
+    with pytest.raises(TrainingError, match=r"\(parent_weights_sha256 \w{12} -> \w{12}\); pick"):
+        cpt_adding_new_tokens(cfg, load_exported(tmp_path / "later"))
     less_replay = cfg.data.replay.model_copy(update={"fraction": 0.2})
     other = cfg.model_copy(update={"data": cfg.data.model_copy(update={"replay": less_replay})})
     with pytest.raises(TrainingError, match=r"were prepared with data\.replay \{.*'fraction': 0\.3"):

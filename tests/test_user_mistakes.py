@@ -64,6 +64,13 @@ def test_a_service_that_is_not_there_is_one_line_within_seconds_not_half_a_minut
         f"error: cannot reach the Ray Jobs API at ray://{closed} (nothing answers there); start a cluster "
         "(mhf cluster start) or pass --address"
     )
+    monkeypatch.setenv("RAY_ADDRESS", f"ray://{closed}")  # `--address auto` goes where RAY_ADDRESS says
+    assert main(["submit", "jobs/pretrain.job.yaml", "--address", "auto", "--env", "MHF_STORAGE=/s"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: cannot reach the Ray Jobs API at RAY_ADDRESS=ray://{closed} (nothing answers there); start "
+        "a cluster (mhf cluster start) or pass --address"
+    )
+    monkeypatch.delenv("RAY_ADDRESS")
     assert time.monotonic() - start < 5
 
     start = time.monotonic()
