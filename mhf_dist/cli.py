@@ -453,7 +453,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if windows and "short_window" in results:
         print(f"scored in one window of {results['short_window']} tokens: the text is shorter than {seq_len}")
     elif windows:
-        print(f"scored in windows of {seq_len} tokens, no context carried across windows")
+        last = f", the last of {results['last_window']}" if "last_window" in results else ""
+        print(f"scored in windows of {seq_len} tokens{last}, no context carried across windows")
     if uri is not None:
         log_metrics(uri, args.run_id, {f"eval.{args.task}.{k}": v for k, v in results.items()})
         print(f"logged to MLflow run {args.run_id}")

@@ -95,12 +95,14 @@ def test_ppl_and_bpb_equal_the_models_own_nll_computed_per_window(exported, tmp_
     results = run_task(exported, "ppl", path, seq_len=8)
     tokenizer = exported.tokenizer
     stream = [t for ids in tokenizer.encode_batch(texts) for t in (*ids, tokenizer.eos_id)]
-    windows = [stream[start : start + 9] for start in range(0, len(stream) - 8, 8)]
+    # windows of 8 targets, each window's last token the next one's first; the rest in one shorter window
+    windows = [stream[start : start + 9] for start in range(0, len(stream) - 1, 8)]
+    assert len(windows[-1]) < 9 and results["last_window"] == len(windows[-1]) - 1
     nll = -torch.cat([sequence_logprob(exported.model, window) for window in windows])
-    assert results["tokens"] == nll.numel() == 8 * len(windows)
+    assert results["tokens"] == nll.numel() == len(stream) - 1  # every target, once
     assert results["ppl"] == pytest.approx(math.exp(float(nll.mean())), rel=1e-5)
-    scored_bytes = sum(len(text.encode()) + 1 for text in texts) * nll.numel() / (len(stream) - 1)
-    assert results["bits_per_byte"] == pytest.approx(float(nll.sum()) / math.log(2) / scored_bytes, rel=1e-5)
+    text_bytes = sum(len(text.encode()) + 1 for text in texts)
+    assert results["bits_per_byte"] == pytest.approx(float(nll.sum()) / math.log(2) / text_bytes, rel=1e-5)
 
 
 def test_lambada_ppl_is_the_likelihood_of_the_last_word(exported, tmp_path):

@@ -122,7 +122,11 @@ def byte_model(tmp_path):
 def test_a_text_shorter_than_one_window_is_scored_in_one_shorter_window_and_said(
     byte_model, tmp_path, capsys
 ):
-    from mhf_dist.eval.perplexity import text_scores
+    import math
+
+    import numpy as np
+
+    from mhf_dist.eval.perplexity import nll_totals, text_scores
 
     model, tokenizer, exported = byte_model
     text = "a short note"  # 12 bytes + EOS: 12 targets, under a window of 64
@@ -137,6 +141,19 @@ def test_a_text_shorter_than_one_window_is_scored_in_one_shorter_window_and_said
     assert main([*argv, "--seq-len", "64"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "scored in one window of 12 tokens: the text is shorter than 64"
+    )
+    # Past whole windows, the rest is scored in one shorter window too: no target left out.
+    longer = "b" * 99  # 99 bytes + EOS: 99 targets = one window of 64 and one of 35
+    whole = text_scores(model, tokenizer, [longer], 64)
+    assert whole["val_tokens"] == 99 and whole["last_window"] == 35 and "window" not in whole
+    ids = np.asarray(tokenizer.encode_documents([longer], "eos")[0])
+    windows = [nll_totals(model, ids[None, :65])[0], nll_totals(model, ids[None, 64:])[0]]
+    assert whole["val_nll"] * 99 == pytest.approx(sum(windows), rel=1e-9)
+    assert whole["bytes"] == 100 and whole["bits_per_byte"] == pytest.approx(sum(windows) / math.log(2) / 100)
+    (tmp_path / "longer.txt").write_text(longer)
+    assert main([*argv[:-1], str(tmp_path / "longer.txt"), "--seq-len", "64"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "scored in windows of 64 tokens, the last of 35, no context carried across windows"
     )
 
 

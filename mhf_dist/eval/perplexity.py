@@ -60,23 +60,28 @@ def text_scores(
     """Exact NLL per token and bits per UTF-8 byte of `texts`, each framed as the model's documents
     (`bos`: BOS first; `eos`: EOS after), comparable across tokenizers through the bytes.
 
-    The texts are packed into windows of seq_len targets (no context carried across a window); the tail
-    that does not fill a window is dropped, and the byte count (each boundary token counted as one byte)
-    is scaled by the share of tokens scored. A text shorter than one window is scored whole in one
-    shorter window, as lm-eval's rolling log-likelihood does, and the result says so (`window`: its
-    targets).
+    The texts are packed into windows of seq_len targets (no context carried across a window) and every
+    target is scored: what is left after the last full window is scored in one shorter window, as is a
+    text shorter than one window, and the result says so (`last_window`: its targets; `window` when it is
+    the only one). Bytes are the texts' UTF-8 bytes, each document boundary token counted as one.
     """
-    stream = [token for ids in tokenizer.encode_documents(list(texts), document_format) for token in ids]
+    stream = np.asarray(
+        [token for ids in tokenizer.encode_documents(list(texts), document_format) for token in ids]
+    )
     if len(stream) < 2:
         raise DataError(f"the text holds {len(stream)} token(s), none to predict; give more text")
-    short = len(stream) < seq_len + 1
-    window = len(stream) - 1 if short else seq_len
-    rows = pack_rows(np.asarray(stream), window)  # rows overlap by one token: each target scored once
-    total, count = nll_totals(model, rows, batch_size)
-    scored_bytes = sum(len(text.encode("utf-8")) + 1 for text in texts) * count / max(1, len(stream) - 1)
+    full, tail = divmod(len(stream) - 1, seq_len)
+    total, count = (
+        nll_totals(model, pack_rows(stream[: full * seq_len + 1], seq_len), batch_size) if full else (0.0, 0)
+    )
+    if tail:  # rows overlap by one token: each target scored once
+        tail_total, tail_count = nll_totals(model, stream[None, full * seq_len :], batch_size)
+        total, count = total + tail_total, count + tail_count
+    scored_bytes = sum(len(text.encode("utf-8")) + 1 for text in texts)
+    shown = {"window": tail} if tail and not full else {"last_window": tail} if tail else {}
     return {
         **nll_summary(total, count),
         "bits_per_byte": total / math.log(2) / scored_bytes,
         "bytes": scored_bytes,
-        **({"window": window} if short else {}),
+        **shown,
     }

@@ -120,7 +120,8 @@ def eval_text(
     )
     return {"nll": scores["val_nll"], "ppl": scores["val_ppl"], "bits_per_byte": scores["bits_per_byte"],
             "tokens": scores["val_tokens"], "documents": len(texts),
-            **({"short_window": scores["window"]} if "window" in scores else {})}  # fmt: skip
+            **({"short_window": scores["window"]} if "window" in scores else {}),
+            **({"last_window": scores["last_window"]} if "last_window" in scores else {})}  # fmt: skip
 
 
 def eval_prepared(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:
