@@ -303,6 +303,14 @@ JOBS_API = Kind(
 )
 TEXT = Kind("text", "give some text", _nonempty, ("", "   "), ("x", "héllo wörld"))
 # Ray names a job's log files and records by it: no `/`, no space (such a job stays PENDING for good).
+# A run's name is a directory under the storage path and its MLflow run name: one path component.
+RUN_NAME = Kind(
+    "run name",
+    "use letters, digits and . _ - = , + (one directory name, starting with a letter or digit)",
+    lambda text: _matching(text, r"[A-Za-z0-9][A-Za-z0-9_.=,+-]{0,199}"),
+    ("", "a/b", "../up", "has space", ".hidden"),
+    ("pretrain-7", "lr=0.003-seed0"),
+)
 SUBMISSION_ID = Kind(
     "submission id",
     "use letters, digits, '-', '_' and '.', starting with a letter or digit",

@@ -130,9 +130,14 @@ def cmd_count(args: argparse.Namespace) -> None:
     from mhf_dist.tables import markdown_table
 
     cfg = _config(args)
-    short = scheme_for_config(cfg.model.hash).shortfall(cfg.model.vocab_size)
+    scheme = scheme_for_config(cfg.model.hash)
+    short = scheme.shortfall(cfg.model.vocab_size)
     if short is not None and cfg.model.hash.signature_scheme == "murmur32":
         raise ConfigError(f"{short}, collision-free); use more hashes or buckets")
+    if short is not None and scheme.capacity == 2:  # the reference scheme at B=2: no table can be built
+        raise ConfigError(
+            f"{short}): at B=2 every token but the padding one has one signature; use more buckets"
+        )
     mhf_total = param_count(cfg.model.model_copy(update={"family": "mhf"}))
     qwen3_total = param_count(cfg.model.model_copy(update={"family": "qwen3"}))
     rows, unmatched = [], []
@@ -244,7 +249,7 @@ def _add_run_options(parser: argparse.ArgumentParser, name: str) -> None:
     """What `mhf train` and `mhf cpt` share: the run's topology, name and tracking."""
     _add_topology_flags(parser, "workers", "gpus_per_worker", "zero_stage", "storage")
     parser.add_argument(
-        "--name", type=kinds.TEXT, default=name, help=f"run name under the storage path (default: {name})"
+        "--name", type=kinds.RUN_NAME, default=name, help=f"run name under the storage path (default: {name})"
     )
     parser.add_argument(
         "--experiment", type=kinds.TEXT, default="mhf", help="MLflow experiment (default: mhf)"

@@ -28,6 +28,11 @@ def test_count_says_when_a_hash_spec_has_fewer_signatures_than_tokens(capsys):
         "error: vocabulary of 300 tokens exceeds the 64 signatures of H=1, B=64 (murmur32 scheme, "
         "collision-free); use more hashes or buckets"
     )
+    assert main(["count", "--set", "model.hash.spec=H11B2", "--set", "model.vocab_size=300"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: vocabulary of 300 tokens exceeds the 2 signatures of H=11, B=2 (reference scheme): at B=2 "
+        "every token but the padding one has one signature; use more buckets"
+    )
     assert main(["count", "--set", "model.hash.spec=H2B64", "--set", "model.vocab_size=300"]) == 0
     assert "warning" not in capsys.readouterr().out
 
