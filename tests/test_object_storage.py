@@ -181,6 +181,32 @@ def test_a_run_refuses_credentials_in_its_locations_before_anything_starts(tmp_p
     assert "cret" not in str(raised.value)
 
 
+def stopped_by_a_frozen_store(s3_server, command: list, environment: dict, ready: str) -> str:
+    """Run `command`, freeze moto (SIGSTOP, not closed) once a stdout line starts with `ready`, and thaw it
+    after the command ended: it must end with exit 2 and one `cannot reach the object store` line, no
+    traceback, within 120 s of the freeze. Returns its stderr."""
+    import os
+    import signal
+
+    process = subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        while not (line := process.stdout.readline()).startswith(ready) and line:
+            pass
+        assert line, process.stderr.read()
+        os.kill(s3_server.process.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        _, stderr = process.communicate(timeout=240)
+        waited = time.monotonic() - frozen
+    finally:
+        os.kill(s3_server.process.pid, signal.SIGCONT)
+    assert process.returncode == 2 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1].startswith("error: cannot reach the object store at "), stderr
+    assert waited < 120, waited
+    return stderr
+
+
 def test_a_store_that_stops_answering_mid_run_is_one_line_in_bounded_time_and_the_run_goes_on_after(
     ray_session, s3_server, tmp_path
 ):
@@ -188,7 +214,6 @@ def test_a_store_that_stops_answering_mid_run_is_one_line_in_bounded_time_and_th
     a bounded time (requests time out after MHF_STORAGE_TIMEOUT_S, 3 tries) with one line, not Ray Train's
     traceback; once the store answers again, --continue goes on to the end."""
     import os
-    import signal
 
     from mhf_dist.data.prepare import prepare
 
@@ -201,23 +226,8 @@ def test_a_store_that_stops_answering_mid_run_is_one_line_in_bounded_time_and_th
     command = [sys.executable, "-m", "mhf_dist.cli", "train", *(arg for s in sets for arg in ("--set", s)),
                "--storage", f"{bucket}/runs", "--name", "frozen"]  # fmt: skip
     environment = {**os.environ, "MHF_STORAGE_TIMEOUT_S": "3"}
-    process = subprocess.Popen(
-        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        while not (line := process.stdout.readline()).startswith("step 10/") and line:
-            pass
-        assert line, process.stderr.read()
-        os.kill(s3_server.process.pid, signal.SIGSTOP)
-        frozen = time.monotonic()
-        _, stderr = process.communicate(timeout=240)
-        waited = time.monotonic() - frozen
-    finally:
-        os.kill(s3_server.process.pid, signal.SIGCONT)
-    assert process.returncode == 2 and "Traceback" not in stderr, stderr
-    assert stderr.strip().splitlines()[-1].startswith("error: cannot reach the object store at "), stderr
+    stderr = stopped_by_a_frozen_store(s3_server, command, environment, "step 10/")
     assert stderr.strip().endswith("rerun with --continue to go on from its last complete checkpoint")
-    assert waited < 120, waited
     again = subprocess.run(
         [*command, "--continue"], env=environment, capture_output=True, text=True, timeout=600
     )
@@ -238,7 +248,6 @@ def test_a_store_that_stops_answering_mid_prepare_is_one_line_and_the_rerun_writ
     written: `mhf prepare` ends with one line within a bounded time and publishes no manifest; once the
     store answers, the rerun resumes and its files are byte for byte an undisturbed run's."""
     import os
-    import signal
 
     from mhf_dist.data.prepare import prepare
     from mhf_dist.data.shards import SIGNATURES_FILE
@@ -255,22 +264,7 @@ def test_a_store_that_stops_answering_mid_prepare_is_one_line_and_the_rerun_writ
     command = [sys.executable, "-m", "mhf_dist.cli", "prepare", *(arg for s in sets for arg in ("--set", s)),
                "--out", out.uri]  # fmt: skip
     environment = {**os.environ, "MHF_STORAGE_TIMEOUT_S": "3"}
-    process = subprocess.Popen(
-        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        while not (line := process.stdout.readline()).startswith("tokenize parts:") and line:
-            pass
-        assert line, process.stderr.read()
-        os.kill(s3_server.process.pid, signal.SIGSTOP)
-        frozen = time.monotonic()
-        _, stderr = process.communicate(timeout=240)
-        waited = time.monotonic() - frozen
-    finally:
-        os.kill(s3_server.process.pid, signal.SIGCONT)
-    assert process.returncode == 2 and "Traceback" not in stderr, stderr
-    assert stderr.strip().splitlines()[-1].startswith("error: cannot reach the object store at "), stderr
-    assert waited < 120, waited
+    stopped_by_a_frozen_store(s3_server, command, environment, "tokenize parts:")
     assert not (out / "manifest.json").is_file()  # nothing published over incomplete shards
 
     again = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
