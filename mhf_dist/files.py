@@ -48,24 +48,16 @@ def staged_file(path: str | Path | Location, suffix: str = ".tmp") -> Iterator[P
 
 
 @contextmanager
-def staged_directory(
-    path: str | Path | Location, replace: bool = False, marker: str | None = None
-) -> Iterator[Path]:
-    """Yields an empty staging directory beside `path`; on success it becomes `path`, on any error it is
-    removed. With `replace`, an existing `path` is swapped out and deleted only once the new one is in
-    place (callers decide whether what is there may be replaced). For an object-store URI the staging
-    directory is local; on success an existing `path` (with `replace`) loses its `marker` first, then
-    everything, and the new files are uploaded with `marker` last."""
+def staged_directory(path: str | Path | Location, marker: str | None = None) -> Iterator[Path]:
+    """Yields an empty staging directory beside `path`, which must not exist; on success it becomes
+    `path`, on any error it is removed. For an object-store URI the staging directory is local and its
+    files are uploaded with `marker` last."""
     if _remote(path):
         where = Location.of(path)
         with tempfile.TemporaryDirectory(prefix="mhf-staged-") as tmp:
             yield Path(tmp)
             if where.exists():
-                if not replace:
-                    raise FileExistsError(f"{where} appeared while it was being written")
-                if marker is not None:
-                    (where / marker).remove()  # no longer complete before any of it changes
-                where.remove()
+                raise FileExistsError(f"{where} appeared while it was being written")
             where.upload(Path(tmp), last=marker)
         return
     path = Location.of(path).local
@@ -74,7 +66,7 @@ def staged_directory(
     staging.mkdir()  # mode 0777 less the umask, as any new directory (mkdtemp's would be 0700)
     try:
         yield staging
-        publish_directory(staging, path, replace)
+        publish_directory(staging, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -12,8 +12,10 @@ own query options (`s3://bucket/x?endpoint_override=...`) are honoured too. Requ
 a bounded number of times, so an unreachable endpoint is an error within seconds, not a hang.
 `redact` removes what could be a secret (user info, query options) before a location is shown.
 
-Object stores have no rename: a directory is published by writing every other file first and its
-marker file last (`publish_directory`); readers trust a directory only once its marker is there.
+Object stores have no rename: a new directory is published by writing every other file first and its
+marker file last (`files.staged_directory`); readers trust a directory only once its marker is there. A
+prepared dataset is replaced by a new version folder and a switch of its manifest
+(`data.prepare.output`).
 """
 
 from __future__ import annotations

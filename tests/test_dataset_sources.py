@@ -179,7 +179,8 @@ def test_a_hive_partitioned_parquet_table_in_the_bucket_gives_what_the_file_read
     read = prepare(cfg_for(f"data.corpus={table.uri}"), f"{bucket}/read", log=lambda _: None)
     assert staged.content_sha256 == read.content_sha256
     assert staged.splits["train"].documents + staged.splits["validation"].documents == len(DOCUMENTS)
-    assert not [name for name, _ in Location.of(f"{bucket}/staged").files() if name.startswith("progress")]
+    stored = sorted(name for name, _ in Location.of(f"{bucket}/staged").files())  # no staged Dataset left
+    assert stored == sorted(["manifest.json", *staged.file_names()])
 
 
 def test_a_staging_stopped_half_way_is_staged_again_and_gives_the_uninterrupted_shards(ray_session, tmp_path):

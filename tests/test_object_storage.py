@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from faults import KillLastWorker
 from test_sources import mixture_cfg, write_corpora
@@ -241,6 +242,22 @@ def test_a_store_that_stops_answering_mid_run_is_one_line_in_bounded_time_and_th
     assert [entry["loss"] for entry in history] == pytest.approx([entry["loss"] for entry in whole], abs=1e-6)
 
 
+def a_corpus(tmp_path) -> list[str]:
+    """Four text files of 2,000 short paragraphs: `--set`s for a byte-level prepare of them."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for part in range(4):
+        (corpus / f"part{part}.txt").write_text(
+            "".join(f"Line {part}.{n} of a corpus.\n\n" for n in range(2000))
+        )
+    return [f"data.corpus={corpus}", "data.tokenizer=bytes", "model.vocab_size=259", "model.hash.spec=H2B64"]
+
+
+def prepare_command(sets: list[str], out: Location, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "mhf_dist.cli", "prepare", *(arg for s in sets for arg in ("--set", s)),
+            "--out", out.uri, *flags]  # fmt: skip
+
+
 def test_a_store_that_stops_answering_mid_prepare_is_one_line_and_the_rerun_writes_the_undisturbed_shards(
     ray_session, s3_server, tmp_path
 ):
@@ -250,19 +267,12 @@ def test_a_store_that_stops_answering_mid_prepare_is_one_line_and_the_rerun_writ
     import os
 
     from mhf_dist.data.prepare import prepare
-    from mhf_dist.data.shards import SIGNATURES_FILE
+    from mhf_dist.data.shards import read_manifest
     from mhf_dist.signatures import load_table
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for part in range(4):
-        (corpus / f"part{part}.txt").write_text(
-            "".join(f"Line {part}.{n} of a corpus.\n\n" for n in range(2000))
-        )
-    sets = [f"data.corpus={corpus}", "data.tokenizer=bytes", "model.vocab_size=259", "model.hash.spec=H2B64"]
+    sets = a_corpus(tmp_path)
     out = Location.of(f"{s3_server.make_bucket('frozen-prepare')}/data")
-    command = [sys.executable, "-m", "mhf_dist.cli", "prepare", *(arg for s in sets for arg in ("--set", s)),
-               "--out", out.uri]  # fmt: skip
+    command = prepare_command(sets, out)
     environment = {**os.environ, "MHF_STORAGE_TIMEOUT_S": "3"}
     stopped_by_a_frozen_store(s3_server, command, environment, "tokenize parts:")
     assert not (out / "manifest.json").is_file()  # nothing published over incomplete shards
@@ -271,13 +281,75 @@ def test_a_store_that_stops_answering_mid_prepare_is_one_line_and_the_rerun_writ
     assert again.returncode == 0, again.stderr
     assert "resum" in again.stdout  # the tokenized parts were kept, not redone
     undisturbed = prepare(load_config("tiny", sets), tmp_path / "undisturbed", log=lambda _: None)
-    written = sorted(path for path, _ in out.files())
-    assert written == sorted(path.name for path in (tmp_path / "undisturbed").iterdir())
+    published = read_manifest(out)
+    assert published.moved_to("") == undisturbed
+    version = out / published.folder  # the bucket's files are in the version folder the manifest names
+    written = sorted(path for path, _ in version.files())
+    local = sorted(path.name for path in (tmp_path / "undisturbed").iterdir())
+    assert written == [name for name in local if name != "manifest.json"]
     for name in written:
-        if (
-            name != SIGNATURES_FILE
-        ):  # safetensors orders its header's metadata per process: compared by content
-            assert (out / name).read_bytes() == (tmp_path / "undisturbed" / name).read_bytes(), name
-    tables = load_table(out / SIGNATURES_FILE), load_table(tmp_path / "undisturbed" / SIGNATURES_FILE)
+        if name != "signatures.safetensors":  # safetensors orders its header's metadata per process
+            assert (version / name).read_bytes() == (tmp_path / "undisturbed" / name).read_bytes(), name
+    table = "signatures.safetensors"
+    tables = load_table(version / table), load_table(tmp_path / "undisturbed" / table)
     assert tables[0].fingerprint == tables[1].fingerprint and (tables[0].rows == tables[1].rows).all()
-    assert undisturbed.content_sha256 == json.loads((out / "manifest.json").read_bytes())["content_sha256"]
+
+
+def test_overwrite_in_a_bucket_killed_mid_upload_leaves_the_old_dataset_whole_and_readers_always_find_one(
+    ray_session, s3_server, tmp_path
+):
+    """`mhf prepare --overwrite` into a bucket writes the new version beside the old one and switches by
+    its manifest. Killed (SIGKILL, its Ray with it) once some of its shards are uploaded, it leaves the
+    old dataset whole: every file byte for byte, `verify-data` reads it, a reader reads its rows. The
+    rerun resumes, and a reader polling all along always finds a complete version; at the end only the
+    new one is left, equal to a local prepare of the same settings."""
+    import os
+    import signal
+
+    from mhf_dist.data.prepare import prepare
+    from mhf_dist.data.reader import RowReader
+    from mhf_dist.data.shards import read_manifest, verify_shards
+
+    sets = [*a_corpus(tmp_path), "data.rows_per_shard=4"]
+    new_sets = [*sets, "data.val_percent=30"]
+    out = Location.of(f"{s3_server.make_bucket('overwrite')}/data")
+    old = prepare(load_config("tiny", sets), out, log=lambda _: None)
+    before = {path: (out / path).read_bytes() for path, _ in out.files()}
+    rows = RowReader(out.uri, "train").read(np.arange(4))
+
+    process = subprocess.Popen(
+        prepare_command(new_sets, out, "--overwrite"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        while not any(".parquet" in path and not path.startswith(old.folder) for path, _ in out.files()):
+            assert process.poll() is None, process.stderr.read()
+            time.sleep(0.2)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert read_manifest(out) == old
+    assert {path: (out / path).read_bytes() for path in before} == before
+    assert verify_shards(out) == sum(len(info.shards) for info in old.splits.values())
+    again = RowReader(out.uri, "train").read(np.arange(4))
+    assert all(np.array_equal(again[column], rows[column]) for column in rows)
+
+    rerun = subprocess.Popen(
+        prepare_command(new_sets, out, "--overwrite"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen = set()
+    while rerun.poll() is None:
+        manifest = read_manifest(out)  # never missing, never damaged
+        missing = [name for name in manifest.file_names() if not (out / name).is_file()]
+        assert not missing or read_manifest(out) != manifest, missing  # gone only once switched from
+        seen.add(manifest.content_sha256)
+    stdout, stderr = rerun.communicate()
+    assert rerun.returncode == 0, stderr
+    assert "resuming the partial prepare" in stdout
+    new = read_manifest(out)
+    assert seen <= {old.content_sha256, new.content_sha256} and new != old
+    assert sorted(path for path, _ in out.files()) == sorted(["manifest.json", *new.file_names()])
+    assert new.moved_to("") == prepare(load_config("tiny", new_sets), tmp_path / "local", log=lambda _: None)

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -136,12 +137,18 @@ def test_a_bucket_output_holds_the_local_outputs_bytes_and_verify_data_reads_it(
     out = f"{bucket}/shards"
     remote = prepare(byte_cfg(cfg.data.corpus, out), out, log=lambda _: None)
     assert remote.content_sha256 == manifest.content_sha256
-    stored = dict(Location.of(out).files())
-    assert sorted(stored) == sorted(path.name for path in local.iterdir())  # no parts, no progress left
-    assert {"manifest.json", "tokenizer.json", "signatures.safetensors"} < set(stored)
-    for name in set(stored) - {"signatures.safetensors"}:  # (safetensors orders its header freely)
-        assert Location.of(f"{out}/{name}").read_bytes() == (local / name).read_bytes(), name
-    assert load_table(f"{out}/signatures.safetensors").fingerprint == manifest.signatures.fingerprint
+    # In a bucket the files are in a version folder that the manifest names; no parts, no progress left.
+    version = remote.folder
+    assert re.fullmatch(r"v-[0-9a-f]{12}", version) and remote.moved_to("") == manifest
+    stored = sorted(path for path, _ in Location.of(out).files())
+    assert stored == sorted(
+        name if name == "manifest.json" else f"{version}/{name}" for name in (p.name for p in local.iterdir())
+    )
+    assert {"manifest.json", f"{version}/tokenizer.json", f"{version}/signatures.safetensors"} < set(stored)
+    for name in set(stored) - {"manifest.json", f"{version}/signatures.safetensors"}:  # (safetensors orders
+        assert Location.of(f"{out}/{name}").read_bytes() == (local / Path(name).name).read_bytes(), name
+    table = load_table(f"{out}/{version}/signatures.safetensors")  # its header's metadata freely)
+    assert table.fingerprint == manifest.signatures.fingerprint
     assert main(["verify-data", out]) == 0
     shards = sum(len(info.shards) for info in manifest.splits.values())
     assert (
@@ -621,8 +628,7 @@ def test_overwrite_replaces_shards_prepare_wrote_and_leaves_nothing_beside_them(
         prepare(recall_cfg(60), out, log=lambda _: None)
     manifest = prepare(recall_cfg(60), out, overwrite=True, log=lambda _: None)
     assert read_manifest(out) == manifest and manifest.splits["train"].rows == 60
-    named = {shard.file for info in manifest.splits.values() for shard in info.shards}
-    written = {"manifest.json", "tokenizer.json", "signatures.safetensors"} | named
+    written = {"manifest.json", *manifest.file_names()}  # in a bucket, the new version's folder alone
     assert set(snapshot(root)) == {f"out/{name}" for name in written} | (
         {"out"} if not root.remote else set()
     )

@@ -135,10 +135,12 @@ def test_a_bucket_gives_the_same_shards_for_the_same_seed_and_others_for_another
     remote_cfg = mixture_cfg(f"{bucket}/corpora", f"{bucket}/out")
     remote = prepare(remote_cfg, remote_cfg.data.path, log=lambda _: None)
     assert remote.content_sha256 == manifest.content_sha256
-    for info in manifest.splits.values():
-        for shard in info.shards:
+    for split, info in manifest.splits.items():
+        for shard, stored in zip(
+            info.shards, remote.splits[split].shards, strict=True
+        ):  # (its version folder)
             assert (
-                Location.of(f"{bucket}/out/{shard.file}").read_bytes()
+                Location.of(f"{bucket}/out/{stored.file}").read_bytes()
                 == (root / "out" / shard.file).read_bytes()
             )
     corpora = [f"{bucket}/corpora/web.jsonl.gz", f"{bucket}/corpora/code.parquet"]

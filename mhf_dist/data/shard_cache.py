@@ -157,6 +157,7 @@ class ShardCache:
         bucket."""
         source, staging = self.directory / entry.file, Path(tempfile.mkdtemp(prefix="mhf-shard-"))
         target = staging / entry.file
+        target.parent.mkdir(exist_ok=True)  # a version folder (`shards.VERSION_FOLDER`)
         try:
             with storage_errors(source):
                 local = pafs.LocalFileSystem()

@@ -11,6 +11,11 @@ Shards of text from more than one source (`data.sources`, `data.replay`) have a 
 `sources`, the tokens of that row (all seq_len+1 of them) that came from each source; the counts of a
 row sum to seq_len+1. A dataset of one source has no such column: every token is from `sources[0]`.
 
+In a bucket the files sit in a version folder beside the manifest (`v-<12 hex>/`, `VERSION_FOLDER`) and
+the manifest names them by their path from it: an object store has no rename, so `mhf prepare
+--overwrite` writes the new version beside the old one and switches by replacing the manifest, one PUT
+(`mhf_dist.data.prepare.output.publish`). Readers open every file through the manifest's names.
+
 `Manifest` is the manifest's typed form: `read_manifest` validates the file against it (strict: a
 missing, extra or mistyped field, or shard digests that no longer hash to `content_sha256`, is a
 one-line error), `write_manifest` writes it. Fields added after version 2 was first written have the
@@ -21,14 +26,14 @@ from __future__ import annotations
 
 import hashlib
 import re
-from pathlib import Path
-from typing import Any, Literal
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Literal
 
 import mmh3
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 from tokenizers import Tokenizer
 
 from mhf_dist.config import Config
@@ -49,6 +54,9 @@ VERSION = 2  # 1: whole-shard row groups, which no row can be read from alone
 ROWS_PER_GROUP = 1  # every parquet row group is one row: the unit the training reader reads
 
 Split = Literal["train", "validation"]
+VERSION_FOLDER = r"v-[0-9a-f]{12}"  # a dataset's version in a bucket: the folder its manifest names
+# A file the manifest names: beside it, or in its version folder; never anywhere else.
+FileName = Annotated[str, StringConstraints(pattern=rf"^({VERSION_FOLDER}/)?[A-Za-z0-9_.-]+$")]
 
 
 def is_validation(text: str, val_percent: float) -> bool:
@@ -67,7 +75,7 @@ class _Record(BaseModel):
 
 
 class ShardEntry(_Record):
-    file: str
+    file: FileName
     rows: int
     sha256: str
 
@@ -141,7 +149,7 @@ class SplitInfo(_Record):
 
 
 class TokenizerInfo(_Record):
-    file: str
+    file: FileName
     sha256: str
     vocab_size: int
     eos_id: int
@@ -149,7 +157,7 @@ class TokenizerInfo(_Record):
 
 
 class SignaturesInfo(_Record):
-    file: str
+    file: FileName
     spec: str
     num_hashes: int
     num_buckets: int
@@ -192,7 +200,35 @@ class Manifest(_Record):
             raise ValueError(f"no {' or '.join(missing)} split")
         if self.content_sha256 != content_hash(self.splits):
             raise ValueError("content_sha256 is not the hash of the shards' names and digests")
+        if len({PurePosixPath(name).parent for name in self.file_names()}) != 1:
+            raise ValueError("its files are not all in one folder")
         return self
+
+    def file_names(self) -> list[str]:
+        """Every file the manifest names, as it names them (paths from its directory)."""
+        shards = [shard.file for split in SPLITS for shard in self.splits[split].shards]
+        return [self.tokenizer.file, self.signatures.file, *shards]
+
+    @property
+    def folder(self) -> str:
+        """The folder beside the manifest that holds its files ("" when they are beside it)."""
+        folder = PurePosixPath(self.tokenizer.file).parent
+        return "" if folder == PurePosixPath(".") else str(folder)
+
+    def moved_to(self, folder: str) -> Manifest:
+        """The same manifest naming its files in `folder` (beside it when ""); the content hash is over
+        the shards' base names, so it stays the same."""
+
+        def moved(entry: Any) -> Any:
+            name = PurePosixPath(entry.file).name
+            return entry.model_copy(update={"file": str(PurePosixPath(folder, name))})
+
+        splits = {
+            name: info.model_copy(update={"shards": [moved(shard) for shard in info.shards]})
+            for name, info in self.splits.items()
+        }
+        files = {"tokenizer": moved(self.tokenizer), "signatures": moved(self.signatures)}
+        return self.model_copy(update={"splits": splits, **files})
 
 
 def tokenizer_info(tokenizer: TextTokenizer, document_format: str) -> TokenizerInfo:
@@ -222,10 +258,10 @@ def signatures_info(table: SignatureTable) -> SignaturesInfo:
     )
 
 
-def save_tokenizer(tokenizer: TextTokenizer, path: Path) -> None:
+def save_tokenizer(tokenizer: TextTokenizer, path: str | Path | Location) -> None:
     """tokenizer.json as exactly the text `TextTokenizer.sha256` hashes: the file's bytes then check
-    against the manifest whatever version of `tokenizers` reads them (`check_tokenizer`)."""
-    Path(path).write_bytes(tokenizer.tokenizer.to_str().encode())
+    against the manifest whatever version of `tokenizers` reads them (`check_tokenizer`). Written whole."""
+    Location.of(path).write_bytes(tokenizer.tokenizer.to_str().encode())
 
 
 def write_shard(
@@ -275,11 +311,11 @@ SHARD_FILE = re.compile(rf"({'|'.join(SPLITS)})-\d{{5,}}\.parquet")  # what shar
 
 
 def content_hash(splits: dict[str, SplitInfo]) -> str:
-    """sha256 over every shard's name and digest, in split and shard order."""
+    """sha256 over every shard's name (not its folder) and digest, in split and shard order."""
     digest = hashlib.sha256()
     for split in SPLITS:
         for shard in splits[split].shards:
-            digest.update(f"{shard.file}:{shard.sha256}\n".encode())
+            digest.update(f"{PurePosixPath(shard.file).name}:{shard.sha256}\n".encode())
     return digest.hexdigest()
 
 
@@ -421,7 +457,7 @@ def verify_shards(path: str | Path | Location) -> int:
         directory,
         tokenizer_info(tokenizer, manifest.document_format),
         manifest.tokenizer,
-        exclude=("sha256",),  # checked above, on the file's bytes
+        exclude=("file", "sha256"),  # read by its name; checked above, on the file's bytes
     )
     table_path = directory / manifest.signatures.file
     try:
@@ -430,19 +466,20 @@ def verify_shards(path: str | Path | Location) -> int:
         raise DataError(
             f"signature table {table_path} is damaged or not one mhf-dist wrote; {_reprepare(directory)}"
         ) from None
-    _check_recorded(directory, signatures_info(table), manifest.signatures)
+    _check_recorded(directory, signatures_info(table), manifest.signatures, exclude=("file",))
     if table.tokens != tuple(tokenizer.vocabulary()):
         raise DataError(
             f"signature table {table_path} is of another vocabulary than {manifest.tokenizer.file}; "
             f"{_reprepare(directory)}"
         )
-    listed = {shard.file for info in manifest.splits.values() for shard in info.shards}
+    folder = directory / manifest.folder if manifest.folder else directory
+    listed = {PurePosixPath(shard.file).name for info in manifest.splits.values() for shard in info.shards}
     stray = next(
-        (e.name for e in directory.children() if SHARD_FILE.fullmatch(e.name) and e.name not in listed), None
+        (e for e in folder.children() if SHARD_FILE.fullmatch(e.name) and e.name not in listed), None
     )
     if stray is not None:  # a reader of the manifest would never see it: a copy or a leftover
         raise DataError(
-            f"{str(directory)!r} holds {stray}, a shard its manifest does not list; remove it, or "
+            f"{str(folder)!r} holds {stray.name}, a shard its manifest does not list; remove it, or "
             f"{_reprepare(directory)}"
         )
     count = 0

@@ -24,7 +24,7 @@ from typing import Any
 from mhf_dist.config import Config, ModelConfig, TopologyConfig, check_topology
 from mhf_dist.console import ConsoleRelay, WorkerLines
 from mhf_dist.data.reader import RowReader, training_plan
-from mhf_dist.data.shards import SIGNATURES_FILE, Manifest, check_compatible, check_tokenizer, read_manifest
+from mhf_dist.data.shards import Manifest, check_compatible, check_tokenizer, read_manifest
 from mhf_dist.errors import Interrupted, MhfError, TrainingError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.interrupts import sigterm_as_sigint
@@ -176,7 +176,7 @@ def train(
     reader.check_all()  # every shard's footer, once, here rather than in every worker
     training_plan(reader, cfg)  # enough rows for one batch
     # train.trainable: a bad pattern fails here, before any worker starts; the counts go to MLflow.
-    table = load_table(Location.of(data.path) / SIGNATURES_FILE)
+    table = load_table(Location.of(data.path) / manifest.signatures.file)
     split = config_split(cfg.model, table, cfg.train.trainable)
     ensure_ray(verbose=options.verbose)
     import ray

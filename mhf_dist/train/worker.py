@@ -26,7 +26,7 @@ import torch
 from mhf_dist.config import Config, micro_batch_size
 from mhf_dist.console import WorkerLines
 from mhf_dist.data.reader import RowReader, step_batches, training_plan
-from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE, read_manifest
+from mhf_dist.data.shards import read_manifest
 from mhf_dist.eval.perplexity import nll_summary, nll_totals
 from mhf_dist.export import export_model, load_exported
 from mhf_dist.models.checkpointing import checkpoint_layers
@@ -190,11 +190,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     world_size, rank = context.get_world_size(), context.get_world_rank()
     torch.manual_seed(cfg.train.seed)
-    table = load_table(Location.of(cfg.data.path) / SIGNATURES_FILE)
+    data, manifest = Location.of(cfg.data.path), read_manifest(cfg.data.path)
+    table = load_table(data / manifest.signatures.file)
     stepper, lineage = _build_stepper(spec, table, world_size)
     start_step, history = _restore(stepper, spec, rank)
     last_step = min(cfg.train.steps, spec.stop_at_step or cfg.train.steps)
-    manifest = read_manifest(cfg.data.path)
     sources = [source.name for source in manifest.sources] if len(manifest.sources) > 1 else []
     counter = SourceCounter(len(sources)) if sources else None
     run_info = {
@@ -207,8 +207,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         "document_format": manifest.document_format,  # exports carry the shards'
     }
     saver = CheckpointSaver(
-        stepper, cfg, table, run_info, Location.of(spec.run_dir), rank, world_size, history
-    )
+        stepper, cfg, table, data / manifest.tokenizer.file, run_info, Location.of(spec.run_dir), rank,
+        world_size, history,
+    )  # fmt: skip
     callbacks = [
         *spec.callbacks,
         *_built_in_callbacks(spec, stepper, saver, start_step, last_step, rank, world_size, sources, counter),
@@ -380,6 +381,7 @@ class CheckpointSaver:
         stepper: DeepSpeedStepper,
         cfg: Config,
         table: SignatureTable,
+        tokenizer_file: Location,
         run_info: dict[str, Any],
         run_dir: Location,
         rank: int,
@@ -387,6 +389,7 @@ class CheckpointSaver:
         history: list[dict[str, float]],
     ) -> None:
         self.stepper, self.cfg, self.table, self.run_info = stepper, cfg, table, run_info
+        self.tokenizer_file = tokenizer_file  # the dataset's, read once: a re-prepare may replace it
         self.run_dir, self.rank, self.world_size, self.history = run_dir, rank, world_size, history
 
     def save(self, step: int, metrics: dict[str, float]) -> None:
@@ -407,7 +410,7 @@ class CheckpointSaver:
                         self.stepper.engine.module,
                         self.cfg.model,
                         self.table,
-                        local_copy(Location.of(self.cfg.data.path) / TOKENIZER_FILE),
+                        local_copy(self.tokenizer_file),
                         directory / MODEL_DIR,
                         self.run_info["lineage"],
                         document_format=self.run_info["document_format"],

@@ -1,17 +1,20 @@
 """Which output prepare may write, its work area, and publishing: the rules of ownership.
 
-The work area is `.NAME.partial/` beside a local output (renamed to NAME at the end), or the output
-prefix itself in a bucket (no rename there: readers trust only a manifest). At the end the progress
-folder is removed, the manifest written, and only then the key: an interrupted run never leaves a
-manifest, and a bucket prefix holding neither a manifest nor our key is not ours to replace. Nor is an
-output holding anything prepare does not write (`check_output`): `--overwrite` refuses it, in one line,
-and touches nothing.
+The work area is `.NAME.partial/` beside a local output, renamed to NAME at the end. In a bucket, which
+has no rename, it is a new version folder in the output prefix (`v-<12 hex>/`, or the unfinished one a
+run left there, to resume), and the manifest is the switch: one PUT of `manifest.json` naming the new
+version's files replaces the old version at once, and only then is the old one deleted. A reader always
+finds one complete version. At the end the progress folder is removed after the manifest is written: an
+interrupted run never leaves a manifest over incomplete shards. A prefix holding anything prepare does
+not write is not ours to replace (`check_output`): `--overwrite` refuses it, in one line, and touches
+nothing.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +25,9 @@ from mhf_dist.data.shards import (
     SHARD_FILE,
     SIGNATURES_FILE,
     TOKENIZER_FILE,
+    VERSION_FOLDER,
     Manifest,
+    read_manifest,
     write_manifest,
 )
 from mhf_dist.errors import DataError, MhfError
@@ -30,11 +35,14 @@ from mhf_dist.files import publish_directory, unwritable
 from mhf_dist.signatures import load_table
 from mhf_dist.storage import Location
 
-# Every file a prepare writes in its output (the progress folder only while a bucket run is unfinished).
+# Every file a prepare writes in its output: the manifest, and the files of a version (in a bucket in its
+# version folder, where the progress folder is kept while the run is unfinished).
 WRITTEN_HERE = re.compile(
-    "|".join(
+    re.escape(MANIFEST)
+    + rf"|({VERSION_FOLDER}/)?("
+    + "|".join(
         (
-            *(re.escape(name) for name in (MANIFEST, TOKENIZER_FILE, SIGNATURES_FILE)),
+            *(re.escape(name) for name in (TOKENIZER_FILE, SIGNATURES_FILE)),
             SHARD_FILE.pattern,
             rf"{PROGRESS}/{re.escape(KEY_FILE)}",
             rf"{PROGRESS}/{PARTS}/\d{{5,}}\.(arrow|json)",  # a part's tokens, and its record
@@ -42,7 +50,9 @@ WRITTEN_HERE = re.compile(
             rf"{PROGRESS}/{STAGED}/[A-Za-z0-9_-]+(\.json|/\d{{6,}}\.parquet)",  # a Dataset source, staged
         )
     )
+    + ")"
 )
+BUCKET_WORK = re.compile(rf"({VERSION_FOLDER}/|{PROGRESS}/)")  # only a bucket run of ours makes these
 
 
 def check_output(out: Location, overwrite: bool, flag: str = "--out") -> None:
@@ -80,8 +90,8 @@ def _foreign(out: Location, entries: list[Location]) -> str | None:
         stranger = next((entry.name for entry in entries if entry.name not in holding), None)
     if stranger is not None:
         return f"it holds {stranger!r}"
-    if out.remote and any(path.startswith(f"{PROGRESS}/") for path in files):
-        return None  # a bucket run of ours that did not finish (its key, or only a staged Dataset so far)
+    if out.remote and any(BUCKET_WORK.match(path) for path in files):
+        return None  # a bucket run of ours: its versions, or an unfinished run (of an older layout too)
     if MANIFEST not in files:
         return f"it has no {MANIFEST}"
     try:
@@ -111,9 +121,25 @@ def check_writable(directory: Path, flag: str = "--out") -> None:
 
 
 def work_directory(out: Location) -> Location:
-    """Where a prepare of `out` writes: `.NAME.partial` beside a local output, the prefix itself in a
-    bucket."""
-    return out if out.remote else Location.of(out.local.parent / f".{out.local.name}.partial")
+    """Where a prepare of `out` writes: `.NAME.partial` beside a local output; in a bucket the version
+    folder an unfinished run left (its progress kept), else a new one."""
+    if not out.remote:
+        return Location.of(out.local.parent / f".{out.local.name}.partial")
+    live = _published_folder(out)
+    unfinished = (
+        entry
+        for entry in out.children()
+        if re.fullmatch(VERSION_FOLDER, entry.name) and entry.name != live and (entry / PROGRESS).is_dir()
+    )
+    return next(unfinished, None) or out / f"v-{uuid.uuid4().hex[:12]}"
+
+
+def _published_folder(out: Location) -> str | None:
+    """The version folder the manifest at `out` names, if it is readable."""
+    try:
+        return read_manifest(out).folder
+    except DataError:
+        return None
 
 
 def open_work(work: Location, key: InputsKey, log: Callable[[str], None]) -> None:
@@ -125,7 +151,6 @@ def open_work(work: Location, key: InputsKey, log: Callable[[str], None]) -> Non
             log(f"resuming the partial prepare in {work} (same inputs and settings)")
             return
         log(f"the partial prepare in {work} had other inputs or settings; starting over")
-    retract_manifest(work)
     for entry in work.children():
         if entry.name != PROGRESS:
             entry.remove()
@@ -137,27 +162,29 @@ def open_work(work: Location, key: InputsKey, log: Callable[[str], None]) -> Non
     key_file.write_text(key.model_dump_json(indent=1) + "\n")
 
 
-def retract_manifest(work: Location) -> None:
-    """A work area that holds a manifest (a bucket prefix being replaced) is no longer complete before
-    any of it changes."""
-    if (work / MANIFEST).is_file():
-        (work / MANIFEST).remove()
-
-
-def publish(work: Location, out: Location, manifest: Manifest) -> None:
+def publish(work: Location, out: Location, manifest: Manifest) -> Manifest:
     """The progress folder and anything else the manifest does not name (a write an interrupted run
-    left half done) removed, the manifest written, then the key; a local output is renamed into place
-    (what it replaces: check_output allowed)."""
+    left half done) removed, the manifest written, then the key. A local output is then renamed into
+    place; in a bucket the manifest, naming the files in the version folder, is the switch, after which
+    the version it replaced is deleted (what it replaces: check_output allowed). Returns the manifest as
+    published."""
     for folder in (PARTS, SHARDS, STAGED):
         (work / PROGRESS / folder).remove()
-    named = {shard.file for info in manifest.splits.values() for shard in info.shards}
+    named = {*manifest.file_names(), PROGRESS}
     for entry in work.children():
-        if entry.name not in named | {TOKENIZER_FILE, SIGNATURES_FILE, PROGRESS}:
+        if entry.name not in named:
             entry.remove()
-    write_manifest(work, manifest)
+    if out.remote:
+        manifest = manifest.moved_to(work.name)
+    write_manifest(out if out.remote else work, manifest)
     (work / PROGRESS).remove()
-    if not out.remote:
+    if out.remote:
+        for entry in out.children():
+            if entry.name not in (MANIFEST, work.name):
+                entry.remove()
+    else:
         publish_directory(work.local, out.local, replace=True)
+    return manifest
 
 
 def discard(work: Location, error: DataError) -> DataError:

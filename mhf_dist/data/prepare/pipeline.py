@@ -26,7 +26,6 @@ from mhf_dist.data.prepare.output import (
     discard,
     open_work,
     publish,
-    retract_manifest,
     work_directory,
 )
 from mhf_dist.data.prepare.plan import PartCounts, Selection
@@ -52,7 +51,6 @@ from mhf_dist.data.shards import (
 )
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError, MhfError
-from mhf_dist.files import staged_file
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.signatures import SignatureTable, save_table
 from mhf_dist.storage import Location, redact
@@ -105,8 +103,7 @@ def prepare(
         snapshots, files = _staged(sources, files, work, log, num_cpus, verbose)
     open_work(work, _inputs_key(cfg, files, snapshots, tokenizer), log)
     tokenizer = tokenizer or learned_tokenizer(cfg, work, sources, files)
-    with staged_file((work / TOKENIZER_FILE).uri) as staging:  # first: a rerun reuses a learned BPE
-        save_tokenizer(tokenizer, staging)
+    save_tokenizer(tokenizer, work / TOKENIZER_FILE)  # first: a rerun reuses a learned BPE
     document_format, table = checked or _vocabulary(cfg, tokenizer)
     log_tables(log, tokenizer, table, document_format)
 
@@ -114,10 +111,8 @@ def prepare(
     splits, records = _write_shards(
         cfg, sources, files, snapshots, tokenizer, table, work, document_format, num_cpus, log, verbose
     )
-    with staged_file((work / SIGNATURES_FILE).uri) as staging:
-        save_table(table, staging)
-    manifest = build_manifest(cfg, tokenizer, table, splits, document_format, records)
-    publish(work, out, manifest)
+    save_table(table, (work / SIGNATURES_FILE).uri)
+    manifest = publish(work, out, build_manifest(cfg, tokenizer, table, splits, document_format, records))
     log_splits(log, cfg, splits)
     log(f"wrote {out} (content sha256 {manifest.content_sha256[:12]})")
     return manifest
@@ -145,7 +140,6 @@ def _staged(
 
     check_functions(sources)
     ensure_ray(num_cpus, verbose)
-    retract_manifest(work)  # a bucket's output prefix is the work area: no longer complete from here
     try:
         snapshots = stage_sources(sources, work, log, verbose)
     except MhfError:

@@ -1,18 +1,17 @@
-"""`data.corpus: recall`: generated associative-recall rows, written in one staged step (no corpus to
-read, no Ray)."""
+"""`data.corpus: recall`: generated associative-recall rows, written in the work area and published as
+every prepare is (`output.publish`; no corpus to read, no Ray)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from mhf_dist.config import Config
 from mhf_dist.data import recall
 from mhf_dist.data.prepare.manifest import build_manifest, log_splits, log_tables
+from mhf_dist.data.prepare.output import publish, work_directory
 from mhf_dist.data.prepare.plan import shard_bounds
 from mhf_dist.data.prepare.vocabulary import check_model_documents, signature_table
 from mhf_dist.data.shards import (
-    MANIFEST,
     SIGNATURES_FILE,
     SPLITS,
     TOKENIZER_FILE,
@@ -20,12 +19,10 @@ from mhf_dist.data.shards import (
     SplitInfo,
     save_tokenizer,
     shard_name,
-    write_manifest,
     write_shard,
 )
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
-from mhf_dist.files import staged_directory
 from mhf_dist.signatures import SignatureTable, save_table
 from mhf_dist.storage import Location
 
@@ -40,18 +37,22 @@ def prepare_recall(cfg: Config, out: Location, log: Callable[[str], None]) -> Ma
     table = signature_table(cfg, tokenizer)
     check_model_documents(cfg, "eos")
     log_tables(log, tokenizer, table, "eos")
-    with staged_directory(out.uri, replace=True, marker=MANIFEST) as staging:  # replaceable: check_output
-        splits = _write_recall_shards(cfg, table, staging)
-        save_tokenizer(tokenizer, staging / TOKENIZER_FILE)
-        save_table(table, staging / SIGNATURES_FILE)
-        manifest = build_manifest(cfg, tokenizer, table, splits, "eos", [])
-        write_manifest(staging, manifest)
+    work = work_directory(out)
+    work.remove()  # generated rows: nothing of an earlier run is reused
+    try:
+        splits = _write_recall_shards(cfg, table, work)
+        save_tokenizer(tokenizer, work / TOKENIZER_FILE)
+        save_table(table, (work / SIGNATURES_FILE).uri)
+    except BaseException:
+        work.remove()  # no manifest names it yet
+        raise
+    manifest = publish(work, out, build_manifest(cfg, tokenizer, table, splits, "eos", []))
     log_splits(log, cfg, splits)
     log(f"wrote {out} (content sha256 {manifest.content_sha256[:12]})")
     return manifest
 
 
-def _write_recall_shards(cfg: Config, table: SignatureTable, staging: Path) -> dict[str, SplitInfo]:
+def _write_recall_shards(cfg: Config, table: SignatureTable, work: Location) -> dict[str, SplitInfo]:
     """Generated associative-recall rows, one example per row, from a different seed for each split."""
     settings = cfg.data.recall
     examples = {
@@ -70,7 +71,7 @@ def _write_recall_shards(cfg: Config, table: SignatureTable, staging: Path) -> d
             seeds[split],
         ).rows
         shards = [
-            write_shard(rows[first:end], table, staging, shard_name(split, index))
+            write_shard(rows[first:end], table, work, shard_name(split, index))
             for index, (first, end) in enumerate(shard_bounds(len(rows), cfg.data.rows_per_shard))
         ]
         splits[split] = SplitInfo(
