@@ -48,6 +48,9 @@ def shards(ray_session, tmp_path_factory):
     return path
 
 
+RUN = {"model": {}, "fingerprint": "f" * 64}  # what every run.json holds; a test adds the rest
+
+
 def run_cfg(shards, *extra):
     return load_config("tiny", [*TINY_BYTES, f"data.path={shards}", *extra])
 
@@ -200,6 +203,23 @@ def test_a_partitioned_checkpoint_resumes_only_on_its_own_worker_count_and_stage
     check_resumable(tmp_path, load_config("tiny", ["topology.workers=4"]), "f" * 64)
 
 
+def test_a_hand_edited_run_json_is_one_line_naming_the_file_and_an_old_one_still_resumes(tmp_path):
+    cfg = load_config("tiny", ["topology.workers=2", "topology.zero_stage=2"])
+    run = {"fingerprint": "f" * 64, "model": cfg.model.model_dump(mode="json"), "workers": 2, "zero_stage": 2}
+    (tmp_path / "run.json").write_text(json.dumps(run | {"fingerprint": 7}))
+    with pytest.raises(TrainingError) as raised:
+        check_resumable(tmp_path, cfg, "f" * 64)
+    message = str(raised.value)
+    assert message.startswith(f"{tmp_path / 'run.json'} is damaged or was edited (fingerprint: ")
+    assert message.endswith("; resume from another checkpoint (mhf train --resume)") and "\n" not in message
+    (tmp_path / "run.json").write_text(json.dumps(run | {"workers": "2"}))
+    with pytest.raises(TrainingError, match=r"run\.json is damaged or was edited \(workers: "):
+        check_resumable(tmp_path, cfg, "f" * 64)
+    # A checkpoint from before the topology, trainable split and document format were recorded.
+    (tmp_path / "run.json").write_text(json.dumps({key: run[key] for key in ("model", "fingerprint")}))
+    check_resumable(tmp_path, cfg, "f" * 64)
+
+
 @pytest.fixture
 def mlflow_server(tmp_path):
     """A real MLflow tracking server on 127.0.0.1 with a SQLite backend, stopped after the test."""
@@ -348,7 +368,7 @@ def test_a_checkpoint_is_complete_only_with_every_ranks_files_at_their_sizes(tmp
         part = tmp_path / f"rank{rank}"
         for name in files:
             (part / name).parent.mkdir(parents=True, exist_ok=True)
-            (part / name).write_text(json.dumps({"workers": 2}) if name == "run.json" else "x" * 100)
+            (part / name).write_text(json.dumps(RUN | {"workers": 2}) if name == "run.json" else "x" * 100)
         write_rank_files(part, rank)
         shutil.copytree(part, tmp_path / "checkpoint-0000002", dirs_exist_ok=True)  # as Ray Train merges
     checkpoint = tmp_path / "checkpoint-0000002"
@@ -380,7 +400,7 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_removes_incomplete_on
     def checkpoint(step, complete=True):
         path = tmp_path / f"checkpoint-{step:07d}"
         (path / "state").mkdir(parents=True)
-        (path / "run.json").write_text(json.dumps({"workers": 1}))
+        (path / "run.json").write_text(json.dumps(RUN | {"workers": 1}))
         (path / "state" / "mp_rank_00.pt").write_text("x" * 10)
         if complete:
             write_rank_files(path, 0)

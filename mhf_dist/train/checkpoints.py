@@ -2,7 +2,7 @@
 
 `checkpoint-0000100/` holds `state/` (DeepSpeed: every rank's model and optimizer shards, the LR
 schedule, and a client state with the step and every rank's RNG states), `history.jsonl` (the metrics
-of every step so far), `run.json` (the model config and signature fingerprint it belongs to) and
+of every step so far), `run.json` (a `RunRecord`: the model, signatures and topology it belongs to) and
 `model/`, the exported model (see `mhf_dist.export`), and `rank-N.json` per rank: the files that rank
 wrote, with their sizes. A checkpoint is complete when every rank's files are there as listed (Ray Train
 copies the ranks' folders in one by one, and a node can die in between). The step is the data position:
@@ -20,10 +20,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mhf_dist.config import Config
-from mhf_dist.errors import TrainingError
+from mhf_dist.data.tokenizer import LEGACY_FORMAT
+from mhf_dist.errors import TrainingError, problem_line
 from mhf_dist.readers import read_json
 from mhf_dist.storage import Location, redact
 
@@ -33,6 +36,39 @@ STATE_TAG = "state"  # DeepSpeed's checkpoint tag
 MODEL_DIR = "model"  # the exported model inside each checkpoint
 RANK_FILES = "rank-{rank}.json"
 _RANK_SHARD = re.compile(r"zero_pp_rank_(\d+)_")  # DeepSpeed's per-rank ZeRO partitions (bf16_ too)
+
+
+class RunRecord(BaseModel):
+    """A checkpoint's `run.json`: what run it belongs to, checked before a resume (`check_resumable`).
+
+    Fields after `fingerprint` came later: a checkpoint written before one of them was recorded reads
+    with its default."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    model: dict[str, Any]  # the ModelConfig, as JSON
+    fingerprint: str  # the signature table's
+    workers: int | None = None  # None: not recorded (such a checkpoint never counts as complete)
+    zero_stage: int | None = None  # None: not recorded (a resume takes the run's own)
+    lineage: list[dict[str, Any]] = Field(default_factory=list)  # vocabularies it grew from (`mhf cpt`)
+    # A resume must freeze the same parameters (no optimizer state); not recorded: not checked.
+    trainable: list[str] | None = None
+    document_format: Literal["bos", "eos"] = LEGACY_FORMAT  # the shards'; exports carry it
+
+
+def write_run_record(directory: Path, record: RunRecord) -> None:
+    (directory / RUN_FILE).write_text(json.dumps(record.model_dump(mode="json"), indent=2))
+
+
+def read_run_record(checkpoint: Path | Location) -> RunRecord:
+    """The checkpoint's `run.json`; a missing, damaged or hand-edited one is a one-line error."""
+    path = Location.of(checkpoint) / RUN_FILE
+    fix = "resume from another checkpoint (mhf train --resume)"
+    raw = read_json(path, TrainingError, fix)
+    try:
+        return RunRecord.model_validate(raw)
+    except ValidationError as err:
+        raise TrainingError(f"{path} is damaged or was edited ({problem_line(err)}); {fix}") from None
 
 
 def checkpoint_name(step: int) -> str:
@@ -82,12 +118,14 @@ def is_complete(path: Path | Location) -> bool:
     path = Location.of(path)
     try:
         present = dict(path.files())
-        workers = json.loads((path / RUN_FILE).read_text())["workers"]
+        workers = read_run_record(path).workers
+        if workers is None:  # from an older layout
+            return False
         for rank in range(workers):
             listed = json.loads((path / RANK_FILES.format(rank=rank)).read_text())
             if any(present.get(name) != size for name, size in listed.items()):
                 return False
-    except (OSError, ValueError, KeyError):  # a file missing, half written or from an older layout
+    except (OSError, ValueError, TrainingError):  # a file missing, half written or edited
         return False
     return True
 
@@ -109,10 +147,9 @@ def read_history(checkpoint: str | Path | Location) -> list[dict[str, float]]:
     return [json.loads(line) for line in lines]
 
 
-def write_history(directory: Path, history: list[dict[str, float]], run_info: dict[str, Any]) -> None:
+def write_history(directory: Path, history: list[dict[str, float]]) -> None:
     with open(directory / HISTORY_FILE, "w") as handle:
         handle.writelines(json.dumps(entry) + "\n" for entry in history)
-    (directory / RUN_FILE).write_text(json.dumps(run_info, indent=2))
 
 
 def resolve_resume(target: str, storage: Path | Location) -> Location:
@@ -144,8 +181,9 @@ def check_resumable(path: Path | Location, cfg: Config, fingerprint: str) -> Non
     ZeRO-0 checkpoint resumes on another worker count (the batches do not depend on it)."""
     workers, zero_stage = cfg.topology.workers, cfg.topology.zero_stage
     path = Location.of(path)
-    run = read_json(path / RUN_FILE, TrainingError, "resume from another checkpoint (mhf train --resume)")
-    saved_stage, saved_workers = run.get("zero_stage", zero_stage), run.get("workers", workers)
+    run = read_run_record(path)
+    saved_stage = zero_stage if run.zero_stage is None else run.zero_stage
+    saved_workers = workers if run.workers is None else run.workers
     if saved_stage != zero_stage:
         raise TrainingError(
             f"checkpoint {str(path)!r} was saved under ZeRO-{saved_stage}; resume it with --zero-stage "
@@ -156,20 +194,21 @@ def check_resumable(path: Path | Location, cfg: Config, fingerprint: str) -> Non
             f"checkpoint {str(path)!r} holds ZeRO-{zero_stage} optimizer shards of {saved_workers} workers; "
             f"resume it with --workers {saved_workers} (only ZeRO-0 checkpoints resume on another count)"
         )
-    if run["fingerprint"] != fingerprint:
+    if run.fingerprint != fingerprint:
         raise TrainingError(
-            f"checkpoint {str(path)!r} has signature fingerprint {run['fingerprint'][:12]} but the data has "
+            f"checkpoint {str(path)!r} has signature fingerprint {run.fingerprint[:12]} but the data has "
             f"{fingerprint[:12]}; resume with the shards the run was trained on"
         )
-    if (run.get("trainable", cfg.train.trainable) or None) != (cfg.train.trainable or None):
-        saved = json.dumps(run["trainable"])
+    saved_trainable = run.trainable if "trainable" in run.model_fields_set else cfg.train.trainable
+    if (saved_trainable or None) != (cfg.train.trainable or None):
+        saved = json.dumps(run.trainable)
         raise TrainingError(
             f"checkpoint {str(path)!r} was trained with train.trainable={saved} (frozen parameters have "
             f"no optimizer state); resume with --set 'train.trainable={saved}'"
         )
     model = cfg.model.model_dump(mode="json")
-    if run["model"] != model:
-        changed = sorted(key for key, value in model.items() if run["model"].get(key) != value)
+    if run.model != model:
+        changed = sorted(key for key, value in model.items() if run.model.get(key) != value)
         raise TrainingError(
             f"checkpoint {str(path)!r} was trained with a different model config ({', '.join(changed)}); "
             "resume with the same model settings"

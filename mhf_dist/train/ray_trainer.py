@@ -1,8 +1,10 @@
 """`mhf train` on the driver: a Ray Train V2 TorchTrainer whose workers each drive a DeepSpeed engine.
 
-The driver checks the data and any checkpoint to resume, opens the MLflow run (so an unreachable
-server fails before any worker starts), runs the trainer (`worker.train_loop_per_worker` on each
-worker), and turns a worker's one-line error back into a one-line error here.
+`train` runs in stages. The driver checks the config, the data and any model or checkpoint to start
+from before Ray starts (`_checked_inputs`), opens the MLflow run (so an unreachable server fails before
+any worker starts), builds the trainer (`_trainer`: `worker.train_loop_per_worker` on each worker), runs
+it (`_fit`: a worker's one-line error becomes a one-line error here, an interrupt a resumable stop), and
+prunes the checkpoints and logs the last one (`_finish`).
 
 `topology.storage` and `data.path` may be local paths or bucket URIs (`storage.Location`): Ray Train
 stores the checkpoints through the same pyarrow filesystem (`storage_filesystem`), so a cluster needs
@@ -19,7 +21,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mhf_dist.config import Config, ModelConfig, TopologyConfig, check_topology
 from mhf_dist.console import ConsoleRelay, WorkerLines
@@ -46,8 +48,12 @@ from mhf_dist.train.checkpoints import (
     resolve_resume,
 )
 from mhf_dist.train.engine import check_precision_supported
-from mhf_dist.train.trainable import config_split
+from mhf_dist.train.trainable import TrainableSplit, config_split
 from mhf_dist.train.worker import STAGING_PREFIX, WorkerSpec, train_loop_per_worker
+
+if TYPE_CHECKING:
+    from ray.train import Result
+    from ray.train.torch import TorchTrainer
 
 TRACKING_FILE = "mlflow-run.json"  # in the run directory: the MLflow run a continued run logs to
 
@@ -136,20 +142,45 @@ def train(
     Train callbacks (a sweep passes Tune's report callback); `worker_callbacks` step callbacks every
     worker runs before its own (tests inject faults with them).
     """
-    topology = cfg.topology
+    inputs = _checked_inputs(cfg, options)
+    ensure_ray(verbose=options.verbose)
+    import ray
+
+    check_resources(cfg.topology, ray.cluster_resources, options.console or print)
+    uri = tracking_uri(inputs.storage.uri)
+    check_tracking_reaches_workers(uri, ray.nodes())
+    run_tags = {**_tags(cfg, inputs.manifest), **inputs.split.tags(), **(tags or {})}
+    run_id = _tracking_run(uri, inputs.run_dir, cfg, options, run_tags, inputs.manifest)
+    relay = None if options.console or workers_print_to_console() else ConsoleRelay()
+    spec = _worker_spec(inputs, options, uri, run_id, relay, worker_callbacks)
+    trainer = _trainer(spec, cfg, options, inputs.storage, callbacks)
+    result = _fit(trainer, relay, uri, run_id, inputs, options, cfg.train.keep_checkpoints)
+    return _finish(result, uri, run_id, inputs.run_dir, options.name, cfg.train.keep_checkpoints)
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What `_checked_inputs` found, for the stages of `train` after it."""
+
+    manifest: Manifest
+    storage: Location
+    run_dir: Location  # storage / the run's name
+    worker_cfg: Config  # the config with absolute locations (workers run in their own directories)
+    init_from: str | None  # the --init-from model's URI
+    resume: Location | None  # the checkpoint --resume names
+    split: TrainableSplit  # train.trainable's, for MLflow
+
+
+def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
+    """Everything that can be checked without Ray is, before its seconds of start-up: the config, the
+    locations, the shards, the run directory, and the model or checkpoint the run starts from."""
     check_topology(cfg)
     check_precision_supported(cfg)
-    for given in (topology.storage, cfg.data.path, options.init_from, options.resume):
-        if given is not None and redact(given) != given:  # workers receive the locations as written
-            raise TrainingError(
-                f"{redact(given)!r} carries user info or query options; give credentials and the "
-                "endpoint through the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) instead"
-            )
+    _check_no_credentials(cfg.topology.storage, cfg.data.path, options.init_from, options.resume)
     manifest = read_manifest(cfg.data.path)
     check_tokenizer(cfg.data.path, manifest)  # the exported model carries it
-    storage = Location.of(topology.storage)
+    storage = Location.of(cfg.topology.storage)
     storage.make_dirs()  # a missing bucket or an unreachable endpoint fails here, in one line
-    # Everything that can be checked without Ray is, before its seconds of start-up.
     fingerprint = manifest.signatures.fingerprint
     check_compatible(manifest, cfg, fingerprint)
     run_dir = storage / options.name
@@ -169,44 +200,69 @@ def train(
         check_model_documents((resume / MODEL_DIR).uri, manifest, cfg.data.path)
     # Workers run in their own working directories: hand them absolute paths (or URIs).
     data = cfg.data.model_copy(update={"path": Location.of(cfg.data.path).uri})
-    worker_cfg = cfg.model_copy(
-        update={"data": data, "topology": topology.model_copy(update={"storage": storage.uri})}
-    )
-    reader = RowReader(data.path, "train")
+    topology = cfg.topology.model_copy(update={"storage": storage.uri})
+    worker_cfg = cfg.model_copy(update={"data": data, "topology": topology})
+    split = _checked_rows_and_split(cfg, data.path, manifest)
+    return _Inputs(manifest, storage, run_dir, worker_cfg, init_from, resume, split)
+
+
+def _check_no_credentials(*locations: str | None) -> None:
+    for given in locations:
+        if given is not None and redact(given) != given:  # workers receive the locations as written
+            raise TrainingError(
+                f"{redact(given)!r} carries user info or query options; give credentials and the "
+                "endpoint through the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) instead"
+            )
+
+
+def _checked_rows_and_split(cfg: Config, data_path: str, manifest: Manifest) -> TrainableSplit:
+    """The training shards checked (`data_path`: their absolute location), and the parameters
+    train.trainable selects."""
+    reader = RowReader(data_path, "train")
     reader.check_all()  # every shard's footer, once, here rather than in every worker
     training_plan(reader, cfg)  # enough rows for one batch
     # train.trainable: a bad pattern fails here, before any worker starts; the counts go to MLflow.
-    table = load_table(Location.of(data.path) / manifest.signatures.file)
-    split = config_split(cfg.model, table, cfg.train.trainable)
-    ensure_ray(verbose=options.verbose)
-    import ray
+    table = load_table(Location.of(data_path) / manifest.signatures.file)
+    return config_split(cfg.model, table, cfg.train.trainable)
+
+
+def _worker_spec(
+    inputs: _Inputs,
+    options: TrainOptions,
+    uri: str,
+    run_id: str,
+    relay: ConsoleRelay | None,
+    worker_callbacks: Sequence[StepCallback],
+) -> WorkerSpec:
+    """What every worker is handed: the run, where it logs, and what it starts from."""
+    return WorkerSpec(
+        config=inputs.worker_cfg,
+        run_dir=inputs.run_dir.uri,
+        tracking_uri=uri,
+        run_id=run_id,
+        init_from=inputs.init_from,
+        resume_from=inputs.resume.uri if inputs.resume else None,
+        stop_at_step=options.stop_at_step,
+        peak_tflops=options.peak_tflops,
+        verbose=options.verbose,
+        console=options.console or (relay.lines if relay else None),
+        callbacks=tuple(worker_callbacks),
+        registrations=outside_registrations(),
+    )
+
+
+def _trainer(
+    spec: WorkerSpec, cfg: Config, options: TrainOptions, storage: Location, callbacks: list[Any] | None
+) -> TorchTrainer:
+    """Ray Train's trainer: `cfg.topology.workers` workers running `train_loop_per_worker` on `spec`,
+    checkpoints under `storage`."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    check_resources(topology, ray.cluster_resources, options.console or print)
-    uri = tracking_uri(storage.uri)
-    check_tracking_reaches_workers(uri, ray.nodes())
-    run_tags = {**_tags(cfg, manifest), **split.tags(), **(tags or {})}
-    run_id = _tracking_run(uri, run_dir, cfg, options, run_tags, manifest)
-    relay = None if options.console or workers_print_to_console() else ConsoleRelay()
-    trainer = TorchTrainer(
+    topology = cfg.topology
+    return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "spec": WorkerSpec(
-                config=worker_cfg,
-                run_dir=run_dir.uri,
-                tracking_uri=uri,
-                run_id=run_id,
-                init_from=init_from,
-                resume_from=resume.uri if resume else None,
-                stop_at_step=options.stop_at_step,
-                peak_tflops=options.peak_tflops,
-                verbose=options.verbose,
-                console=options.console or (relay.lines if relay else None),
-                callbacks=tuple(worker_callbacks),
-                registrations=outside_registrations(),
-            )
-        },
+        train_loop_config={"spec": spec},
         scaling_config=ScalingConfig(
             num_workers=topology.workers,
             use_gpu=topology.gpus_per_worker > 0,
@@ -226,22 +282,35 @@ def train(
             logging_config=LoggingConfig(log_level="INFO" if options.verbose else "WARNING"),
         ),
     )
+
+
+def _fit(
+    trainer: TorchTrainer,
+    relay: ConsoleRelay | None,
+    uri: str,
+    run_id: str,
+    inputs: _Inputs,
+    options: TrainOptions,
+    keep: int,
+) -> Result:
+    """The trainer's fit; a stopped run is `Interrupted` and a failed one a one-line error where it can
+    be (the MLflow run is ended KILLED or FAILED)."""
     # Ray Train routes the workers' print() through logging and, with stdout redirected as Ray's workers
     # have it, also prints it: every progress line twice. Off, each line reaches the console once.
     os.environ[PRINT_PATCH_VARIABLE] = "1" if options.verbose else "0"
     with sigterm_as_sigint() as stop:  # SIGTERM takes Ray Train's graceful SIGINT path
         try:
             with relay or nullcontext():
-                result = trainer.fit()
+                return trainer.fit()
         except (KeyboardInterrupt, SystemExit):
             # Ray Train's own SIGINT handler aborts the run and exits (before it is installed, Ctrl-C is a
             # KeyboardInterrupt): the run is stopped on purpose, not failed.
             end_run(uri, run_id, "KILLED")
             sig = stop.signal or signal.SIGINT
-            raise _interrupted(sig, run_dir, options.name, cfg.train.keep_checkpoints) from None
+            raise _interrupted(sig, inputs.run_dir, options.name, keep) from None
         except BaseException as err:
             end_run(uri, run_id, "FAILED")
-            unreachable = _storage_failure(err, storage)
+            unreachable = _storage_failure(err, inputs.storage)
             if unreachable is not None:  # the store may not answer a listing now either: name none
                 raise TrainingError(
                     f"{unreachable}; the run stopped: once the store answers, rerun with --continue to go on "
@@ -250,17 +319,22 @@ def train(
             user_error = _worker_user_error(err)
             if user_error is None:
                 raise
-            last_good = newest_checkpoint(run_dir)
+            last_good = newest_checkpoint(inputs.run_dir)
             kept = f"; last good checkpoint: {last_good}" if last_good else "; no checkpoint was written"
             raise TrainingError(f"{user_error}{kept}") from None
+
+
+def _finish(result: Result, uri: str, run_id: str, run_dir: Location, name: str, keep: int) -> TrainResult:
+    """The finished run's checkpoints pruned, its last one's run.json and model logged to MLflow, and the
+    MLflow run ended."""
     if result.checkpoint is None:
         end_run(uri, run_id, "FAILED")
         raise TrainingError(
-            f"run {options.name!r} ended without a checkpoint; the workers' errors are in Ray's logs "
+            f"run {name!r} ended without a checkpoint; the workers' errors are in Ray's logs "
             "(the last line says where)"
         )
     # A checkpoint a restart resumed from before Ray Train registered it is not Ray's to delete.
-    prune_checkpoints(run_dir, cfg.train.keep_checkpoints)
+    prune_checkpoints(run_dir, keep)
     checkpoint = run_dir / PurePosixPath(result.checkpoint.path).name
     log_artifact(uri, run_id, local_copy(checkpoint / RUN_FILE))
     log_artifact(uri, run_id, local_copy(checkpoint / MODEL_DIR))

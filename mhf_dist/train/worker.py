@@ -46,6 +46,7 @@ from mhf_dist.train.callbacks import (
 from mhf_dist.train.checkpoints import (
     MODEL_DIR,
     STATE_TAG,
+    RunRecord,
     checkpoint_name,
     checkpoint_step,
     download_for_rank,
@@ -53,6 +54,7 @@ from mhf_dist.train.checkpoints import (
     read_history,
     write_history,
     write_rank_files,
+    write_run_record,
 )
 from mhf_dist.train.engine import DeepSpeedStepper, uses_bf16
 from mhf_dist.train.hardware import default_peak_flops, live_tensor_bytes, peak_memory_bytes
@@ -197,17 +199,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     last_step = min(cfg.train.steps, spec.stop_at_step or cfg.train.steps)
     sources = [source.name for source in manifest.sources] if len(manifest.sources) > 1 else []
     counter = SourceCounter(len(sources)) if sources else None
-    run_info = {
-        "model": cfg.model.model_dump(mode="json"),
-        "workers": world_size,
-        "zero_stage": cfg.topology.zero_stage,
-        "fingerprint": table.fingerprint,
-        "lineage": lineage,
-        "trainable": cfg.train.trainable,  # a resume must freeze the same parameters (no optimizer state)
-        "document_format": manifest.document_format,  # exports carry the shards'
-    }
+    run_record = RunRecord(
+        model=cfg.model.model_dump(mode="json"),
+        fingerprint=table.fingerprint,
+        workers=world_size,
+        zero_stage=cfg.topology.zero_stage,
+        lineage=lineage,
+        trainable=cfg.train.trainable,  # a resume must freeze the same parameters (no optimizer state)
+        document_format=manifest.document_format,  # exports carry the shards'
+    )
     saver = CheckpointSaver(
-        stepper, cfg, table, data / manifest.tokenizer.file, run_info, Location.of(spec.run_dir), rank,
+        stepper, cfg, table, data / manifest.tokenizer.file, run_record, Location.of(spec.run_dir), rank,
         world_size, history,
     )  # fmt: skip
     callbacks = [
@@ -382,13 +384,13 @@ class CheckpointSaver:
         cfg: Config,
         table: SignatureTable,
         tokenizer_file: Location,
-        run_info: dict[str, Any],
+        run_record: RunRecord,
         run_dir: Location,
         rank: int,
         world_size: int,
         history: list[dict[str, float]],
     ) -> None:
-        self.stepper, self.cfg, self.table, self.run_info = stepper, cfg, table, run_info
+        self.stepper, self.cfg, self.table, self.run_record = stepper, cfg, table, run_record
         self.tokenizer_file = tokenizer_file  # the dataset's, read once: a re-prepare may replace it
         self.run_dir, self.rank, self.world_size, self.history = run_dir, rank, world_size, history
 
@@ -412,11 +414,12 @@ class CheckpointSaver:
                         self.table,
                         local_copy(self.tokenizer_file),
                         directory / MODEL_DIR,
-                        self.run_info["lineage"],
-                        document_format=self.run_info["document_format"],
+                        self.run_record.lineage,
+                        document_format=self.run_record.document_format,
                     )
             if self.rank == 0:
-                write_history(directory, self.history, self.run_info)
+                write_history(directory, self.history)
+                write_run_record(directory, self.run_record)
             write_rank_files(directory, self.rank)  # last: what makes this rank's part count as complete
             ray.train.report(
                 metrics,
