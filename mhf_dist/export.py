@@ -12,19 +12,19 @@ trained on (`document_format`: bos or eos); a model written before it was record
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mhf_dist.config import ModelConfig
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
 from mhf_dist.data.tokenizer import DOCUMENT_FORMATS, LEGACY_FORMAT, TextTokenizer, check_document_format
-from mhf_dist.errors import DataError, MhfError, SignatureError, first_problem
+from mhf_dist.errors import DataError, MhfError, SignatureError, first_problem, problem_line
 from mhf_dist.files import staged_directory
 from mhf_dist.models.base import CausalLM
 from mhf_dist.readers import read_json
@@ -38,6 +38,20 @@ FORMAT = "mhf-model"
 
 class ExportError(MhfError):
     """An exported model directory is missing, incomplete or inconsistent."""
+
+
+class ExportRecord(BaseModel):
+    """An exported model's config.json. Fields after `signature_fingerprint` came later: an export written
+    before one was recorded reads with its default."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    format: Literal["mhf-model"]
+    model: dict[str, Any]  # the ModelConfig, as JSON (validated when the model is built)
+    signature_fingerprint: str
+    tokenizer_sha256: str | None = None  # its rules too: merges, normalizer, pre-tokenizer
+    lineage: list[dict[str, Any]] = Field(default_factory=list)  # vocabularies it grew from (`mhf cpt`)
+    document_format: Literal["bos", "eos"] = LEGACY_FORMAT
 
 
 @dataclass
@@ -73,21 +87,21 @@ def export_model(
     where = Location.of(directory)
     check_new_output(where, ExportError, "another directory")
     tokenizer = TextTokenizer.load(tokenizer_file)
-    difference = _vocabulary_difference(tokenizer, table)
+    difference = table.vocabulary_difference(tokenizer.vocabulary())
     if difference is not None:
         raise ExportError(
             f"tokenizer {str(tokenizer_file)!r} is not the signature table's vocabulary ({difference})"
         )
-    description = {
-        "format": FORMAT,
-        "model": config.model_dump(mode="json"),
-        "signature_fingerprint": table.fingerprint,
-        "tokenizer_sha256": tokenizer.sha256,  # its rules too: merges, normalizer, pre-tokenizer
-        "lineage": lineage or [],
-        "document_format": document_format,
-    }
+    record = ExportRecord(
+        format=FORMAT,
+        model=config.model_dump(mode="json"),
+        signature_fingerprint=table.fingerprint,
+        tokenizer_sha256=tokenizer.sha256,
+        lineage=lineage or [],
+        document_format=document_format,
+    )
     with staged_directory(where.uri, marker=CONFIG_FILE) as staging:
-        (staging / CONFIG_FILE).write_text(json.dumps(description, indent=2))
+        (staging / CONFIG_FILE).write_text(record.model_dump_json(indent=2))
         save_file(_weights(model), str(staging / WEIGHTS_FILE))
         save_table(table, staging / SIGNATURES_FILE)
         shutil.copyfile(tokenizer_file, staging / TOKENIZER_FILE)
@@ -138,8 +152,9 @@ def _weights(model: CausalLM) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in unique_tensors(model).items()}
 
 
-def read_export_config(directory: str | Path | Location) -> dict:
-    """The exported model's config.json (local or in a bucket), checked to be one."""
+def read_export_config(directory: str | Path | Location) -> ExportRecord:
+    """The exported model's config.json (local or in a bucket); a missing, foreign, damaged or
+    hand-edited one is a one-line error."""
     where = Location.of(directory)
     path = where / CONFIG_FILE
     if not path.is_file():
@@ -152,22 +167,12 @@ def read_export_config(directory: str | Path | Location) -> dict:
     description = read_json(path, ExportError, "re-export the model")
     if not isinstance(description, dict) or description.get("format") != FORMAT:
         raise ExportError(f"{str(path)!r} is not an mhf-dist model config; pass an exported model directory")
-    if not isinstance(description.get("model"), dict):
-        raise ExportError(f"{str(where)!r}: config.json has no `model` section; re-export the model")
-    if not isinstance(description.get("signature_fingerprint"), str):
-        raise ExportError(f"{str(where)!r}: config.json has no `signature_fingerprint`; re-export the model")
-    return description
-
-
-def document_format_of(description: dict) -> str:
-    """The document format in an exported model's config.json (absent: the old EOS format)."""
-    document_format = description.get("document_format", LEGACY_FORMAT)
-    if document_format not in DOCUMENT_FORMATS:
+    try:
+        return ExportRecord.model_validate(description)
+    except ValidationError as err:
         raise ExportError(
-            f"config.json has document_format {document_format!r}; expected one of "
-            f"{', '.join(DOCUMENT_FORMATS)} (re-export the model)"
-        )
-    return document_format
+            f"{str(path)!r} is damaged or was edited ({problem_line(err)}); re-export the model"
+        ) from None
 
 
 def check_documents_fit(
@@ -180,7 +185,7 @@ def check_documents_fit(
         return
     check_document_format(
         data_format,
-        document_format_of(read_export_config(where)),
+        read_export_config(where).document_format,
         data_label,
         f"model {str(where)!r}",
         error,
@@ -194,21 +199,6 @@ def _not_the_exported_tokenizer(where: Location, why: str) -> ExportError:
     )
 
 
-def _vocabulary_difference(tokenizer: TextTokenizer, table: SignatureTable) -> str | None:
-    """Where the tokenizer's tokens differ from those the table's signatures were hashed from (the
-    table keeps their bytes), or None: a difference would decode ids as other text than the model
-    learned."""
-    tokens = tuple(tokenizer.vocabulary())
-    if tokens == table.tokens:
-        return None
-    differ = next(
-        (i for i, pair in enumerate(zip(tokens, table.tokens, strict=False)) if pair[0] != pair[1]), None
-    )
-    if differ is None:
-        return f"{len(tokens)} tokens there, {len(table.tokens)} in the signature table"
-    return f"id {differ} is {tokens[differ]!r} there, {table.tokens[differ]!r} in the signature table"
-
-
 def load_exported(directory: str | Path | Location) -> ExportedModel:
     """Build the model from config.json and load its weights; the signature table must match. A model in
     a bucket is downloaded first (once: the copy is cached by the listing), a local one read in place."""
@@ -220,7 +210,7 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
     description = read_export_config(where)
     local = local_copy(where, marker=CONFIG_FILE)
     try:
-        config = ModelConfig.model_validate(description["model"])
+        config = ModelConfig.model_validate(description.model)
     except ValidationError as err:
         key, message = first_problem(err)
         raise ExportError(
@@ -228,10 +218,10 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
             "re-export the model"
         ) from None
     table = load_table(local / SIGNATURES_FILE)
-    if table.fingerprint != description["signature_fingerprint"]:
+    if table.fingerprint != description.signature_fingerprint:
         raise SignatureError(
             f"{str(where)!r}: the signature table's fingerprint {table.fingerprint[:12]} differs from "
-            f"the one the model was trained with ({description['signature_fingerprint'][:12]}); "
+            f"the one the model was trained with ({description.signature_fingerprint[:12]}); "
             "restore the exported directory's signatures.safetensors"
         )
     model = build_model(config, table)
@@ -246,10 +236,10 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
         ) from None
     model.eval()
     tokenizer = TextTokenizer.load(local / TOKENIZER_FILE)
-    difference = _vocabulary_difference(tokenizer, table)
+    difference = table.vocabulary_difference(tokenizer.vocabulary())
     if difference is not None:
         raise _not_the_exported_tokenizer(where, difference)
-    recorded = description.get("tokenizer_sha256")  # absent: an export older than the record
+    recorded = description.tokenizer_sha256  # None: an export older than the record
     if recorded is not None and recorded != tokenizer.sha256:
         raise _not_the_exported_tokenizer(
             where,
@@ -262,6 +252,6 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
         table,
         tokenizer,
         as_given(where),
-        description.get("lineage", []),
-        document_format_of(description),
+        description.lineage,
+        description.document_format,
     )

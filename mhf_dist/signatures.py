@@ -48,7 +48,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from mhf_dist.config import HashConfig, format_hash_spec
-from mhf_dist.errors import SignatureError
+from mhf_dist.errors import MhfError, SignatureError
 from mhf_dist.files import staged_file
 from mhf_dist.storage import Location, local_copy
 
@@ -404,9 +404,28 @@ class SignatureTable:
     def spec(self) -> str:
         return self.scheme.spec
 
-    def follows(self, hash_cfg: HashConfig) -> bool:
-        """Whether this table was drawn by the scheme `model.hash` describes (shape, seed, scheme, LSH)."""
-        return self.scheme == scheme_for_config(hash_cfg)
+    def check_follows(self, hash_cfg: HashConfig, what: str, error: type[MhfError] = SignatureError) -> None:
+        """This table (`what`, for the message) was drawn by the scheme `model.hash` describes: shape,
+        seed, scheme and LSH coordinates; else one line naming both."""
+        if self.scheme != scheme_for_config(hash_cfg):
+            raise error(
+                f"{what} is {self.spec} seed {self.seed} ({self.scheme.name} scheme, num_lsh {self.num_lsh}) "
+                f"but model.hash says {hash_cfg.spec} seed {hash_cfg.seed} ({hash_cfg.signature_scheme} "
+                f"scheme, num_lsh {hash_cfg.num_lsh}); rebuild the table or change model.hash"
+            )
+
+    def vocabulary_difference(self, tokens: Sequence[str]) -> str | None:
+        """Where `tokens` (a tokenizer's vocabulary) differ from those this table's signatures were hashed
+        from, or None: a difference would decode ids as other text than the model learned."""
+        tokens = tuple(tokens)
+        if tokens == self.tokens:
+            return None
+        differ = next(
+            (i for i, pair in enumerate(zip(tokens, self.tokens, strict=False)) if pair[0] != pair[1]), None
+        )
+        if differ is None:
+            return f"{len(tokens)} tokens there, {len(self.tokens)} in the signature table"
+        return f"id {differ} is {tokens[differ]!r} there, {self.tokens[differ]!r} in the signature table"
 
     # --- rows ----------------------------------------------------------------------------------
     def __len__(self) -> int:

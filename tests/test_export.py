@@ -85,7 +85,22 @@ def test_damaged_export_files_are_one_line_errors_naming_the_file(small_cfg, tok
     weights.unlink()
     with pytest.raises(ExportError, match=r"has no model\.safetensors"):
         load_exported(tmp_path / "model")
-    (tmp_path / "model" / CONFIG_FILE).write_text('{"format": "mhf-model", "model": ')
+    config = tmp_path / "model" / CONFIG_FILE
+    recorded = json.loads(config.read_text())
+    for edit, problem in (
+        ({"lineage": "none"}, r"lineage: Input should be a valid list"),
+        ({"document_format": "BOS"}, r"document_format: Input should be 'bos' or 'eos'"),
+        ({"signature_fingerprint": None}, r"signature_fingerprint: Input should be a valid string"),
+        ({"notes": "mine"}, r"notes: Extra inputs are not permitted"),
+    ):
+        config.write_text(json.dumps(recorded | edit))
+        with pytest.raises(ExportError) as raised:
+            load_exported(tmp_path / "model")
+        assert re.fullmatch(
+            rf"'.*config\.json' is damaged or was edited \({problem}\); re-export the model",
+            str(raised.value),
+        ), str(raised.value)
+    config.write_text('{"format": "mhf-model", "model": ')
     with pytest.raises(ExportError, match=r"config.json' is damaged \(invalid JSON at line 1\)"):
         load_exported(tmp_path / "model")
 

@@ -47,7 +47,8 @@ def rows_of(batch=4, length=17, seed=0):
 def test_a_variant_builds_trains_a_step_exports_and_loads_back_equal(name, tmp_path):
     cfg = config_of(VARIANTS[name])
     table = table_of(cfg)
-    assert table.follows(cfg.model.hash) and table.num_lsh == cfg.model.hash.num_lsh
+    table.check_follows(cfg.model.hash, "the table")
+    assert table.num_lsh == cfg.model.hash.num_lsh
     if cfg.model.hash.num_hashes == 1:
         assert table.duplicate_signatures > 0  # 259 tokens, 63 buckets: the authors' rule repeats them
     torch.manual_seed(0)
@@ -178,6 +179,6 @@ def test_a_table_without_the_configs_lsh_coordinates_is_refused():
     )
     with pytest.raises(
         SignatureError,
-        match=r"num_lsh 0\) but the model config says H3B64 seed 0 \(reference scheme, num_lsh 2",
+        match=r"num_lsh 0\) but model.hash says H3B64 seed 0 \(reference scheme, num_lsh 2\); rebuild",
     ):
         build_model(cfg.model, plain)

@@ -422,7 +422,10 @@ def test_shards_for_an_imported_model_carry_its_own_table(reference_checkpoint, 
     other_seed = load_config("tiny", [f"data.signatures={imported.path}"]).model_copy(
         update={"model": imported.config.model_validate({**model, "hash": {**model["hash"], "seed": 1}})}
     )
-    with pytest.raises(DataError, match=r"seed 0 \(reference\) but model.hash says H3B32 seed 1"):
+    with pytest.raises(
+        DataError,
+        match=r"seed 0 \(reference scheme, num_lsh 0\) but model.hash says H3B32 seed 1 \(reference",
+    ):
         signature_table(other_seed, tokenizer)
 
 

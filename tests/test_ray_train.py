@@ -15,6 +15,7 @@ from mhf_dist.data.reader import RowReader
 from mhf_dist.errors import ConfigError, MhfError, TrainingError
 from mhf_dist.eval.perplexity import evaluate_rows
 from mhf_dist.export import load_exported
+from mhf_dist.storage import Location
 from mhf_dist.tracking import TrackingError
 from mhf_dist.train.checkpoints import (
     MODEL_DIR,
@@ -218,6 +219,32 @@ def test_a_hand_edited_run_json_is_one_line_naming_the_file_and_an_old_one_still
     # A checkpoint from before the topology, trainable split and document format were recorded.
     (tmp_path / "run.json").write_text(json.dumps({key: run[key] for key in ("model", "fingerprint")}))
     check_resumable(tmp_path, cfg, "f" * 64)
+
+
+def test_a_damaged_client_state_is_one_line_and_what_a_worker_saves_reads_back(tmp_path):
+    import random
+
+    import numpy as np
+    import torch
+
+    from mhf_dist.train.checkpoints import ClientState, read_client_state
+
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    saved = ClientState(step=7, rng=[rng, rng]).model_dump() | {"ds_version": "0.18"}  # DeepSpeed's own keys
+    where = Location.of(tmp_path / "checkpoint-0000007")
+    assert read_client_state(saved, where).step == 7
+    for damaged, problem in (
+        (saved | {"step": "7"}, "step: Input should be a valid integer"),
+        ({"rng": [rng]}, "step: Field required"),
+        (saved | {"rng": []}, "rng: List should have at least 1 item after validation, not 0"),
+        (saved | {"rng": [{"torch": rng["torch"]}]}, "rng.0.numpy: Field required"),
+    ):
+        with pytest.raises(TrainingError) as raised:
+            read_client_state(damaged, where)
+        assert str(raised.value) == (
+            f"checkpoint {str(where)!r} has a damaged client state ({problem}); resume from another "
+            "checkpoint (mhf train --resume)"
+        )
 
 
 @pytest.fixture

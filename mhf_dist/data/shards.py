@@ -467,10 +467,11 @@ def verify_shards(path: str | Path | Location) -> int:
             f"signature table {table_path} is damaged or not one mhf-dist wrote; {_reprepare(directory)}"
         ) from None
     _check_recorded(directory, signatures_info(table), manifest.signatures, exclude=("file",))
-    if table.tokens != tuple(tokenizer.vocabulary()):
+    difference = table.vocabulary_difference(tokenizer.vocabulary())
+    if difference is not None:
         raise DataError(
-            f"signature table {table_path} is of another vocabulary than {manifest.tokenizer.file}; "
-            f"{_reprepare(directory)}"
+            f"signature table {table_path} is of another vocabulary than {manifest.tokenizer.file} "
+            f"({difference}); {_reprepare(directory)}"
         )
     folder = directory / manifest.folder if manifest.folder else directory
     listed = {PurePosixPath(shard.file).name for info in manifest.splits.values() for shard in info.shards}

@@ -132,13 +132,7 @@ def triple_backbone(parts: StackParts) -> Backbone:
 def _build_mhf(cfg: ModelConfig, signatures: SignatureTable | None) -> CausalLM:
     if signatures is None:
         raise SignatureError("the mhf family needs a signature table; build one with SignatureTable.build")
-    if not signatures.follows(cfg.hash):
-        raise SignatureError(
-            f"signature table is {signatures.spec} seed {signatures.seed} ({signatures.scheme} scheme, "
-            f"num_lsh {signatures.num_lsh}) but the model config says {cfg.hash.spec} seed {cfg.hash.seed} "
-            f"({cfg.hash.signature_scheme} scheme, num_lsh {cfg.hash.num_lsh}); rebuild the table or "
-            "change model.hash"
-        )
+    signatures.check_follows(cfg.hash, "the signature table")
     if len(signatures) != cfg.vocab_size:
         raise SignatureError(
             f"signature table has {len(signatures)} tokens but model.vocab_size={cfg.vocab_size}; "

@@ -71,6 +71,38 @@ def read_run_record(checkpoint: Path | Location) -> RunRecord:
         raise TrainingError(f"{path} is damaged or was edited ({problem_line(err)}); {fix}") from None
 
 
+class RngStates(BaseModel):
+    """One rank's random generators as `worker` saves them (their states as each library gives them)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    torch: Any
+    numpy: tuple
+    python: tuple
+
+
+class ClientState(BaseModel):
+    """The checkpoint's DeepSpeed client state: the step it was saved after, and every rank's RNG states
+    (one per rank of the saving run; a ZeRO-0 run may resume on another count). DeepSpeed returns its
+    own keys beside them: those are ignored."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    step: int = Field(ge=0, strict=True)
+    rng: list[RngStates] = Field(min_length=1)
+
+
+def read_client_state(raw: dict[str, Any], checkpoint: Location) -> ClientState:
+    """`raw`, what DeepSpeed loaded from `checkpoint`; a damaged or foreign one is a one-line error."""
+    try:
+        return ClientState.model_validate(raw)
+    except ValidationError as err:
+        raise TrainingError(
+            f"checkpoint {str(checkpoint)!r} has a damaged client state ({problem_line(err)}); resume from "
+            "another checkpoint (mhf train --resume)"
+        ) from None
+
+
 def checkpoint_name(step: int) -> str:
     return f"checkpoint-{step:07d}"
 
@@ -221,13 +253,13 @@ def check_initial_model(path: Path, cfg: Config, fingerprint: str) -> None:
 
     description = read_export_config(path)
     path = redact(str(path))
-    if description["signature_fingerprint"] != fingerprint:
+    if description.signature_fingerprint != fingerprint:
         raise TrainingError(
-            f"model {path!r} has signature fingerprint {description['signature_fingerprint'][:12]} but "
+            f"model {path!r} has signature fingerprint {description.signature_fingerprint[:12]} but "
             f"the data has {fingerprint[:12]}; prepare the data with the model's tokenizer.json and "
             f"--set data.signatures={path}"
         )
-    if description["model"] != cfg.model.model_dump(mode="json"):
+    if description.model != cfg.model.model_dump(mode="json"):
         raise TrainingError(
             f"model {path!r} has another model config than the run; start from a matching model "
             "or change the run's model settings"

@@ -46,11 +46,14 @@ from mhf_dist.train.callbacks import (
 from mhf_dist.train.checkpoints import (
     MODEL_DIR,
     STATE_TAG,
+    ClientState,
+    RngStates,
     RunRecord,
     checkpoint_name,
     checkpoint_step,
     download_for_rank,
     newest_checkpoint,
+    read_client_state,
     read_history,
     write_history,
     write_rank_files,
@@ -147,10 +150,10 @@ def _rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+def _set_rng_state(state: RngStates) -> None:
+    torch.set_rng_state(state.torch)
+    np.random.set_state(state.numpy)
+    random.setstate(state.python)
 
 
 @dataclass(frozen=True)
@@ -280,13 +283,13 @@ def _restore(stepper: DeepSpeedStepper, spec: WorkerSpec, rank: int) -> tuple[in
     if checkpoint is None:
         return 0, []
     with _files_of_rank(checkpoint, rank) as directory:
-        _, client_state = stepper.engine.load_checkpoint(str(directory), tag=STATE_TAG)
+        _, saved = stepper.engine.load_checkpoint(str(directory), tag=STATE_TAG)
         history = read_history(directory)
-    saved_rng = client_state["rng"]  # one per rank of the saving run (a ZeRO-0 run may resize)
-    _set_rng_state(saved_rng[rank % len(saved_rng)])
+    client_state = read_client_state(saved, checkpoint)
+    _set_rng_state(client_state.rng[rank % len(client_state.rng)])
     if rank == 0:
-        spec.say(f"resumed from {checkpoint} at step {client_state['step']}")
-    return client_state["step"], history
+        spec.say(f"resumed from {checkpoint} at step {client_state.step}")
+    return client_state.step, history
 
 
 @contextmanager
@@ -404,7 +407,7 @@ class CheckpointSaver:
         local_run_dir = None if self.run_dir.remote else self.run_dir.local
         with tempfile.TemporaryDirectory(dir=local_run_dir, prefix=STAGING_PREFIX) as tmp:
             directory = Path(tmp)
-            client_state = {"step": step, "rng": rng_states}
+            client_state = ClientState(step=step, rng=rng_states).model_dump()
             self.stepper.engine.save_checkpoint(tmp, tag=STATE_TAG, client_state=client_state)
             with self.stepper.whole_parameters():
                 if self.rank == 0:

@@ -81,20 +81,13 @@ def signature_table(cfg: Config, tokenizer: TextTokenizer) -> SignatureTable:
         return build_for_config(cfg.model.hash, tokenizer.vocabulary(), tokenizer.pad_token)
     path = Location.of(cfg.data.signatures)
     table = load_table(path / SIGNATURES_FILE if path.is_dir() else path)
-    if table.tokens != tuple(tokenizer.vocabulary()):
+    difference = table.vocabulary_difference(tokenizer.vocabulary())
+    if difference is not None:
         raise DataError(
-            f"data.signatures {str(path)!r} is the table of another vocabulary ({len(table)} tokens, the "
-            f"tokenizer has {tokenizer.vocab_size}); set data.tokenizer to that model's tokenizer.json"
+            f"data.signatures {str(path)!r} is the table of another vocabulary than the tokenizer's "
+            f"({difference}); set data.tokenizer to that model's tokenizer.json"
         )
-    hash_cfg = cfg.model.hash
-    if not table.follows(hash_cfg):
-        lsh = (f", num_lsh {table.num_lsh}", f", num_lsh {hash_cfg.num_lsh}")
-        lsh = lsh if table.num_lsh or hash_cfg.num_lsh else ("", "")
-        raise DataError(
-            f"data.signatures {str(path)!r} is {table.spec} seed {table.seed} ({table.scheme}{lsh[0]}) but "
-            f"model.hash says {hash_cfg.spec} seed {hash_cfg.seed} ({hash_cfg.signature_scheme}{lsh[1]}); "
-            "make them agree"
-        )
+    table.check_follows(cfg.model.hash, f"data.signatures {str(path)!r}", DataError)
     return table
 
 
