@@ -280,7 +280,7 @@ def test_every_yaml_under_jobs_validates(path, monkeypatch):
         words = spec.entrypoint.split()
         assert words[0] == "mhf"
         # every flag it passes exists; its paths name the cluster's disk (all taken, as bucket URIs are)
-        monkeypatch.setattr("mhf_dist.arguments._local", lambda text: None)
+        monkeypatch.setattr("mhf_dist.arguments.is_uri", lambda text: True)
         build_parser().parse_args(words[1:])
     elif path.name.endswith(".sweep.yaml"):
         load_sweep(path)

@@ -1,12 +1,13 @@
 """The command line's contract, over every sub-command: a mistake is one `error:` line and exit 2, before
 any work, nothing deleted or half written.
 
-The rows are built from the parser itself: every argument that takes a value is fed the bad values of
-its kind (`mhf_dist.arguments`), every required one is left out, every choice is missed. An argument
-declared without a kind fails `test_every_argument_takes_a_kind`, a sub-command without a row in
-`VALID` fails `test_every_sub_command_has_a_valid_row`: new commands and flags join the table or the
-test fails. The file rows hand damaged, empty and non-UTF-8 files to every argument that reads one,
-and run the real command.
+The rows are built from the parser itself: every argument that takes a value is fed a bad value of its
+kind (`mhf_dist.arguments`), one argument of each kind all of that kind's bad values (`EXAMPLES`); every
+required one is left out, every choice is missed. An argument declared without a kind, or a kind without
+examples, fails `test_every_argument_takes_a_kind`, a sub-command without a row in `VALID` fails
+`test_every_sub_command_has_a_valid_row`: new commands and flags join the table or the test fails. The
+file rows hand damaged, empty and non-UTF-8 files to every argument that reads one, and run the real
+command.
 """
 
 from __future__ import annotations
@@ -56,16 +57,51 @@ VALID = {
     "submit": ["submit", "{spec}"],
     "cluster": ["cluster", "start"],
 }
-# Beyond each kind's own bad texts: paths of the wrong kind, missing, or under a file.
-PATH_BAD = {
-    kinds.FILE: ["{missing}", "{dir}"],
-    kinds.DIRECTORY: ["{missing}", "{text}"],
-    kinds.FILE_OR_DIRECTORY: ["{missing}"],
-    kinds.CORPUS: ["{missing}"],
-    kinds.OUTPUT_DIRECTORY: ["{text}", "{text}/below"],
-    kinds.PLACE: ["{text}", "{text}/below"],
+TOO_LONG = "/tmp/" + "n" * 300  # a path component over every common filesystem's 255 bytes
+URIS = ["s3://bucket/x"]  # checked by the command that opens them
+# (bad, good) texts of each kind ("{...}": a path of `ws`), the most telling bad one first: one a laxer
+# kind would take. A number kind (`kinds.number`) brings its own, from its bounds.
+EXAMPLES = {
+    kinds.TEXT: (["   ", ""], ["x", "héllo wörld"]),
+    kinds.NAME_OR_PATH: ([""], ["tiny", "my-run"]),
+    kinds.RUN_NAME: (["a/b", "../up", "has space", ".hidden", ""], ["pretrain-7", "lr=0.003-seed0"]),
+    kinds.SUBMISSION_ID: (["a/b", "has space", "-x", "../up", ""], ["pretrain-7", "run_2026.12"]),
+    kinds.VARIABLE: (["MHF_STORAGE", "=5", "A B=x", "1A=x", ""], ["MHF_STORAGE=/x", "A="]),
+    kinds.ASSIGNMENT: (["steps", "=5", " =5", ""], ["train.steps=5", "data.corpus=a=b"]),
+    kinds.SIZE: (["5XB", "0", "-5", ""], ["500MB", "1000"]),
+    kinds.JOBS_API: (
+        ["127.0.0.1:8265", "http://", "http://h:99999", "http://h:0", "ftp://h:1"],
+        ["http://127.0.0.1:8265", "https://ray.example.com", "ray://head:10001", "auto"],
+    ),
+    kinds.CORPUS: (
+        ["{missing}", "", "hf:", "dataset:", "dataset:module", "dataset:a b:f"],
+        [
+            "builtin",
+            "recall",
+            "hf:wikitext",
+            "dataset:corpora.wiki:load",
+            "s3://bucket/*.jsonl.gz",
+            "texts/*.jsonl",
+            "{text}",
+            "{dir}",
+        ],
+    ),
+    kinds.FILE: (["{missing}", "{dir}", "", TOO_LONG], ["{text}", "file://{text}", *URIS]),
+    kinds.DIRECTORY: (["{missing}", "{text}", "", TOO_LONG], ["{dir}", "file://{dir}", *URIS]),
+    kinds.FILE_OR_DIRECTORY: (["{missing}", "", TOO_LONG], ["{dir}", "{text}", *URIS]),
+    kinds.OUTPUT_DIRECTORY: (
+        ["{text}", "{text}/below", "/proc/x/out", "", TOO_LONG],
+        ["{new}", "{dir}", "{new}/deeper", "file://{new}", *URIS],
+    ),
+    kinds.PLACE: (["{text}", "{text}/below", "", TOO_LONG], ["{new}", "{dir}", *URIS]),
 }
 PARSER = cli.build_parser()
+
+
+def examples(kind: kinds.Kind) -> tuple[list[str], list[str]]:
+    """(bad, good) texts of `kind`; every kind refuses text that is not UTF-8."""
+    bad, good = EXAMPLES.get(kind, (kind.bad, kind.good))
+    return [*bad, "\udcff\udcfe"], list(good)
 
 
 def arguments() -> list[tuple[str, argparse.Action]]:
@@ -82,17 +118,19 @@ def _name(action: argparse.Action) -> str:
     return action.option_strings[0] if action.option_strings else action.dest
 
 
-def bad_rows() -> list[tuple[str, str, str]]:
-    """(sub-command, argument, bad text) for every kind's bad texts and every choice missed."""
-    rows = []
+def value_rows(which: int) -> list[tuple[str, str, str]]:
+    """(sub-command, argument, text): the first `examples` text (`which`: 0 bad, 1 good) of its kind for
+    every argument, all of them for the first argument of each kind; a choice missed, or every choice."""
+    rows, seen = [], set()
     for command, action in arguments():
         if action.choices is not None:
-            bad = ["nope"]
+            texts = [["nope"], list(action.choices)][which]
         elif isinstance(action.type, kinds.Kind):
-            bad = [*action.type.bad, *PATH_BAD.get(action.type, []), "\udcff\udcfe"]
+            texts = examples(action.type)[which][: 1 if action.type in seen else None]
+            seen.add(action.type)
         else:
             continue  # test_every_argument_takes_a_kind fails for it
-        rows += [(command, _name(action), text) for text in bad]
+        rows += [(command, _name(action), text) for text in texts]
     return rows
 
 
@@ -159,6 +197,9 @@ def test_every_argument_takes_a_kind():
         if action.choices is None and not isinstance(action.type, kinds.Kind)
     ]
     assert not untyped, f"declare these with a kind from mhf_dist.arguments: {untyped}"
+    typed = {action.type for _, action in arguments() if isinstance(action.type, kinds.Kind)}
+    undescribed = [kind.takes for kind in typed if not all(EXAMPLES.get(kind, (kind.bad, kind.good)))]
+    assert not undescribed, f"give these kinds bad and good texts in EXAMPLES: {undescribed}"
 
 
 def test_every_sub_command_has_a_valid_row(ws, nothing_runs):
@@ -168,7 +209,7 @@ def test_every_sub_command_has_a_valid_row(ws, nothing_runs):
         assert nothing_runs[-1] == "cmd_" + command.replace("-", "_")
 
 
-@pytest.mark.parametrize(("command", "argument", "text"), bad_rows())
+@pytest.mark.parametrize(("command", "argument", "text"), value_rows(0))
 def test_a_bad_value_is_one_line_before_any_work(command, argument, text, ws, nothing_runs, capsys):
     line = refused(with_argument(filled(VALID[command], ws), argument, text.format(**ws)), capsys)
     assert line.startswith(f"error: mhf {command}: argument {argument}"), line
@@ -176,31 +217,7 @@ def test_a_bad_value_is_one_line_before_any_work(command, argument, text, ws, no
     assert not Path(ws["new"]).exists()
 
 
-PATH_GOOD = {
-    kinds.FILE: ["{text}", "file://{text}"],
-    kinds.DIRECTORY: ["{dir}", "file://{dir}"],
-    kinds.FILE_OR_DIRECTORY: ["{dir}", "{text}"],
-    kinds.CORPUS: ["{text}", "{dir}"],
-    kinds.OUTPUT_DIRECTORY: ["{new}", "{dir}", "{new}/deeper", "file://{new}"],
-    kinds.PLACE: ["{new}", "{dir}"],
-}
-
-
-def good_rows() -> list[tuple[str, str, str]]:
-    """(sub-command, argument, good text) for every kind's good texts and every choice."""
-    rows = []
-    for command, action in arguments():
-        if action.choices is not None:
-            good = list(action.choices)
-        elif isinstance(action.type, kinds.Kind):
-            good = [*action.type.good, *PATH_GOOD.get(action.type, [])]
-        else:
-            continue
-        rows += [(command, _name(action), text) for text in good]
-    return rows
-
-
-@pytest.mark.parametrize(("command", "argument", "text"), good_rows())
+@pytest.mark.parametrize(("command", "argument", "text"), value_rows(1))
 def test_a_good_value_is_taken(command, argument, text, ws, nothing_runs):
     """What each kind promises to take (bucket URIs, corpus names, globs, file:// paths, new outputs
     under existing directories) parses, and the command runs."""
@@ -243,7 +260,8 @@ def test_a_value_given_twice_where_values_must_differ_is_one_line(
     command, argument, ws, nothing_runs, capsys
 ):
     action = next(action for name, action in arguments() if name == command and _name(action) == argument)
-    value = action.type.good[0]
+    good = examples(action.type)[1]
+    value = good[0]
     argv = with_argument(filled(VALID[command], ws), argument, value)
     twice = [*argv, value] if action.nargs == "+" else [*argv, argument, value]
     line = refused(twice, capsys)
@@ -251,7 +269,7 @@ def test_a_value_given_twice_where_values_must_differ_is_one_line(
     assert line.endswith(f"argument {argument}: {repeated} is given twice; give each {action.unit} once; "
                          f"see `mhf {command} --help`"), line  # fmt: skip
     if action.nargs == "+":  # given again, the flag would drop the values it had
-        line = refused([*argv, argument, action.type.good[-1]], capsys)
+        line = refused([*argv, argument, good[-1]], capsys)
         assert line.endswith(f"argument {argument} is given twice; give all its values after one; see `mhf "
                              f"{command} --help`"), line  # fmt: skip
     assert not nothing_runs
