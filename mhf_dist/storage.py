@@ -198,8 +198,9 @@ def _s3(endpoint: str | None, region: str | None) -> pafs.FileSystem:
 @functools.lru_cache(maxsize=16)
 def _gcs(emulator: str | None) -> pafs.FileSystem:
     options: dict[str, Any] = {"retry_time_limit": timedelta(seconds=request_timeout())}
-    if emulator:
-        options.update(endpoint_override=emulator, scheme="http", anonymous=True)
+    if emulator:  # `http://HOST:PORT` (Google's clients) or `HOST:PORT`
+        scheme, _, host = emulator.rpartition("://")
+        options.update(endpoint_override=host, scheme=scheme or "http", anonymous=True)
     return pafs.GcsFileSystem(**options)
 
 
@@ -222,7 +223,8 @@ def filesystem(location: str | Path) -> tuple[pafs.FileSystem, str]:
     try:
         fs, path = pafs.FileSystem.from_uri(text)
     except (ValueError, OSError) as err:  # pyarrow.ArrowInvalid is a ValueError
-        if "Unrecognized filesystem type" in str(err):
+        # No type or code tells an unknown scheme from a bad option: pyarrow's words (a test pins them).
+        if str(err).startswith("Unrecognized filesystem type"):
             raise StorageError(
                 f"{redact(text)!r}: pyarrow knows no filesystem for {scheme}://; use a local path, s3:// or gs://"
             ) from None
@@ -435,27 +437,51 @@ def storage_errors(location: Location | str) -> Iterator[None]:
     except FileNotFoundError:
         raise
     except OSError as err:
-        raise StorageError(describe_failure(str(location), str(err))) from None
+        raise StorageError(describe_failure(str(location), err)) from None
 
 
-_UNREACHABLE = ("NETWORK_CONNECTION", "Could not connect", "Couldn't connect")
-_NO_BUCKET = ("NO_SUCH_BUCKET", "bucket does not exist", "not found. To create buckets")
-_REFUSED = ("ACCESS_DENIED", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden")
+# pyarrow raises a plain OSError for a failed request, its text carrying the store's own error code:
+# S3's as "AWS Error NETWORK_CONNECTION during ...", GCS's as "google::cloud::Status(UNAVAILABLE: ...".
+_CODE = re.compile(r"\bAWS Error ([A-Z_]+) during |\bgoogle::cloud::Status\(([A-Z_]+): ")
+UNREACHABLE, NO_BUCKET, REFUSED = "unreachable", "no bucket", "refused"
+_PROBLEMS = {
+    "NETWORK_CONNECTION": UNREACHABLE,  # S3: no connection, no answer in time, unknown host
+    "UNAVAILABLE": UNREACHABLE,  # GCS
+    "NO_SUCH_BUCKET": NO_BUCKET,
+    "ACCESS_DENIED": REFUSED,
+    "INVALID_ACCESS_KEY_ID": REFUSED,
+    "SIGNATURE_DOES_NOT_MATCH": REFUSED,
+}
+# pyarrow's own refusal to create a directory in a missing bucket carries no code: its words are matched
+# (tests/test_object_storage.py pins them, as it pins every code above to a real server's error).
+_NO_BUCKET_TO_CREATE = "To create buckets, enable the allow_bucket_creation option"
 
 
-def describe_failure(location: str, message: str) -> str:
+def store_problem(location: str, err: BaseException) -> str | None:
+    """What a failed request to the store of `location` ran into (UNREACHABLE, NO_BUCKET, REFUSED), by
+    its error's type or the store's error code in it; None for anything else."""
+    if is_uri(location) and isinstance(err, PermissionError):  # GCS's 401 and 403
+        return REFUSED
+    match = _CODE.search(str(err))
+    if match:
+        return _PROBLEMS.get(match.group(1) or match.group(2))
+    return NO_BUCKET if _NO_BUCKET_TO_CREATE in str(err) else None
+
+
+def describe_failure(location: str, err: BaseException) -> str:
     """One line for a failed request: which location, what went wrong, what to do."""
     where = redact(location)
-    text = redact_text(message)
-    if any(key in text for key in _UNREACHABLE):
+    problem = store_problem(location, err)
+    if problem == UNREACHABLE:
         endpoint = _endpoint() or "the default endpoint"
         return f"cannot reach the object store at {endpoint} for {where!r}; check AWS_ENDPOINT_URL"
-    if any(key in text for key in _NO_BUCKET):
+    if problem == NO_BUCKET:
         return f"the bucket of {where!r} does not exist; create it or fix the URI"
-    if any(key in text for key in _REFUSED):
+    if problem == REFUSED:
         return (
             f"the object store refused the credentials for {where!r}; check AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY (or the instance role)"
         )
-    first = text.strip().splitlines()[0] if text.strip() else "unknown error"
+    text = redact_text(str(err)).strip()
+    first = text.splitlines()[0] if text else "unknown error"
     return f"cannot use {where!r} ({first[:200]})"

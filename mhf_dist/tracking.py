@@ -23,6 +23,7 @@ import functools
 import io
 import json
 import os
+import socket
 import sqlite3
 import tempfile
 import threading
@@ -51,14 +52,6 @@ LOCAL_STORE_DIR = "runs"  # the embedded store's directory (in the working direc
 # A command's requests: 2 attempts of at most 10 s each (MLflow's defaults retry for minutes). A user's own
 # values win.
 BOUNDED_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-_UNREACHABLE = {
-    "Connection refused": "connection refused",
-    "timed out": "no answer in time",
-    "Failed to resolve": "unknown host",
-    "Name or service not known": "unknown host",
-    "error responses": "the server answers with errors (see its log)",
-    "Max retries exceeded": "no connection",
-}
 
 
 class TrackingError(MhfError):
@@ -228,12 +221,31 @@ def tracking_errors(uri: str) -> Iterator[None]:
         raise TrackingError(describe_failure(uri, err)) from None
 
 
+def _unreachable(err: BaseException) -> str | None:
+    """Why a request got no answer, by the type of an error in its chain (MLflow raises an
+    MlflowException from requests' error, raised from urllib3's, raised from the socket's)."""
+    import requests
+    import urllib3
+
+    chain: list[BaseException] = []
+    cause: BaseException | None = err
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    reasons = [
+        (ConnectionRefusedError, "connection refused"),
+        (socket.gaierror, "unknown host"),
+        ((TimeoutError, urllib3.exceptions.TimeoutError, requests.Timeout), "no answer in time"),
+        (requests.exceptions.RetryError, "the server answers with errors (see its log)"),
+        (requests.ConnectionError, "no connection"),
+    ]
+    return next((why for kind, why in reasons if any(isinstance(each, kind) for each in chain)), None)
+
+
 def describe_failure(uri: str, err: BaseException) -> str:
     """One line for a failed request: where, what went wrong, what to do."""
     text = redact_text(str(err)).strip()
-    reason = next((why for key, why in _UNREACHABLE.items() if key in text), None)
-    if reason is None:
-        reason = text.splitlines()[0][:160] if text else type(err).__name__
+    reason = _unreachable(err) or (text.splitlines()[0][:160] if text else type(err).__name__)
     if os.environ.get(URI_VARIABLE) == uri:
         where = f"{redact(uri)!r} ({URI_VARIABLE})"
         fix = f"start the server (cluster/README.md), fix {URI_VARIABLE}, or unset it for the embedded store"

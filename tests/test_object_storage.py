@@ -156,6 +156,85 @@ def test_a_closed_port_is_one_line_within_seconds(monkeypatch):
     assert time.monotonic() - started < 30
 
 
+@pytest.fixture
+def refusing_gcs(monkeypatch):
+    """STORAGE_EMULATOR_HOST at a server on 127.0.0.1 that answers every request 403 Forbidden."""
+    import http.server
+    import threading
+
+    class Forbidden(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_POST = do_PUT = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forbidden)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{server.server_address[1]}")
+    yield
+    server.shutdown()
+
+
+CLOSED = "http://127.0.0.1:9"  # discard: nothing listens
+NO_BUCKET = "the bucket of '{uri}' does not exist; create it or fix the URI"
+UNREACHABLE = "cannot reach the object store at "
+REFUSED = "the object store refused the credentials for '{uri}'; check AWS_ACCESS_KEY_ID and"
+
+
+@pytest.mark.parametrize(
+    ("signal", "uri", "environment", "act", "says"),
+    [
+        ("AWS Error NO_SUCH_BUCKET during ", "s3://no-such-bucket/x", {}, "write", NO_BUCKET),
+        ("To create buckets, enable the allow_bucket_creation option", "s3://no-such-bucket/x", {}, "mkdir",
+         NO_BUCKET),
+        ("AWS Error NETWORK_CONNECTION during ", "s3://b/x", {"AWS_ENDPOINT_URL": CLOSED}, "read",
+         UNREACHABLE),
+        ("google::cloud::Status(UNAVAILABLE: ", "gs://b/x", {"STORAGE_EMULATOR_HOST": CLOSED}, "read",
+         UNREACHABLE),
+        (PermissionError, "gs://b/x", "refusing_gcs", "read", REFUSED),
+        ("Unrecognized filesystem type", "nosuchscheme://b/x", {}, "open", "pyarrow knows no filesystem for"),
+    ],
+)  # fmt: skip
+def test_each_error_code_a_failure_is_named_by_is_what_a_real_server_sends(
+    s3_server, signal, uri, environment, act, says, request, monkeypatch
+):
+    """What a store's error is taken to mean comes from its type, else the store's code in its text, else
+    (no code) pyarrow's words: each from a real server (moto, a closed port, one that answers 403), so
+    a library that changes them fails here."""
+    import pyarrow.fs as pafs
+
+    from mhf_dist import storage
+
+    if isinstance(environment, str):
+        request.getfixturevalue(environment)
+        environment = {}
+    for variable, value in {"MHF_STORAGE_TIMEOUT_S": "2", **environment}.items():
+        monkeypatch.setenv(variable, value)
+    storage._gcs.cache_clear()
+    if act == "open":
+        with pytest.raises(ValueError, match=f"^{signal}"):
+            pafs.FileSystem.from_uri(uri)
+        with pytest.raises(StorageError, match=f"^'{uri}': {says}"):
+            Location.of(uri)
+        return
+    where = Location.of(uri)
+    actions = {
+        "write": lambda: where.fs.open_output_stream(where.path).close(),
+        "mkdir": lambda: where.fs.create_dir(where.path),
+        "read": lambda: where.fs.open_input_stream(where.path).read(),
+    }
+    with pytest.raises(OSError) as raised:
+        actions[act]()
+    found = isinstance(raised.value, signal) if isinstance(signal, type) else signal in str(raised.value)
+    assert found, repr(raised.value)
+    assert storage.describe_failure(uri, raised.value).startswith(says.format(uri=uri))
+
+
 @pytest.mark.parametrize(
     ("given", "shown"),
     [

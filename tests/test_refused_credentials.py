@@ -125,3 +125,33 @@ def test_wrong_keys_are_one_line_for_every_command_that_touches_a_bucket(
     owner = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=key_id,
                          aws_secret_access_key=secret)  # fmt: skip
     assert owner.list_objects_v2(Bucket="owned")["KeyCount"] == 0  # nor in the bucket
+
+
+@pytest.mark.parametrize(
+    ("wrong", "act", "code"),
+    [
+        ("secret", "read", "ACCESS_DENIED"),
+        ("secret", "write", "SIGNATURE_DOES_NOT_MATCH"),
+        ("key id", "write", "INVALID_ACCESS_KEY_ID"),
+    ],
+)
+def test_each_refusal_code_the_store_sends_is_named_as_refused_credentials(
+    enforcing_store, wrong, act, code, monkeypatch
+):
+    """The refusal is known by the S3 error code pyarrow's text carries: each code from the real server,
+    so a pyarrow that writes it otherwise fails here."""
+    from mhf_dist.storage import Location, _s3, describe_failure
+
+    endpoint, key_id, secret = enforcing_store
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEY000000" if wrong == "key id" else key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret" if wrong == "secret" else secret)
+    _s3.cache_clear()
+    where = Location.of("s3://owned/x")
+    with pytest.raises(OSError) as raised:
+        if act == "read":
+            where.fs.open_input_stream(where.path).read()
+        else:
+            where.fs.open_output_stream(where.path).close()
+    assert f"AWS Error {code} during " in str(raised.value), raised.value
+    assert REFUSED.fullmatch(f"error: {describe_failure(where.uri, raised.value)}")

@@ -88,6 +88,65 @@ def test_a_commands_bounded_retries_belong_to_its_client_not_to_the_process(monk
 
 
 @pytest.fixture
+def answering(request):
+    """A server on 127.0.0.1 that answers each request as `request.param` says: "500" (an error status),
+    "silent" (accepts, never answers), "hang-up" (accepts and closes); its URL."""
+    import http.server
+    import socket
+    import threading
+
+    class Errors(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    if request.param == "500":
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Errors)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+        server.shutdown()
+        return
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def hang_up():
+        while not stop.is_set():
+            connection, _ = listener.accept()
+            connection.close()
+
+    if request.param == "hang-up":
+        threading.Thread(target=hang_up, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    listener.close()
+
+
+@pytest.mark.parametrize(
+    ("answering", "reason"),
+    [
+        ("500", "the server answers with errors (see its log)"),
+        ("silent", "no answer in time"),
+        ("hang-up", "no connection"),
+    ],
+    indirect=["answering"],
+)
+def test_why_a_tracking_server_gives_no_answer_is_named_from_the_errors_types(answering, reason, monkeypatch):
+    """MLflow's exception is raised from requests', from urllib3's, from the socket's: their types name
+    the reason (a closed port's "connection refused" is the one-line test's above)."""
+    from mhf_dist.tracking import TrackingError, find_run
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    for uri, why in [(answering, reason), ("http://no-such-host.invalid:5000", "unknown host")]:
+        with pytest.raises(TrackingError) as raised:
+            find_run(uri, "0" * 32)
+        assert f": {why}; check the embedded store" in str(raised.value), raised.value
+
+
+@pytest.fixture
 def mlflow_server(postgres_url, bucket, tmp_path):
     """The tracking server of cluster/README.md on 127.0.0.1: runs in a new PostgreSQL database,
     artifacts proxied into `<bucket>/mlflow`."""

@@ -40,7 +40,15 @@ import pyarrow.parquet as pq
 
 from mhf_dist.config import DATASET_PREFIX
 from mhf_dist.errors import DataError
-from mhf_dist.storage import Location, StorageError, describe_failure, is_uri, reachable, redact
+from mhf_dist.storage import (
+    Location,
+    StorageError,
+    describe_failure,
+    is_uri,
+    reachable,
+    redact,
+    store_problem,
+)
 
 BUILTIN_NAME = "builtin"
 KINDS = {
@@ -62,7 +70,6 @@ _BLANK_LINES = re.compile(r"\n[ \t\r]*\n")
 _BLANK_LINE_BYTES = re.compile(rb"\n[ \t\r]*\n")
 _WILDCARD = re.compile(r"[*?\[]")
 _ARROW_FILE_MAGIC = b"ARROW1\0\0"  # the file format: this, then the stream format, then a footer
-GENERIC_FAILURE = "cannot use "  # how `describe_failure` begins a failure it cannot name
 
 
 @dataclass(frozen=True)
@@ -220,10 +227,9 @@ def read_documents(
     except TextTypeError as err:
         raise DataError(err.line(where)) from None
     except (OSError, pa.ArrowInvalid) as err:
-        # A store that cannot be reached says so in its message; any other failure is the file's content.
-        line = describe_failure(str(where), str(err))
-        if isinstance(err, OSError) and not line.startswith(GENERIC_FAILURE):
-            raise StorageError(line) from None
+        # A store that cannot be reached (refuses, has no such bucket) says so; anything else is the content.
+        if isinstance(err, OSError) and store_problem(str(where), err) is not None:
+            raise StorageError(describe_failure(str(where), err)) from None
         problem = str(err).strip().splitlines()[0][:200]
         raise DataError(
             f"cannot read corpus file {str(where)!r} as {file.kind} ({problem}); fix or remove it"

@@ -1,6 +1,6 @@
 """Reading prepared rows by index: each worker reads only its own rows, and a resume costs nothing.
 
-**Layout.** `mhf prepare` writes every parquet row group as exactly one row (`shards.ShardWriter`), so
+**Layout.** `mhf prepare` writes every parquet row group as exactly one row (`shards.write_shard`), so
 a row is parquet's unit of random access: reading row i decodes row i and nothing else, while the
 shards stay ordinary parquet files with their signature column (Ray Data, pyarrow and DuckDB read them
 as they are). The footer grows by about 200 bytes per row, 1% of a 1b-preset row (seq 2048: 8 KB of

@@ -411,7 +411,7 @@ def _storage_failure(err: BaseException, storage: Location) -> StorageError | No
         if isinstance(cause, StorageError):
             return cause
         if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):
-            return StorageError(describe_failure(str(storage), str(cause)))
+            return StorageError(describe_failure(str(storage), cause))
     return None
 
 
