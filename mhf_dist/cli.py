@@ -124,10 +124,11 @@ def add_count_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_count(args: argparse.Namespace) -> None:
-    from mhf_dist.models import FAMILIES, forward_flops_per_token, param_count
-    from mhf_dist.models.registry import resolved_config
-    from mhf_dist.signatures import scheme_for_config
-    from mhf_dist.tables import markdown_table
+    with interrupts.importing():  # torch, loaded by these
+        from mhf_dist.models import FAMILIES, forward_flops_per_token, param_count
+        from mhf_dist.models.registry import resolved_config
+        from mhf_dist.signatures import scheme_for_config
+        from mhf_dist.tables import markdown_table
 
     cfg = _config(args)
     scheme = scheme_for_config(cfg.model.hash)
@@ -314,10 +315,11 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     cfg = _config(args)
-    from mhf_dist.data.prepare import prepare_if_missing
-    from mhf_dist.storage import Location
-    from mhf_dist.train.checkpoints import newest_checkpoint
-    from mhf_dist.train.ray_trainer import train
+    with interrupts.importing():  # torch, loaded by these
+        from mhf_dist.data.prepare import prepare_if_missing
+        from mhf_dist.storage import Location
+        from mhf_dist.train.checkpoints import newest_checkpoint
+        from mhf_dist.train.ray_trainer import train
 
     storage = Location.of(cfg.topology.storage)
     if args.continue_run and newest_checkpoint(storage / args.name) is None:  # (a sweep's trials: either)
@@ -377,8 +379,9 @@ def add_cpt_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_cpt(args: argparse.Namespace) -> None:
-    from mhf_dist.cpt import expanded_tokenizer, run_cpt
-    from mhf_dist.data.corpus import corpus_texts
+    with interrupts.importing():  # torch, loaded by these
+        from mhf_dist.cpt import expanded_tokenizer, run_cpt
+        from mhf_dist.data.corpus import corpus_texts
 
     cfg = _config(args)
 
@@ -433,11 +436,12 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from mhf_dist.eval.tasks import check_task_data, run_task
-    from mhf_dist.export import load_exported
-    from mhf_dist.storage import Location
-    from mhf_dist.tables import markdown_table
-    from mhf_dist.tracking import check_run, log_metrics, reading_uri
+    with interrupts.importing():  # torch, loaded by these
+        from mhf_dist.eval.tasks import check_task_data, run_task
+        from mhf_dist.export import load_exported
+        from mhf_dist.storage import Location
+        from mhf_dist.tables import markdown_table
+        from mhf_dist.tracking import check_run, log_metrics, reading_uri
 
     uri = reading_uri(args.storage) if args.run_id else None
     if uri is not None:  # the run is looked up before the scoring whose results it gets
@@ -484,9 +488,10 @@ def add_import_hf_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_import_hf(args: argparse.Namespace) -> None:
-    from mhf_dist.hf_layout import import_hf
-    from mhf_dist.models import param_count
-    from mhf_dist.storage import redact
+    with interrupts.importing():  # torch, loaded by these
+        from mhf_dist.hf_layout import import_hf
+        from mhf_dist.models import param_count
+        from mhf_dist.storage import redact
 
     exported = import_hf(args.source, args.out)
     cfg = exported.config
@@ -520,7 +525,8 @@ def add_export_hf_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
-    from mhf_dist.hf_layout import export_hf
+    with interrupts.importing():  # torch, loaded by these
+        from mhf_dist.hf_layout import export_hf
 
     print(f"wrote {export_hf(args.model, args.out, args.max_shard_size)}")
 
@@ -545,9 +551,10 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from mhf_dist.eval.tasks import check_positions
-    from mhf_dist.export import load_exported
-    from mhf_dist.models.generation import Sampling, generate
+    with interrupts.importing():  # torch, loaded by these
+        from mhf_dist.eval.tasks import check_positions
+        from mhf_dist.export import load_exported
+        from mhf_dist.models.generation import Sampling, generate
 
     exported = load_exported(args.model)
     tokenizer = exported.tokenizer
@@ -603,7 +610,8 @@ def add_demo_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from mhf_dist.demo import run_demo
+    with interrupts.importing():  # torch, loaded by these
+        from mhf_dist.demo import run_demo
 
     run_demo(args.config, config_overrides(args), Path(args.workdir), seeds=args.seeds, verbose=args.verbose)
 
@@ -924,39 +932,34 @@ def _print_logs_hint(stream: TextIO) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    previous = signal.getsignal(signal.SIGTERM)
-    if interrupts.answered(previous):
-        signal.signal(signal.SIGTERM, interrupts.terminated)
-    try:
-        extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    with interrupts.running():
         try:
-            args = _parse(argv[: argv.index("--")] if "--" in argv else argv, extra)
-        except SystemExit as done:  # --help, or argparse's one error line (MhfParser.error)
-            return int(done.code or 0)
-        status = args.func(args) or 0
-        _print_logs_hint(sys.stdout)
-        sys.stdout.flush()  # a reader that left (`mhf count | head -1`) shows here, not at exit
-        return status
-    except BrokenPipeError:
-        # Python's documented recipe: stdout goes nowhere, so the flush at exit raises no second error.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
-    except MhfError as err:
-        _print_logs_hint(sys.stderr)  # before the error: the error stays the last line
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except (KeyboardInterrupt, Interrupted, Exception) as err:
-        # An interrupt (SIGTERM's Interrupted, SIGINT's KeyboardInterrupt), or a library's clean-up
-        # (Ray Data's, say) that failed while one unwound through it.
-        stop = interrupts.as_interrupted(err)
-        if stop is None:
-            raise
-        _print_logs_hint(sys.stderr)
-        print(f"interrupted: {interrupts.console_line(stop, argv)}", file=sys.stderr)
-        return stop.exit_code
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+            extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+            try:
+                args = _parse(argv[: argv.index("--")] if "--" in argv else argv, extra)
+            except SystemExit as done:  # --help, or argparse's one error line (MhfParser.error)
+                return int(done.code or 0)
+            status = args.func(args) or 0
+            _print_logs_hint(sys.stdout)
+            sys.stdout.flush()  # a reader that left (`mhf count | head -1`) shows here, not at exit
+            return status
+        except BrokenPipeError:
+            # Python's documented recipe: stdout goes nowhere, so the flush at exit raises no second error.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + signal.SIGPIPE
+        except MhfError as err:
+            _print_logs_hint(sys.stderr)  # before the error: the error stays the last line
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        except (KeyboardInterrupt, Interrupted, Exception) as err:
+            # An interrupt (SIGTERM's Interrupted, SIGINT's KeyboardInterrupt), or a library's clean-up
+            # (Ray Data's, say) that failed while one unwound through it.
+            stop = interrupts.as_interrupted(err)
+            if stop is None:
+                raise
+            _print_logs_hint(sys.stderr)
+            print(f"interrupted: {interrupts.console_line(stop, argv)}", file=sys.stderr)
+            return stop.exit_code
 
 
 if __name__ == "__main__":

@@ -1,31 +1,37 @@
-"""Stopping a command by SIGINT (Ctrl-C) or SIGTERM: one line `interrupted: ...`, exit 130 or 143.
+"""Stopping a command by SIGINT (Ctrl-C) or SIGTERM: one line `interrupted: ...`, exit 130 or 143. This
+module owns both signals, with one entry point per phase of a command:
 
-The CLI turns SIGTERM into `Interrupted` and SIGINT is Python's KeyboardInterrupt, both raised wherever
-the main thread is. Three places must not be unwound that way:
-- Ray's start-up (`ray.init`): an exception raised inside its C++ core worker aborts or crashes the
-  process. `deferred` holds both signals until the block ends.
-- Imports of torch and of the packages whose modules run torch's C++ as they load, and numpy's
-  (`HELD_IMPORTS`): torch's C++ calls back into Python, and an exception raised where it cannot pass
-  on aborts the process (pybind11's "terminate called after throwing ... error_already_set"); numpy
-  interrupted half-way fails its next import with a RuntimeError, a traceback.
-  `hold_signals_while_importing` runs those imports under `deferred`.
-- A fit of Ray Train or Ray Tune, which stop their workers or trials themselves: Ray Train on SIGINT
-  (`sigterm_as_sigint` sends SIGTERM down the same path), Tune on SIGUSR1 (`tune_stops_gracefully`
-  sends both there), which then saves its experiment for `mhf sweep --resume`. Both remember which
-  signal came.
+- `started` (importing the command line): a signal ends the process at once, with the one line.
+- `importing` (a command's heavy imports): torch's C++ calls back into Python as it loads, and an
+  exception raised there aborts the process (pybind11's "terminate called after throwing ...
+  error_already_set"); numpy interrupted half-way fails its next import. The signals are held until
+  the imports have finished (`deferred`).
+- `starting_ray` (`ray.init`): an exception raised inside its C++ core worker crashes the process, and
+  ray.init puts its own SIGTERM handler (sys.exit) in place from its first line. Held the same way,
+  with the caller's SIGTERM handler kept.
+- `running`: SIGTERM unwinds the main thread as Ctrl-C does (`Interrupted`), so that staging is removed.
+  A fit of Ray Train or Tune stops its workers or trials itself: Ray Train on SIGINT
+  (`sigterm_as_sigint` sends SIGTERM down that path), Tune on SIGUSR1 (`tune_stops_gracefully`).
+- `finished` (the interpreter exits): a signal changes nothing.
+
+Holding is a Python handler that records the signal, not `signal.pthread_sigmask`: a process-directed
+signal goes to any thread that does not block it (torch, pyarrow and gRPC start threads of their own
+as they load), whose C handler then makes the main thread run the Python handler inside the import all
+the same; a child started while the signals are blocked inherits the mask (every Ray process started
+inside ray.init would ignore SIGTERM); and the kernel keeps one pending instance of a signal, so a
+second Ctrl-C could not end a start-up that hangs.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
+import importlib
 import os
 import shlex
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +44,6 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 TUNE_STOP_SIGNAL = signal.SIGUSR1
 TUNE_SIGINT_VARIABLE = "TUNE_DISABLE_SIGINT_HANDLER"
 RERUN = "rerun the command to start again"
-HELD_IMPORTS = frozenset({"numpy", "torch", "transformers", "deepspeed"})
 
 
 class Resumable(Interrupted):
@@ -54,11 +59,6 @@ class Resumable(Interrupted):
 def stopped(sig: int, what: str = RERUN) -> Interrupted:
     """The `Interrupted` of signal `sig`: its name, then `what` to do next."""
     return Interrupted(f"{signal.Signals(sig).name}; {what}", 128 + sig)
-
-
-def terminated(signum: int, frame: object) -> None:
-    """A SIGTERM handler: unwinds the main thread as Ctrl-C does, so that staging is removed."""
-    raise stopped(signal.SIGTERM)
 
 
 def restated(err: Interrupted | KeyboardInterrupt, what: str) -> Interrupted:
@@ -91,6 +91,35 @@ def console_line(stop: Interrupted, argv: Sequence[str]) -> str:
     return f"{stop}; {stop.lead}: {shlex.join(words)}"
 
 
+def answered(handler: Any) -> bool:
+    """Whether mhf may take a signal whose handler is `handler`: not one the process was started to
+    ignore (a shell's background job ignores SIGINT), nor one installed outside Python (None)."""
+    return handler not in (signal.SIG_IGN, None)
+
+
+def _end(line: str, signum: int) -> None:
+    """End the process now with its one line: nothing is unwound (no exception crosses C++ code)."""
+    sys.stderr.write(f"interrupted: {line}\n")
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+# Phase 1, importing the command line.
+def started(module: str, name: str) -> Callable[[], Any]:
+    """The console scripts' start: `module.name`, imported while a signal ends the process at once
+    (nothing has been done yet); C code's swallowed interrupts are sent again from now on."""
+    delivered_again_when_swallowed()
+
+    def ended(signum: int, frame: object) -> None:
+        _end(f"{signal.Signals(signum).name} while starting; nothing was done", signum)
+
+    previous = {sig: signal.signal(sig, ended) for sig in SIGNALS if answered(signal.getsignal(sig))}
+    try:
+        return getattr(importlib.import_module(module), name)
+    finally:
+        _restore(previous)
+
+
 def delivered_again_when_swallowed() -> None:
     """C code that cannot pass an exception on (a Cython module's start-up, an object's `__del__`)
     hands it to `sys.unraisablehook`, which prints a traceback and goes on: a Ctrl-C or SIGTERM that
@@ -109,12 +138,6 @@ def delivered_again_when_swallowed() -> None:
         again.start()
 
     sys.unraisablehook = hook
-
-
-def answered(handler: Any) -> bool:
-    """Whether mhf may take a signal whose handler is `handler`: not one the process was started to
-    ignore (a shell's background job ignores SIGINT), nor one installed outside Python (None)."""
-    return handler not in (signal.SIG_IGN, None)
 
 
 def _in_main_thread() -> bool:
@@ -140,9 +163,7 @@ def deferred(during: str) -> Iterator[None]:
 
     def hold(signum: int, frame: object) -> None:
         if held:
-            sys.stderr.write(f"interrupted: {stopped(signum, f'stopped {during}')}\n")
-            sys.stderr.flush()
-            os._exit(128 + signum)
+            _end(str(stopped(signum, f"stopped {during}")), signum)
         held.append(signum)
 
     previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
@@ -159,52 +180,46 @@ def deferred(during: str) -> Iterator[None]:
             signal.raise_signal(held[0])
 
 
-class _HoldingFinder(importlib.abc.MetaPathFinder):
-    """Finds a module of a package in `HELD_IMPORTS` as the finders after it do, and hands it a loader
-    that runs it under `deferred`; every other module is left to those finders."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: Any = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname.partition(".")[0] not in HELD_IMPORTS:
-            return None
-        for finder in sys.meta_path[sys.meta_path.index(self) + 1 :]:
-            find = getattr(finder, "find_spec", None)  # a finder of the old protocol has none
-            spec = find(fullname, path, target) if find else None
-            if spec is not None:
-                if spec.loader is not None and not isinstance(spec.loader, _HoldingLoader):
-                    spec.loader = _HoldingLoader(spec.loader)
-                return spec
-        return None
+# Phase 2, a command's heavy imports (torch and what loads it, numpy).
+def importing() -> Any:
+    """Around a command's imports: a signal is held until they have finished (see the module's text)."""
+    return deferred("while importing")
 
 
-class _HoldingLoader(importlib.abc.Loader):
-    """`loader`, with its module run under `deferred`; everything else it has (`get_source`, resource
-    readers) is its own."""
+# Phase 3, starting Ray.
+@contextmanager
+def starting_ray() -> Iterator[None]:
+    """Around ray.init: a signal is held until it returns. ray.init's SIGTERM handler (sys.exit, from
+    its first line) is never put in place: Ray has no switch for it, so its one registration point is
+    patched for the block; the caller's handler (the CLI's: one line, exit 143) stays."""
+    from ray._private import utils
 
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        with deferred(f"while importing {module.__name__}"):
-            self._loader.exec_module(module)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "_loader":  # copy and pickle look these up before __init__
-            raise AttributeError(name)
-        return getattr(self._loader, name)
+    with deferred("while starting Ray"):
+        register, handler = utils.set_sigterm_handler, signal.getsignal(signal.SIGTERM)
+        utils.set_sigterm_handler = lambda handler: None
+        try:
+            yield
+        finally:
+            utils.set_sigterm_handler = register
+            signal.signal(signal.SIGTERM, handler)  # should a later Ray register elsewhere
 
 
-def hold_signals_while_importing() -> None:
-    """From now on, importing a module of a package in `HELD_IMPORTS` holds SIGINT and SIGTERM until
-    it has finished (the console scripts' start). The held signal is delivered as the import ends,
-    which then fails: that package cannot be imported again in this process, which the interrupt
-    ends."""
-    if not any(isinstance(finder, _HoldingFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _HoldingFinder())
+# Phase 4, running.
+def _terminated(signum: int, frame: object) -> None:
+    raise stopped(signal.SIGTERM)
+
+
+@contextmanager
+def running() -> Iterator[None]:
+    """Around a command: SIGTERM raises `Interrupted` in the main thread as Ctrl-C raises
+    KeyboardInterrupt, unless the process was started to ignore it (then it goes on ignoring it)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if answered(previous):
+        signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        _restore({signal.SIGTERM: previous})
 
 
 @dataclass
@@ -276,3 +291,10 @@ def _restore(handlers: dict[int, Any]) -> None:
     for sig, handler in handlers.items():
         if handler is not None:  # None: a handler installed outside Python, which cannot be put back
             signal.signal(sig, handler)
+
+
+# Phase 5, finished.
+def finished() -> None:
+    """The command is done and has said so: a signal while the interpreter exits changes nothing."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from mhf_dist.config import BackboneConfig, Config, ModelConfig
 from mhf_dist.errors import ConfigError
+from mhf_dist.interrupts import importing
 
 GIB = 1024**3
 PLAN_FAMILIES = ("mhf", "qwen3", "qwen3_matched")
@@ -97,7 +98,8 @@ def _deepspeed_told_no_device() -> Iterator[None]:
     if chosen is None:
         os.environ[ACCELERATOR_VARIABLE] = "cpu"
     try:
-        yield
+        with importing():  # DeepSpeed's import runs torch's C++
+            yield
     except ValueError as err:  # DeepSpeed's refusal of an accelerator name it does not know
         raise ConfigError(f"{ACCELERATOR_VARIABLE}={chosen!r}: {err}; unset it or fix it") from None
     finally:
@@ -195,9 +197,9 @@ def activation_bytes(
 def largest_layer_params(model: ModelConfig) -> int:
     """DeepSpeed's `model_to_params` measure (the most parameters one module owns), on a meta model."""
     import numpy as np
-    import torch
 
     with _deepspeed_told_no_device():
+        import torch
         from deepspeed.runtime.zero.stage3 import model_to_params
     from mhf_dist.models import build_model
     from mhf_dist.signatures import SignatureTable, scheme_for_config

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from mhf_dist.console import quiet_driver
 from mhf_dist.errors import MhfError
-from mhf_dist.interrupts import deferred
+from mhf_dist.interrupts import starting_ray
 from mhf_dist.storage import reachable
 
 # Logical CPUs a local instance adds beyond the physical cores: Ray Train's workers each hold one CPU
@@ -42,29 +39,9 @@ def ensure_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
         quiet_driver(verbose)  # Ray's own notices at start-up too
         if not verbose:  # the errors of tasks nobody waits for any more (a run that stopped): Ray's logs
             os.environ.setdefault(UNHANDLED_ERRORS_VARIABLE, "1")
-        # A signal raised inside Ray's start-up crashes the process (its C++ core worker half made):
-        # it waits for ray.init to return, then stops the command as anywhere else.
-        with deferred("while starting Ray"), _caller_keeps_sigterm():
+        with starting_ray():  # a signal waits for ray.init to return
             _init(num_cpus, verbose)
     quiet_driver(verbose=workers_print_to_console())
-
-
-@contextmanager
-def _caller_keeps_sigterm() -> Iterator[None]:
-    """ray.init sets SIGTERM handlers of its own (sys.exit, from its start-up on); the caller's stays
-    (the CLI's: one line, exit 143, the same clean-up as Ctrl-C). Ray's atexit clean-up still runs."""
-    from ray._private import utils  # Ray has no switch for it: its one registration point is patched
-
-    register = getattr(utils, "set_sigterm_handler", None)
-    handler = signal.getsignal(signal.SIGTERM)
-    if register is not None:
-        utils.set_sigterm_handler = lambda handler: None
-    try:
-        yield
-    finally:
-        if register is not None:
-            utils.set_sigterm_handler = register
-        signal.signal(signal.SIGTERM, handler)  # should a later Ray register elsewhere
 
 
 def workers_print_to_console() -> bool:

@@ -126,10 +126,13 @@ def test_a_held_signal_is_delivered_once_and_a_second_ends_the_process_in_a_nest
 
 
 IMPORTING_TORCH = """
+from mhf_dist import interrupts
+
 def count(args):
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
     try:
-        import torch
+        with interrupts.importing():  # as every command imports what loads torch
+            import torch
     finally:
         print("torch._native" in sys.modules, file=sys.stderr)  # the last module torch's import imports
 """
@@ -137,7 +140,7 @@ def count(args):
 
 def test_a_ctrl_c_while_a_command_imports_torch_comes_once_the_import_has_finished():
     """A Ctrl-C inside torch's import, where its C++ calls back into Python, aborts the process now and
-    then (pybind11's `terminate`): the console scripts hold it until the import has finished."""
+    then (pybind11's `terminate`): a command's imports hold it until they have finished."""
     done = mhf_count_running(IMPORTING_TORCH)
     assert (done.returncode, done.stderr) == (
         130,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import logging
 import re
-import signal
 import sys
 from typing import Any, NoReturn
 
@@ -198,21 +197,16 @@ class MhfHarnessLM(LM):
 
 def cli() -> None:
     """`mhf-lm-eval`: lm-eval's command line with the `mhf` model registered."""
-    previous = signal.getsignal(signal.SIGTERM)
-    if interrupts.answered(previous):  # a SIGTERM the process was started to ignore stays ignored
-        signal.signal(signal.SIGTERM, interrupts.terminated)
-    try:
-        _evaluate_in_one_line()
-    # An interrupt, or a library's clean-up that failed as one unwound through it (as `mhf` reports it).
-    except (KeyboardInterrupt, Interrupted, Exception) as err:
-        stop = interrupts.as_interrupted(err)
-        if stop is None:
-            raise
-        print(f"interrupted: {stop}", file=sys.stderr)
-        sys.exit(stop.exit_code)
-    finally:
-        if previous is not None:  # None: a handler installed outside Python, never replaced
-            signal.signal(signal.SIGTERM, previous)
+    with interrupts.running():
+        try:
+            _evaluate_in_one_line()
+        # An interrupt, or a library's clean-up that failed as one unwound through it (as `mhf` says it).
+        except (KeyboardInterrupt, Interrupted, Exception) as err:
+            stop = interrupts.as_interrupted(err)
+            if stop is None:
+                raise
+            print(f"interrupted: {stop}", file=sys.stderr)
+            sys.exit(stop.exit_code)
 
 
 def _evaluate_in_one_line() -> None:
