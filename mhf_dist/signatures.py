@@ -404,14 +404,20 @@ class SignatureTable:
     def spec(self) -> str:
         return self.scheme.spec
 
-    def check_follows(self, hash_cfg: HashConfig, what: str, error: type[MhfError] = SignatureError) -> None:
+    def check_follows(
+        self,
+        hash_cfg: HashConfig,
+        what: str,
+        error: type[MhfError] = SignatureError,
+        fix: str = "rebuild the table or change model.hash",
+    ) -> None:
         """This table (`what`, for the message) was drawn by the scheme `model.hash` describes: shape,
         seed, scheme and LSH coordinates; else one line naming both."""
         if self.scheme != scheme_for_config(hash_cfg):
             raise error(
                 f"{what} is {self.spec} seed {self.seed} ({self.scheme.name} scheme, num_lsh {self.num_lsh}) "
                 f"but model.hash says {hash_cfg.spec} seed {hash_cfg.seed} ({hash_cfg.signature_scheme} "
-                f"scheme, num_lsh {hash_cfg.num_lsh}); rebuild the table or change model.hash"
+                f"scheme, num_lsh {hash_cfg.num_lsh}); {fix}"
             )
 
     def vocabulary_difference(self, tokens: Sequence[str]) -> str | None:

@@ -460,7 +460,8 @@ _NO_BUCKET_TO_CREATE = "To create buckets, enable the allow_bucket_creation opti
 def store_problem(location: str, err: BaseException) -> str | None:
     """What a failed request to the store of `location` ran into (UNREACHABLE, NO_BUCKET, REFUSED), by
     its error's type or the store's error code in it; None for anything else."""
-    if is_uri(location) and isinstance(err, PermissionError):  # GCS's 401 and 403
+    # GCS's 401 and 403; a local file's (a cache, a copy's target) names its file
+    if is_uri(location) and isinstance(err, PermissionError) and err.filename is None:
         return REFUSED
     match = _CODE.search(str(err))
     if match:

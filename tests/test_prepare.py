@@ -665,6 +665,35 @@ def test_overwrite_on_a_bucket_replaces_a_dataset_prepared_on_ray_but_not_one_wi
     assert bucket_tree(Location.of(bucket)) == before
 
 
+def test_overwrite_in_a_bucket_replaces_an_older_layout_and_never_works_in_a_version_its_manifest_names(
+    bucket, tmp_path
+):
+    out = Location.of(f"{bucket}/out")
+    prepare(recall_cfg(), tmp_path / "old", log=lambda _: None)
+    out.upload(tmp_path / "old", last="manifest.json")  # the older layout: every file beside the manifest
+    assert verify_shards(out) == 4
+    first = prepare(recall_cfg(60), out, overwrite=True, log=lambda _: None)
+    assert sorted(bucket_tree(out)) == sorted(["manifest.json", *first.file_names()])
+    # Stopped between its switch and its clean-up, a run left its key in the live version; the manifest
+    # was then edited so that it no longer reads. An unfinished version is resumed, an orphan removed.
+    (out / first.folder / "progress" / "key.json").write_text("{}")
+    edited = json.loads((out / "manifest.json").read_text()) | {"version": 3}
+    (out / "manifest.json").write_text(json.dumps(edited))
+    (out / "v-ffffffffffff" / "progress" / "key.json").write_text("{}")
+    (out / "v-fffffffffffe" / "train-00000.parquet").write_text("half written")
+    second = prepare(recall_cfg(70), out, overwrite=True, log=lambda _: None)
+    assert second.folder == "v-ffffffffffff" and read_manifest(out) == second
+    assert sorted(bucket_tree(out)) == sorted(["manifest.json", *second.file_names()])
+    assert second.moved_to("") == prepare(recall_cfg(70), tmp_path / "new", log=lambda _: None)
+    assert verify_shards(out) == verify_shards(tmp_path / "new")
+    # Another tool's manifest beside a version folder is not ours to replace.
+    (out / "manifest.json").write_text(json.dumps({"format": "someone-elses"}))
+    before = bucket_tree(out)
+    with pytest.raises(DataError, match=r"its manifest\.json is not an mhf shard manifest\); choose another"):
+        prepare(recall_cfg(), out, overwrite=True, log=lambda _: None)
+    assert bucket_tree(out) == before
+
+
 def test_the_demo_refuses_a_data_folder_it_did_not_write_and_names_workdir(tmp_path, monkeypatch):
     from mhf_dist import demo
 

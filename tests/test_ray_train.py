@@ -327,6 +327,25 @@ def test_an_unreachable_tracking_server_fails_before_training(shards, tmp_path, 
         train(run_cfg(shards, "train.steps=2", f"topology.storage={tmp_path}"), TrainOptions(name="nowhere"))
 
 
+def test_data_replaced_after_the_driver_checked_it_stops_the_workers_with_one_line(
+    shards, tmp_path, monkeypatch
+):
+    """The workers train on the prepared data the driver checked: one that `prepare --overwrite`
+    switched in between (here the driver saw another content hash) stops the run before a step."""
+    from mhf_dist.data.shards import read_manifest
+    from mhf_dist.train import ray_trainer
+
+    checked = read_manifest(shards).model_copy(update={"content_sha256": "0" * 64})
+    monkeypatch.setattr(ray_trainer, "read_manifest", lambda _: checked)
+    with pytest.raises(TrainingError) as raised:
+        train(run_cfg(shards, "train.steps=2", f"topology.storage={tmp_path}"), TrainOptions(name="switched"))
+    assert str(raised.value) == (
+        f"the prepared data at {shards} was replaced after the run was checked (content sha256 "
+        f"{read_manifest(shards).content_sha256[:12]}, checked 000000000000); start the run again "
+        "(--continue goes on with the new data); no checkpoint was written"
+    )
+
+
 def test_a_run_the_cluster_cannot_place_fails_in_seconds_before_any_worker_starts(shards, tmp_path):
     import time
 
@@ -437,6 +456,14 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_removes_incomplete_on
     prune_checkpoints(tmp_path, keep=2)
     assert sorted(path.name for path in tmp_path.iterdir()) == [paths[2].name, paths[4].name]
     assert newest_checkpoint(tmp_path).local == paths[4]
+    # A complete checkpoint whose run.json was edited is that file's one-line error, never passed over
+    # as incomplete (which would resume an older one, or prune it).
+    (paths[4] / "run.json").write_text(json.dumps(RUN | {"workers": "1"}))
+    write_rank_files(paths[4], 0)
+    for call in (lambda: newest_checkpoint(tmp_path), lambda: prune_checkpoints(tmp_path, keep=1)):
+        with pytest.raises(TrainingError, match=r"run\.json is damaged or was edited \(workers: "):
+            call()
+    assert sorted(path.name for path in tmp_path.iterdir()) == [paths[2].name, paths[4].name]
 
 
 def test_a_worker_out_of_memory_is_one_line_saying_what_to_change():

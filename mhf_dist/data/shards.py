@@ -55,8 +55,10 @@ ROWS_PER_GROUP = 1  # every parquet row group is one row: the unit the training 
 
 Split = Literal["train", "validation"]
 VERSION_FOLDER = r"v-[0-9a-f]{12}"  # a dataset's version in a bucket: the folder its manifest names
-# A file the manifest names: beside it, or in its version folder; never anywhere else.
-FileName = Annotated[str, StringConstraints(pattern=rf"^({VERSION_FOLDER}/)?[A-Za-z0-9_.-]+$")]
+# A file the manifest names: beside it, or in its version folder; never anywhere else (nor "." or "..").
+FileName = Annotated[
+    str, StringConstraints(pattern=rf"^({VERSION_FOLDER}/)?[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
+]
 
 
 def is_validation(text: str, val_percent: float) -> bool:

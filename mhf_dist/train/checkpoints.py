@@ -145,21 +145,26 @@ def write_rank_files(directory: Path, rank: int) -> None:
 
 
 def is_complete(path: Path | Location) -> bool:
-    """Every rank's listed files are in the checkpoint with their sizes (and rank 0's run.json); one
-    listing of the checkpoint, whatever its size."""
+    """Every rank's listed files are in the checkpoint with their sizes; one listing of the checkpoint,
+    whatever its size. Rank 0's list names run.json, so the record is read only once it is whole: a
+    damaged or edited one is then its one-line error (`read_run_record`), not an incomplete checkpoint
+    (which pruning would delete)."""
     path = Location.of(path)
-    try:
-        present = dict(path.files())
-        workers = read_run_record(path).workers
-        if workers is None:  # from an older layout
-            return False
-        for rank in range(workers):
-            listed = json.loads((path / RANK_FILES.format(rank=rank)).read_text())
-            if any(present.get(name) != size for name, size in listed.items()):
-                return False
-    except (OSError, ValueError, TrainingError):  # a file missing, half written or edited
+    present = dict(path.files())
+    if RUN_FILE not in present or not _listed_files_present(path, 0, present):
         return False
-    return True
+    workers = read_run_record(path).workers
+    if workers is None:  # from an older layout
+        return False
+    return all(_listed_files_present(path, rank, present) for rank in range(1, workers))
+
+
+def _listed_files_present(path: Location, rank: int, present: dict[str, int]) -> bool:
+    try:
+        listed = json.loads((path / RANK_FILES.format(rank=rank)).read_text())
+    except (OSError, ValueError):  # not copied in yet, or half written
+        return False
+    return isinstance(listed, dict) and all(present.get(name) == size for name, size in listed.items())
 
 
 def download_for_rank(checkpoint: Location, rank: int, local: Path) -> Path:

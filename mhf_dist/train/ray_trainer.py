@@ -237,6 +237,7 @@ def _worker_spec(
     """What every worker is handed: the run, where it logs, and what it starts from."""
     return WorkerSpec(
         config=inputs.worker_cfg,
+        data_sha256=inputs.manifest.content_sha256,
         run_dir=inputs.run_dir.uri,
         tracking_uri=uri,
         run_id=run_id,

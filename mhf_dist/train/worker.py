@@ -27,6 +27,7 @@ from mhf_dist.config import Config, micro_batch_size
 from mhf_dist.console import WorkerLines
 from mhf_dist.data.reader import RowReader, step_batches, training_plan
 from mhf_dist.data.shards import read_manifest
+from mhf_dist.errors import TrainingError
 from mhf_dist.eval.perplexity import nll_summary, nll_totals
 from mhf_dist.export import export_model, load_exported
 from mhf_dist.models.checkpointing import checkpoint_layers
@@ -164,6 +165,7 @@ class WorkerSpec:
     """
 
     config: Config  # data.path and topology.storage absolute or URIs: workers run in their own directories
+    data_sha256: str  # the content hash of the prepared data the driver checked: the workers train on it
     run_dir: str  # a local path or a URI (`storage.Location`)
     tracking_uri: str
     run_id: str
@@ -196,6 +198,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     world_size, rank = context.get_world_size(), context.get_world_rank()
     torch.manual_seed(cfg.train.seed)
     data, manifest = Location.of(cfg.data.path), read_manifest(cfg.data.path)
+    if manifest.content_sha256 != spec.data_sha256:  # `prepare --overwrite` switched the data since
+        raise TrainingError(
+            f"the prepared data at {data} was replaced after the run was checked (content sha256 "
+            f"{manifest.content_sha256[:12]}, checked {spec.data_sha256[:12]}); start the run again "
+            "(--continue goes on with the new data)"
+        )
     table = load_table(data / manifest.signatures.file)
     stepper, lineage = _build_stepper(spec, table, world_size)
     start_step, history = _restore(stepper, spec, rank)
@@ -394,7 +402,7 @@ class CheckpointSaver:
         history: list[dict[str, float]],
     ) -> None:
         self.stepper, self.cfg, self.table, self.run_record = stepper, cfg, table, run_record
-        self.tokenizer_file = tokenizer_file  # the dataset's, read once: a re-prepare may replace it
+        self.tokenizer_file = tokenizer_file  # the dataset's, by the name its checked manifest gives
         self.run_dir, self.rank, self.world_size, self.history = run_dir, rank, world_size, history
 
     def save(self, step: int, metrics: dict[str, float]) -> None:

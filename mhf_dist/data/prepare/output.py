@@ -27,7 +27,6 @@ from mhf_dist.data.shards import (
     TOKENIZER_FILE,
     VERSION_FOLDER,
     Manifest,
-    read_manifest,
     write_manifest,
 )
 from mhf_dist.errors import DataError, MhfError
@@ -90,22 +89,27 @@ def _foreign(out: Location, entries: list[Location]) -> str | None:
         stranger = next((entry.name for entry in entries if entry.name not in holding), None)
     if stranger is not None:
         return f"it holds {stranger!r}"
-    if out.remote and any(BUCKET_WORK.match(path) for path in files):
-        return None  # a bucket run of ours: its versions, or an unfinished run (of an older layout too)
-    if MANIFEST not in files:
-        return f"it has no {MANIFEST}"
+    if MANIFEST not in files:  # a bucket run of ours that did not finish, or not ours
+        return (
+            None if out.remote and any(BUCKET_WORK.match(path) for path in files) else f"it has no {MANIFEST}"
+        )
     try:
         raw = json.loads((out / MANIFEST).read_bytes())
     except ValueError:
-        return None if _our_signature_table(out) else f"its {MANIFEST} is not JSON"
+        tables = (path for path in files if path.rsplit("/", 1)[-1] == SIGNATURES_FILE)
+        return (
+            None
+            if any(_our_signature_table(out / path) for path in tables)
+            else f"its {MANIFEST} is not JSON"
+        )
     if isinstance(raw, dict) and raw.get("format") == FORMAT:
         return None
     return f"its {MANIFEST} is not an mhf shard manifest"
 
 
-def _our_signature_table(out: Location) -> bool:
+def _our_signature_table(path: Location) -> bool:
     try:
-        load_table(out / SIGNATURES_FILE)
+        load_table(path)
     except MhfError:
         return False
     return True
@@ -122,24 +126,29 @@ def check_writable(directory: Path, flag: str = "--out") -> None:
 
 def work_directory(out: Location) -> Location:
     """Where a prepare of `out` writes: `.NAME.partial` beside a local output; in a bucket the version
-    folder an unfinished run left (its progress kept), else a new one."""
+    folder an unfinished run left (its progress kept, no manifest naming it), else a new one."""
     if not out.remote:
         return Location.of(out.local.parent / f".{out.local.name}.partial")
-    live = _published_folder(out)
+    named = _named_versions(out)
     unfinished = (
         entry
         for entry in out.children()
-        if re.fullmatch(VERSION_FOLDER, entry.name) and entry.name != live and (entry / PROGRESS).is_dir()
+        if re.fullmatch(VERSION_FOLDER, entry.name)
+        and entry.name not in named
+        and (entry / PROGRESS).is_dir()
     )
     return next(unfinished, None) or out / f"v-{uuid.uuid4().hex[:12]}"
 
 
-def _published_folder(out: Location) -> str | None:
-    """The version folder the manifest at `out` names, if it is readable."""
-    try:
-        return read_manifest(out).folder
-    except DataError:
-        return None
+def _named_versions(out: Location) -> set[str]:
+    """The version folders the manifest at `out` names, read from its text: one that is damaged or
+    edited still keeps its folder from being taken for work."""
+    manifest = out / MANIFEST
+    return (
+        set(re.findall(VERSION_FOLDER, manifest.read_bytes().decode(errors="replace")))
+        if manifest.is_file()
+        else set()
+    )
 
 
 def open_work(work: Location, key: InputsKey, log: Callable[[str], None]) -> None:
@@ -166,24 +175,27 @@ def publish(work: Location, out: Location, manifest: Manifest) -> Manifest:
     """The progress folder and anything else the manifest does not name (a write an interrupted run
     left half done) removed, the manifest written, then the key. A local output is then renamed into
     place; in a bucket the manifest, naming the files in the version folder, is the switch, after which
-    the version it replaced is deleted (what it replaces: check_output allowed). Returns the manifest as
-    published."""
+    the version it replaced is deleted, with an older layout's files and versions no run can resume
+    (another run's unfinished version stays). Returns the manifest as published."""
     for folder in (PARTS, SHARDS, STAGED):
         (work / PROGRESS / folder).remove()
     named = {*manifest.file_names(), PROGRESS}
     for entry in work.children():
         if entry.name not in named:
             entry.remove()
-    if out.remote:
-        manifest = manifest.moved_to(work.name)
-    write_manifest(out if out.remote else work, manifest)
-    (work / PROGRESS).remove()
-    if out.remote:
-        for entry in out.children():
-            if entry.name not in (MANIFEST, work.name):
-                entry.remove()
-    else:
+    if not out.remote:
+        write_manifest(work, manifest)
+        (work / PROGRESS).remove()
         publish_directory(work.local, out.local, replace=True)
+        return manifest
+    replaced = _named_versions(out)
+    manifest = manifest.moved_to(work.name)
+    write_manifest(out, manifest)
+    (work / PROGRESS).remove()
+    for entry in out.children():
+        unfinished = re.fullmatch(VERSION_FOLDER, entry.name) and (entry / PROGRESS).is_dir()
+        if entry.name not in (MANIFEST, work.name) and (entry.name in replaced or not unfinished):
+            entry.remove()
     return manifest
 
 

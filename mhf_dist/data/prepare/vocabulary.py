@@ -87,7 +87,8 @@ def signature_table(cfg: Config, tokenizer: TextTokenizer) -> SignatureTable:
             f"data.signatures {str(path)!r} is the table of another vocabulary than the tokenizer's "
             f"({difference}); set data.tokenizer to that model's tokenizer.json"
         )
-    table.check_follows(cfg.model.hash, f"data.signatures {str(path)!r}", DataError)
+    fix = "set model.hash to the model's, or prepare without data.signatures"
+    table.check_follows(cfg.model.hash, f"data.signatures {str(path)!r}", DataError, fix)
     return table
 
 
