@@ -213,15 +213,16 @@ def add_prepare_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
+    from mhf_dist.data import recall
     from mhf_dist.data.prepare import prepare
 
     cfg = _config(args)
     try:
         prepare(cfg, cfg.data.path, overwrite=args.overwrite, num_cpus=args.num_cpus, verbose=args.verbose)
     except (KeyboardInterrupt, Interrupted) as err:
-        raise interrupts.restated(
-            err, "rerun the same command: it goes on from the parts and shards already written"
-        ) from None
+        generated = cfg.data.corpus == recall.CORPUS  # its rows are made again, in seconds
+        kept = "" if generated else ": it goes on from the parts and shards already written"
+        raise interrupts.restated(err, f"rerun the same command{kept}") from None
 
 
 def add_verify_data_parser(commands: argparse._SubParsersAction) -> None:

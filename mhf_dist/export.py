@@ -230,9 +230,11 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
     try:
         load_model(model, str(local / WEIGHTS_FILE), strict=True)
     except Exception as err:  # safetensors raises several types for a truncated or foreign file
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]  # torch: a heading, then
+        reason = next((line for line in lines if not line.endswith(":")), type(err).__name__)  # each key
         raise ExportError(
-            f"{str(where / WEIGHTS_FILE)!r} is damaged or from another model ({reason}); re-export it"
+            f"{str(where / WEIGHTS_FILE)!r} is damaged or not of the model {CONFIG_FILE} describes "
+            f"({reason[:200]}); restore the exported directory as it was written"
         ) from None
     model.eval()
     tokenizer = TextTokenizer.load(local / TOKENIZER_FILE)

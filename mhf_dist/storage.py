@@ -50,7 +50,12 @@ _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
 
 class StorageError(MhfError):
-    """A location that cannot be reached, does not exist, or refuses the credentials."""
+    """A location that cannot be reached, does not exist, or refuses the credentials; `problem` says
+    which, where the store said (`store_problem`)."""
+
+    def __init__(self, message: str, problem: str | None = None) -> None:
+        super().__init__(message)
+        self.problem = problem
 
 
 def is_uri(location: str | Path) -> bool:
@@ -215,6 +220,11 @@ def filesystem(location: str | Path) -> tuple[pafs.FileSystem, str]:
     inside = (parts.netloc.rsplit("@", 1)[-1] + parts.path).rstrip("/")
     if not parts.netloc:
         raise StorageError(f"{redact(text)!r} names no bucket; write {scheme}://BUCKET/PATH")
+    folders = parts.path.removeprefix("/").removesuffix("/")
+    if folders and any(part in ("", ".", "..") for part in folders.split("/")):
+        raise StorageError(
+            f"{redact(text)!r} has an empty, . or .. folder in its path; write {scheme}://BUCKET/PATH"
+        )
     if scheme == "s3" and not parts.query and "@" not in parts.netloc:
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         return _s3(_endpoint(), region), inside
@@ -437,7 +447,7 @@ def storage_errors(location: Location | str) -> Iterator[None]:
     except FileNotFoundError:
         raise
     except OSError as err:
-        raise StorageError(describe_failure(str(location), err)) from None
+        raise StorageError(describe_failure(str(location), err), store_problem(str(location), err)) from None
 
 
 # pyarrow raises a plain OSError for a failed request, its text carrying the store's own error code:

@@ -36,6 +36,10 @@ def test_an_exported_model_scores_exactly_like_the_original(small_cfg, tokenizer
     )
     with pytest.raises(ExportError, match="already exists"):
         export_model(model, cfg, table, tokenizer_file, tmp_path / "model")
+    probe = tmp_path / "new-file"
+    probe.touch()  # the mode a new file gets under this process's umask
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "model").iterdir()}
+    assert modes == dict.fromkeys(modes, probe.stat().st_mode & 0o777)  # safetensors writes 0600 itself
 
 
 def test_bad_export_directories_are_one_line_errors(small_cfg, tokenizer_file, tmp_path):
@@ -80,7 +84,9 @@ def test_damaged_export_files_are_one_line_errors_naming_the_file(small_cfg, tok
     weights = tmp_path / "model" / "model.safetensors"
     whole = weights.read_bytes()
     weights.write_bytes(whole[: len(whole) // 2])  # a copy cut short
-    with pytest.raises(ExportError, match=r"model.safetensors' is damaged or from another model"):
+    with pytest.raises(
+        ExportError, match=r"model.safetensors' is damaged or not of the model config.json describes"
+    ):
         load_exported(tmp_path / "model")
     weights.unlink()
     with pytest.raises(ExportError, match=r"has no model\.safetensors"):

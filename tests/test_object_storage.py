@@ -131,6 +131,7 @@ def flat_data(cfg):
     [
         ("s3://no-such-bucket-here/runs", "the bucket of 's3://no-such-bucket-here/runs' does not exist"),
         ("nosuchscheme://bucket/runs", "pyarrow knows no filesystem for nosuchscheme://"),
+        ("s3://bucket//runs/..", "'s3://bucket//runs/..' has an empty, . or .. folder in its path"),
     ],
 )
 def test_unusable_storage_is_one_line_and_exit_2_within_30_s(mixed_in_bucket, storage, says):

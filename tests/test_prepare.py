@@ -19,6 +19,7 @@ from mhf_dist.data.shards import (
     check_tokenizer,
     is_validation,
     read_manifest,
+    save_tokenizer,
     verify_shards,
 )
 from mhf_dist.data.tokenizer import TextTokenizer
@@ -692,6 +693,32 @@ def test_overwrite_in_a_bucket_replaces_an_older_layout_and_never_works_in_a_ver
     with pytest.raises(DataError, match=r"its manifest\.json is not an mhf shard manifest\); choose another"):
         prepare(recall_cfg(), out, overwrite=True, log=lambda _: None)
     assert bucket_tree(out) == before
+
+
+def test_a_file_put_in_the_output_while_overwrite_runs_is_never_deleted(root, monkeypatch):
+    """Ownership is checked again at the switch: locally the rename would delete the file, so the run
+    stops before it (the old dataset kept); in a bucket the clean-up after the switch leaves it."""
+    from mhf_dist.data.prepare import recall as recall_prepare
+
+    out = root / "out"
+    old = prepare(recall_cfg(), out, log=lambda _: None)
+
+    def meanwhile(tokenizer, path):
+        (out / "notes.txt").write_text("mine")
+        save_tokenizer(tokenizer, path)
+
+    monkeypatch.setattr(recall_prepare, "save_tokenizer", meanwhile)
+    if not root.remote:
+        with pytest.raises(DataError) as raised:
+            prepare(recall_cfg(60), out, overwrite=True, log=lambda _: None)
+        assert str(raised.value).startswith(
+            f"output {str(out)!r} is no longer only shards mhf prepare wrote (it holds 'notes.txt'); move"
+        )
+        assert read_manifest(out) == old
+    else:
+        new = prepare(recall_cfg(60), out, overwrite=True, log=lambda _: None)
+        assert sorted(bucket_tree(out)) == sorted(["manifest.json", "notes.txt", *new.file_names()])
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_the_demo_refuses_a_data_folder_it_did_not_write_and_names_workdir(tmp_path, monkeypatch):

@@ -213,9 +213,10 @@ def test_a_hand_edited_run_json_is_one_line_naming_the_file_and_an_old_one_still
     message = str(raised.value)
     assert message.startswith(f"{tmp_path / 'run.json'} is damaged or was edited (fingerprint: ")
     assert message.endswith("; resume from another checkpoint (mhf train --resume)") and "\n" not in message
-    (tmp_path / "run.json").write_text(json.dumps(run | {"workers": "2"}))
-    with pytest.raises(TrainingError, match=r"run\.json is damaged or was edited \(workers: "):
-        check_resumable(tmp_path, cfg, "f" * 64)
+    for edit, field in (({"workers": "2"}, "workers"), ({"zero_stage": 7}, "zero_stage")):
+        (tmp_path / "run.json").write_text(json.dumps(run | edit))
+        with pytest.raises(TrainingError, match=rf"run\.json is damaged or was edited \({field}: "):
+            check_resumable(tmp_path, cfg, "f" * 64)
     # A checkpoint from before the topology, trainable split and document format were recorded.
     (tmp_path / "run.json").write_text(json.dumps({key: run[key] for key in ("model", "fingerprint")}))
     check_resumable(tmp_path, cfg, "f" * 64)

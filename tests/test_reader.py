@@ -229,3 +229,10 @@ def test_a_shard_missing_from_the_bucket_is_a_one_line_error_naming_it(bucket_sh
         for _ in range(17):
             next(batches)
     reader.close()
+
+
+def test_data_in_a_bucket_that_does_not_exist_names_the_bucket(s3_server):
+    from mhf_dist.storage import StorageError
+
+    with pytest.raises(StorageError, match=r"^the bucket of 's3://no-such-bucket-here/data' does not exist"):
+        RowReader("s3://no-such-bucket-here/data", "train")

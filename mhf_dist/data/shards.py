@@ -332,6 +332,7 @@ def read_manifest(path: str | Path | Location) -> Manifest:
     path = str(directory)
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
+        directory.check_bucket()
         if not directory.is_dir():
             raise DataError(f"prepared data {path!r} does not exist; run `mhf prepare` first")
         raise DataError(f"{path!r} is not a complete prepared dataset (no {MANIFEST}); rerun `mhf prepare`")

@@ -49,7 +49,7 @@ class RunRecord(BaseModel):
     model: dict[str, Any]  # the ModelConfig, as JSON
     fingerprint: str  # the signature table's
     workers: int | None = None  # None: not recorded (such a checkpoint never counts as complete)
-    zero_stage: int | None = None  # None: not recorded (a resume takes the run's own)
+    zero_stage: int | None = Field(None, ge=0, le=3)  # None: not recorded (a resume takes the run's own)
     lineage: list[dict[str, Any]] = Field(default_factory=list)  # vocabularies it grew from (`mhf cpt`)
     # A resume must freeze the same parameters (no optimizer state); not recorded: not checked.
     trainable: list[str] | None = None
@@ -243,13 +243,18 @@ def check_resumable(path: Path | Location, cfg: Config, fingerprint: str) -> Non
             f"checkpoint {str(path)!r} was trained with train.trainable={saved} (frozen parameters have "
             f"no optimizer state); resume with --set 'train.trainable={saved}'"
         )
-    model = cfg.model.model_dump(mode="json")
-    if run.model != model:
-        changed = sorted(key for key, value in model.items() if run.model.get(key) != value)
+    changed = _model_difference(run.model, cfg)
+    if changed:
         raise TrainingError(
-            f"checkpoint {str(path)!r} was trained with a different model config ({', '.join(changed)}); "
+            f"checkpoint {str(path)!r} was trained with a different model config ({changed}); "
             "resume with the same model settings"
         )
+
+
+def _model_difference(saved: dict[str, Any], cfg: Config) -> str:
+    """The model config's keys whose saved value differs from the run's, or "" when none does."""
+    model = cfg.model.model_dump(mode="json")
+    return ", ".join(sorted(key for key in model.keys() | saved.keys() if saved.get(key) != model.get(key)))
 
 
 def check_initial_model(path: Path, cfg: Config, fingerprint: str) -> None:
@@ -264,8 +269,9 @@ def check_initial_model(path: Path, cfg: Config, fingerprint: str) -> None:
             f"the data has {fingerprint[:12]}; prepare the data with the model's tokenizer.json and "
             f"--set data.signatures={path}"
         )
-    if description.model != cfg.model.model_dump(mode="json"):
+    changed = _model_difference(description.model, cfg)
+    if changed:
         raise TrainingError(
-            f"model {path!r} has another model config than the run; start from a matching model "
-            "or change the run's model settings"
+            f"model {path!r} has another model config than the run ({changed}); start from a matching "
+            "model or change the run's model settings"
         )

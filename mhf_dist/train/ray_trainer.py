@@ -34,7 +34,7 @@ from mhf_dist.plugins import outside_registrations
 from mhf_dist.ray_utils import ensure_ray, workers_print_to_console
 from mhf_dist.readers import read_json
 from mhf_dist.signatures import load_table
-from mhf_dist.storage import Location, StorageError, describe_failure, local_copy, redact
+from mhf_dist.storage import UNREACHABLE, Location, StorageError, describe_failure, local_copy, redact
 from mhf_dist.tracking import end_run, log_artifact, log_dataset, reopen_run, start_run, tracking_uri
 from mhf_dist.train.callbacks import StepCallback
 from mhf_dist.train.checkpoints import (
@@ -409,8 +409,8 @@ def _storage_failure(err: BaseException, storage: Location) -> StorageError | No
     elif isinstance(err, WorkerGroupError):
         causes += [getattr(failure, "_base_exc", failure) for failure in err.worker_failures.values()]
     for cause in causes:
-        if isinstance(cause, StorageError):
-            return cause
+        if isinstance(cause, StorageError) and cause.problem == UNREACHABLE:
+            return cause  # any other (a file gone, refused credentials) is a worker's one-line error
         if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):
             return StorageError(describe_failure(str(storage), cause))
     return None

@@ -219,10 +219,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         trainable=cfg.train.trainable,  # a resume must freeze the same parameters (no optimizer state)
         document_format=manifest.document_format,  # exports carry the shards'
     )
+    tokenizer_file = local_copy(data / manifest.tokenizer.file)
     saver = CheckpointSaver(
-        stepper, cfg, table, data / manifest.tokenizer.file, run_record, Location.of(spec.run_dir), rank,
-        world_size, history,
-    )  # fmt: skip
+        stepper, cfg, table, tokenizer_file, run_record, Location.of(spec.run_dir), rank, world_size, history
+    )
     callbacks = [
         *spec.callbacks,
         *_built_in_callbacks(spec, stepper, saver, start_step, last_step, rank, world_size, sources, counter),
@@ -394,7 +394,7 @@ class CheckpointSaver:
         stepper: DeepSpeedStepper,
         cfg: Config,
         table: SignatureTable,
-        tokenizer_file: Location,
+        tokenizer_file: Path,
         run_record: RunRecord,
         run_dir: Location,
         rank: int,
@@ -402,7 +402,9 @@ class CheckpointSaver:
         history: list[dict[str, float]],
     ) -> None:
         self.stepper, self.cfg, self.table, self.run_record = stepper, cfg, table, run_record
-        self.tokenizer_file = tokenizer_file  # the dataset's, by the name its checked manifest gives
+        self.tokenizer_file = (
+            tokenizer_file  # the dataset's, copied at the start (a bucket's may be replaced)
+        )
         self.run_dir, self.rank, self.world_size, self.history = run_dir, rank, world_size, history
 
     def save(self, step: int, metrics: dict[str, float]) -> None:
@@ -423,7 +425,7 @@ class CheckpointSaver:
                         self.stepper.engine.module,
                         self.cfg.model,
                         self.table,
-                        local_copy(self.tokenizer_file),
+                        self.tokenizer_file,
                         directory / MODEL_DIR,
                         self.run_record.lineage,
                         document_format=self.run_record.document_format,

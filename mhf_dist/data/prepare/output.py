@@ -174,9 +174,10 @@ def open_work(work: Location, key: InputsKey, log: Callable[[str], None]) -> Non
 def publish(work: Location, out: Location, manifest: Manifest) -> Manifest:
     """The progress folder and anything else the manifest does not name (a write an interrupted run
     left half done) removed, the manifest written, then the key. A local output is then renamed into
-    place; in a bucket the manifest, naming the files in the version folder, is the switch, after which
-    the version it replaced is deleted, with an older layout's files and versions no run can resume
-    (another run's unfinished version stays). Returns the manifest as published."""
+    place (unless a file was put there meanwhile); in a bucket the manifest, naming the files in the
+    version folder, is the switch, after which the version it replaced is deleted, with an older layout's
+    files and versions no run can resume (another run's unfinished version, and a folder holding a file
+    prepare does not write, stay). Returns the manifest as published."""
     for folder in (PARTS, SHARDS, STAGED):
         (work / PROGRESS / folder).remove()
     named = {*manifest.file_names(), PROGRESS}
@@ -184,6 +185,13 @@ def publish(work: Location, out: Location, manifest: Manifest) -> Manifest:
         if entry.name not in named:
             entry.remove()
     if not out.remote:
+        entries = out.children()
+        foreign = _foreign(out, entries) if entries else None
+        if foreign is not None:  # written there while this prepare ran: the rename would delete it
+            raise DataError(
+                f"output {str(out)!r} is no longer only shards mhf prepare wrote ({foreign}); move that out "
+                f"and rerun: the new shards wait in {work}"
+            )
         write_manifest(work, manifest)
         (work / PROGRESS).remove()
         publish_directory(work.local, out.local, replace=True)
@@ -194,7 +202,10 @@ def publish(work: Location, out: Location, manifest: Manifest) -> Manifest:
     (work / PROGRESS).remove()
     for entry in out.children():
         unfinished = re.fullmatch(VERSION_FOLDER, entry.name) and (entry / PROGRESS).is_dir()
-        if entry.name not in (MANIFEST, work.name) and (entry.name in replaced or not unfinished):
+        if entry.name in (MANIFEST, work.name) or (unfinished and entry.name not in replaced):
+            continue
+        paths = [f"{entry.name}/{path}" for path, _ in entry.files()] or [entry.name]
+        if all(WRITTEN_HERE.fullmatch(path) for path in paths):  # ours alone: nothing anyone added since
             entry.remove()
     return manifest
 
