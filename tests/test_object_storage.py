@@ -390,7 +390,7 @@ def test_overwrite_in_a_bucket_killed_mid_upload_leaves_the_old_dataset_whole_an
     from mhf_dist.data.reader import RowReader
     from mhf_dist.data.shards import read_manifest, verify_shards
 
-    sets = [*a_corpus(tmp_path), "data.rows_per_shard=4"]
+    sets = [*a_corpus(tmp_path), "data.rows_per_shard=16"]
     new_sets = [*sets, "data.val_percent=30"]
     out = Location.of(f"{s3_server.make_bucket('overwrite')}/data")
     old = prepare(load_config("tiny", sets), out, log=lambda _: None)
@@ -404,7 +404,7 @@ def test_overwrite_in_a_bucket_killed_mid_upload_leaves_the_old_dataset_whole_an
     try:
         while not any(".parquet" in path and not path.startswith(old.folder) for path, _ in out.files()):
             assert process.poll() is None, process.stderr.read()
-            time.sleep(0.2)
+            time.sleep(0.05)
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
