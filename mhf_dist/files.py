@@ -68,7 +68,9 @@ def staged_directory(path: str | Path | Location, marker: str | None = None) -> 
     staging.mkdir()  # mode 0777 less the umask, as any new directory (mkdtemp's would be 0700)
     try:
         yield staging
-        mode = _new_file_mode(staging)
+        mode = (
+            staging.stat().st_mode & 0o666
+        )  # a new file's: 0666 less the umask, as the folder is 0777 less it
         for written in staging.rglob("*"):  # a writer that replaces its file (safetensors) makes it 0600
             if written.is_file():
                 os.chmod(written, mode)
@@ -106,17 +108,6 @@ def unwritable(path: Path) -> Path | None:
     except OSError:  # NotADirectoryError for a file, PermissionError, or a file system that takes none
         return existing
     return None
-
-
-def _new_file_mode(directory: Path) -> int:
-    """The mode a new file in `directory` gets: 0666 less the umask (read without changing the umask,
-    which is the whole process's)."""
-    probe = _staging_name(directory / "mode", ".probe")
-    os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
-    try:
-        return probe.stat().st_mode & 0o777
-    finally:
-        probe.unlink()
 
 
 def _remote(path: str | Path | Location) -> bool:
