@@ -388,7 +388,9 @@ def compare_runs(
         # Each family's own objective: mhf's coordinates loss is not a per-token NLL over V.
         loss = read_runs(uri, experiment, "loss", sweep_run_id, group_by)
         report["loss.png"] = curves_png(loss, "training loss (each family's objective)")
-    files = [_write(out / name, data) for name, data in report.items()]
+    for name, data in report.items():
+        (out / name).write_bytes(data)  # each whole, in one step
+    files = [(out / name).as_given() for name in report]
     if sweep_run_id:
         log_files(uri, sweep_run_id, report)
         images = {name.removesuffix(".png"): data for name, data in report.items() if name.endswith(".png")}
@@ -406,19 +408,13 @@ def report_directory(out_dir: str | Path | Location) -> Location:
             f"the report directory {str(out)!r} is a file; give --out a directory (it gets compare.md, "
             "compare.csv and the plots)"
         )
-    above = [] if out.remote else out.local.absolute().parents
-    blocking = next((parent for parent in above if parent.is_file()), None)
+    blocking = out.file_above()
     if blocking is not None:
         raise CompareError(
             f"the report directory {str(out)!r} cannot be created: {str(blocking)!r} is a file; give --out "
             "a directory that is not under a file"
         )
     return out
-
-
-def _write(where: Location, data: bytes) -> Path | Location:
-    where.write_bytes(data)  # the whole file in one step: local staged and renamed, remote one upload
-    return where if where.remote else where.local
 
 
 def stability_tags(rows: list[dict[str, Any]]) -> dict[str, str]:

@@ -25,7 +25,7 @@ from mhf_dist.data.shards import MANIFEST, file_sha256, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import TrainingError
 from mhf_dist.export import CONFIG_FILE, WEIGHTS_FILE, ExportedModel, export_model, load_exported
-from mhf_dist.files import staged_file, write_json_atomic
+from mhf_dist.files import write_json_atomic
 from mhf_dist.models import build_model, param_count
 from mhf_dist.models.base import CausalLM
 from mhf_dist.models.registry import resolved_config
@@ -245,7 +245,7 @@ def run_cpt(
     if made != made_from:  # none yet, a half-made one, or one recorded by an older mhf-dist: made again
         init_record.remove()
         init_dir.remove()  # a half-made one, or none
-        with staged_file(tokenizer_file) as staging:
+        with Location.of(tokenizer_file).staged_file() as staging:
             tokenizer.save(staging)
         lineage = [
             *parent.lineage,

@@ -2,10 +2,10 @@
 
 An exported directory holds `config.json` (the model config and the signature fingerprint),
 `model.safetensors` (the weights), `signatures.safetensors` (the vocabulary's SignatureTable) and
-`tokenizer.json`. It is written through `staged_directory`, so a directory that exists is complete: on
-a local disk by a rename, in a bucket (`s3://`, `gs://`) by uploading `config.json` last, so a remote
-directory without it is an export that did not finish and is refused. A remote model is loaded from a
-local copy (`storage.local_copy`, downloaded once per version); a local one in place.
+`tokenizer.json`. It is written through `Location.staged_directory`, so a directory that exists is
+complete: on a local disk by a rename, in a bucket (`s3://`, `gs://`) by uploading `config.json` last, so
+a remote directory without it is an export that did not finish and is refused. A remote model is loaded
+from a local copy (`storage.local_copy`, downloaded once per version); a local one in place.
 Loading never unpickles: safetensors only. `config.json` also records the document format the model was
 trained on (`document_format`: bos or eos); a model written before it was recorded is `eos`.
 """
@@ -25,7 +25,6 @@ from mhf_dist.config import ModelConfig
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
 from mhf_dist.data.tokenizer import DOCUMENT_FORMATS, LEGACY_FORMAT, TextTokenizer, check_document_format
 from mhf_dist.errors import DataError, MhfError, SignatureError, first_problem, problem_line
-from mhf_dist.files import staged_directory
 from mhf_dist.models.base import CausalLM
 from mhf_dist.readers import read_json
 from mhf_dist.signatures import SignatureTable, load_table, save_table
@@ -100,17 +99,12 @@ def export_model(
         lineage=lineage or [],
         document_format=document_format,
     )
-    with staged_directory(where.uri, marker=CONFIG_FILE) as staging:
+    with where.staged_directory(CONFIG_FILE) as staging:
         (staging / CONFIG_FILE).write_text(record.model_dump_json(indent=2))
         save_file(_weights(model), str(staging / WEIGHTS_FILE))
         save_table(table, staging / SIGNATURES_FILE)
         shutil.copyfile(tokenizer_file, staging / TOKENIZER_FILE)
-    return as_given(where)
-
-
-def as_given(where: Location) -> Path | Location:
-    """A local directory as a `Path` (as callers always had it), a remote one as its `Location`."""
-    return where if where.remote else where.local
+    return where.as_given()
 
 
 def check_new_output(where: Location, error: type[MhfError], fix: str) -> None:
@@ -253,7 +247,7 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
         config,
         table,
         tokenizer,
-        as_given(where),
+        where.as_given(),
         description.lineage,
         description.document_format,
     )

@@ -12,7 +12,7 @@ reference's extra keys ride along as attributes), weights as `model.safetensors`
 `max_shard_size` (the Hub's 5GB by default), shards named by `model.safetensors.index.json`
 (`huggingface_hub.save_torch_state_dict` writes them; import reads either). Either end may be a
 bucket (`s3://`, `gs://`): import reads a remote checkpoint file by file, and a remote output is staged
-locally and uploaded with its `config.json` last (`files.staged_directory`), so a reader never takes an
+locally and uploaded with its `config.json` last (`Location.staged_directory`), so a reader never takes an
 unfinished upload for a checkpoint.
 
 The vocabulary (model.vocab_size, the ids) is the tokenizer's; the signature table is the checkpoint's
@@ -44,13 +44,11 @@ from mhf_dist.export import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     ExportedModel,
-    as_given,
     check_new_output,
     export_model,
     load_exported,
     unique_tensors,
 )
-from mhf_dist.files import staged_directory
 from mhf_dist.models import build_model
 from mhf_dist.models.qwen3 import qwen3_config
 from mhf_dist.readers import json_kind, read_json
@@ -334,11 +332,11 @@ def export_hf(
     check_new_output(out, LayoutError, "another --out")
     exported = load_exported(model_dir)
     config, weights = _layout_for(exported.config)(exported)
-    with staged_directory(out.uri, marker=CONFIG_FILE) as staging:
+    with out.staged_directory(CONFIG_FILE) as staging:
         config.save_pretrained(staging)
         save_torch_state_dict(weights, staging, max_shard_size=largest)
         exported.tokenizer.save(staging / TOKENIZER_FILE)
-    return as_given(out)
+    return out.as_given()
 
 
 HfLayout = Callable[[ExportedModel], tuple[Qwen3Config, dict[str, torch.Tensor]]]

@@ -49,7 +49,6 @@ from safetensors.numpy import load_file, save_file
 
 from mhf_dist.config import HashConfig, format_hash_spec
 from mhf_dist.errors import MhfError, SignatureError
-from mhf_dist.files import staged_file
 from mhf_dist.storage import Location, local_copy
 
 # torch is imported only where a tensor is asked for: `mhf prepare`'s Ray tasks load tables and look up
@@ -541,7 +540,7 @@ def build_for_config(
 
 
 def save_table(table: SignatureTable, path: str | Path) -> None:
-    """Write `table` as a safetensors file (no pickle), published whole (`staged_file`)."""
+    """Write `table` as a safetensors file (no pickle), published whole (`Location.staged_file`)."""
     extended = bool(table.num_lsh or table.reserved_rows)
     encoded = [token.encode("utf-8") for token in table.tokens]
     offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
@@ -564,7 +563,7 @@ def save_table(table: SignatureTable, path: str | Path) -> None:
     }
     if extended:
         metadata["num_lsh"] = str(table.num_lsh)
-    with staged_file(path) as staging:
+    with Location.of(path).staged_file() as staging:
         save_file(tensors, str(staging), metadata=metadata)
 
 

@@ -12,16 +12,24 @@ own query options (`s3://bucket/x?endpoint_override=...`) are honoured too. Requ
 a bounded number of times, so an unreachable endpoint is an error within seconds, not a hang.
 `redact` removes what could be a secret (user info, query options) before a location is shown.
 
-Object stores have no rename: a new directory is published by writing every other file first and its
-marker file last (`files.staged_directory`); readers trust a directory only once its marker is there. A
-prepared dataset is replaced by a new version folder and a switch of its manifest
-(`data.prepare.output`).
+Every write that others may read is published whole: `Location.write_bytes`, `Location.staged_file` and
+`Location.staged_directory` write to a private staging path, then publish it in one step. On a local disk
+that step is a rename (`publish_directory`). Object stores have no rename: the staging path is a local
+temporary one, its files are uploaded, and a directory's marker file (its manifest or config) last, so a
+reader that trusts a directory only once its marker is there never sees half of one. A prepared dataset is
+replaced by a new version folder and a switch of its manifest (`data.prepare.output`).
+
+What only the local disk has is asked of a `Location` here, never of the caller: links (`files(links=True)`,
+`real`, `is_symlink`, `file_above`), a directory read in place (`on_disk`), staging beside the data
+(`staging`), what Ray's storage options take (`ray_storage`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
+import glob
 import hashlib
 import os
 import re
@@ -29,7 +37,7 @@ import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,6 +55,7 @@ TIMEOUT_VARIABLE = "MHF_STORAGE_TIMEOUT_S"
 MAX_ATTEMPTS = 3  # per request: an unreachable endpoint fails in seconds
 CACHE_VARIABLE = "MHF_CACHE"  # where remote models are copied to before loading (default ~/.cache/mhf-dist)
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+WILDCARD = re.compile(r"[*?\[]")
 
 
 class StorageError(MhfError):
@@ -284,6 +293,28 @@ class Location:
             raise StorageError(f"{self} is not on the local disk")
         return Path(self.path)
 
+    def as_given(self) -> Path | Location:
+        """A local location as a `Path` (as callers always had it), a remote one as itself."""
+        return self if self.remote else self.local
+
+    @property
+    def real(self) -> str:
+        """What this location reaches: its real path on the local disk (links followed), else its URI."""
+        return self.uri if self.remote else os.path.realpath(self.path)
+
+    def is_symlink(self) -> bool:
+        return not self.remote and self.local.is_symlink()
+
+    def file_above(self) -> Path | None:
+        """A file on the local disk where a folder above this location would have to be (an object store's
+        keys are no folders: never)."""
+        above = [] if self.remote else self.local.parents
+        return next((parent for parent in above if parent.is_file()), None)
+
+    def ray_storage(self) -> dict[str, Any]:
+        """Ray Train's and Tune's `storage_path` and `storage_filesystem` (None: Ray's own local disk)."""
+        return {"storage_path": self.path, "storage_filesystem": self.fs if self.remote else None}
+
     def check_bucket(self) -> None:
         """A remote location's bucket exists: a missing bucket otherwise reads as an empty listing, and a
         write into it fails only at its upload, after the work."""
@@ -319,26 +350,85 @@ class Location:
 
     def write_bytes(self, data: bytes) -> None:
         """The whole file in one step (local: staged and renamed; object store: one upload)."""
-        if not self.remote:  # a sibling renamed over the file (`files.staged_file` for writers of paths)
-            path = self.local
-            path.parent.mkdir(parents=True, exist_ok=True)
-            staging = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
-            try:
+        if not self.remote:
+            with self.staged_file() as staging:
                 staging.write_bytes(data)
-                os.replace(staging, path)
-            finally:
-                staging.unlink(missing_ok=True)
             return
         with storage_errors(self), self.fs.open_output_stream(self.path, compression=None) as stream:
             stream.write(data)
 
+    @contextmanager
+    def staged_file(self, suffix: str = ".tmp") -> Iterator[Path]:
+        """Yields a new local file to write; on success it replaces this file in one step, on any error (or
+        interrupt) it is removed and this file is left as it was. `suffix` keeps the extension that writers
+        such as matplotlib choose a format by. Local: a sibling renamed over the file; for an object store
+        the staging file is a temporary one, uploaded in one request on success."""
+        if self.remote:
+            with tempfile.TemporaryDirectory(prefix="mhf-staged-") as tmp:
+                staging = Path(tmp) / f"file{suffix}"
+                staging.touch()
+                yield staging
+                self.write_bytes(staging.read_bytes())
+            return
+        path = self.local
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = _staging_name(path, suffix)
+        os.close(os.open(staging, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask applies
+        mode = staging.stat().st_mode & 0o777
+        try:
+            yield staging
+            os.chmod(staging, mode)  # a writer that replaces its file (safetensors) makes it 0600
+            _publish(staging, path)
+        finally:
+            staging.unlink(missing_ok=True)
+
+    @contextmanager
+    def staged_directory(self, marker: str | None = None) -> Iterator[Path]:
+        """Yields an empty local staging directory for this one, which must not exist; on success it
+        becomes this directory, on any error it is removed. Local: a sibling renamed into place; for an
+        object store a temporary directory whose files are uploaded with `marker` last."""
+        if self.remote:
+            with tempfile.TemporaryDirectory(prefix="mhf-staged-") as tmp:
+                yield Path(tmp)
+                if self.exists():
+                    raise FileExistsError(f"{self} appeared while it was being written")
+                self.upload(Path(tmp), last=marker)
+            return
+        path = self.local
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = _staging_name(path, "")
+        staging.mkdir()  # mode 0777 less the umask, as any new directory (mkdtemp's would be 0700)
+        try:
+            yield staging
+            mode = staging.stat().st_mode & 0o666  # a new file's: 0666 less the umask, as the folder's 0777
+            for written in staging.rglob("*"):  # a writer that replaces its file (safetensors) makes it 0600
+                if written.is_file():
+                    os.chmod(written, mode)
+            publish_directory(staging, path)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def staging(self, prefix: str) -> tempfile.TemporaryDirectory[str]:
+        """A local temporary directory for files on their way here: inside this directory on the local
+        disk, where `clear_staging` finds what a killed process left; for an object store under TMPDIR."""
+        return tempfile.TemporaryDirectory(dir=None if self.remote else self.path, prefix=prefix)
+
+    def clear_staging(self, prefix: str) -> None:
+        """The `staging(prefix)` directories a stopped process left here, removed."""
+        for staging in [] if self.remote else self.local.glob(f"{prefix}*"):
+            shutil.rmtree(staging, ignore_errors=True)
+
     def write_text(self, text: str) -> None:
         self.write_bytes(text.encode("utf-8"))
 
-    def files(self) -> list[tuple[str, int]]:
-        """(path relative to this directory, size) of every file below it, sorted; none if it is missing."""
+    def files(self, links: bool = False) -> list[tuple[str, int]]:
+        """(path relative to this directory, size) of every file below it, sorted; none if it is missing.
+        With `links`, a local directory's links to directories are followed, each directory entered once
+        (a link to a parent is no loop)."""
         if not self.is_dir():
             return []
+        if links and not self.remote:
+            return _local_tree(self.local)
         with storage_errors(self):
             infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=True))
         base = self.path.rstrip("/") + "/"
@@ -394,6 +484,83 @@ class Location:
                 local.mkdir(parents=True, exist_ok=True)
                 pafs.copy_files(self.path, str(local), self.fs, pafs.LocalFileSystem())
         return local
+
+    @contextmanager
+    def on_disk(self, wanted: Callable[[str], bool] = lambda name: True) -> Iterator[Path]:
+        """This directory as a local one: itself on the local disk, else a temporary copy of its files that
+        `wanted` accepts (by their path inside it), deleted afterwards."""
+        if not self.remote:
+            yield self.local
+            return
+        with tempfile.TemporaryDirectory(prefix="mhf-restore-") as tmp:
+            for name, _ in self.files():
+                if wanted(name):
+                    (self / name).download(Path(tmp) / name)
+            yield Path(tmp)
+
+
+def matches(spec: str) -> list[tuple[Location, int]]:
+    """The files the glob `spec` matches, with their sizes. Local: `glob.glob` (recursive `**`); in a bucket:
+    the listing below the glob's first wildcard, matched by fnmatch."""
+    if not is_uri(spec):
+        paths = sorted(Path(p).absolute() for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        return [(Location.of(path), path.stat().st_size) for path in paths]
+    first = WILDCARD.search(spec)
+    assert first is not None
+    base = Location.of(spec[: spec.rfind("/", 0, first.start())])
+    pattern = Location.of(spec).path
+    return [
+        (base / name, size)
+        for name, size in base.files()
+        if fnmatch.fnmatchcase(f"{base.path.rstrip('/')}/{name}", pattern)
+    ]
+
+
+def _local_tree(root: Path) -> list[tuple[str, int]]:
+    entered: set[tuple[int, int]] = set()
+    found = []
+    for folder, folders, names in os.walk(root, followlinks=True):
+        identity = os.stat(folder)
+        if (identity.st_dev, identity.st_ino) in entered:
+            folders.clear()
+            continue
+        entered.add((identity.st_dev, identity.st_ino))
+        for name in names:
+            path = Path(folder) / name
+            if path.is_file():
+                found.append((str(path.relative_to(root)), path.stat().st_size))
+    return sorted(found)
+
+
+def publish_directory(staging: Path, path: Path, replace: bool = False) -> None:
+    """Make the complete local directory `staging` visible as `path` by a rename; with `replace`, an
+    existing directory `path` is swapped out and deleted only once the new one is in place (put back
+    if that fails). A file or a link at `path` is never replaced."""
+    if not (replace and path.exists()):
+        _publish(staging, path)
+        return
+    if path.is_symlink() or not path.is_dir():
+        raise FileExistsError(f"{path} is not a directory; a directory does not replace it")
+    retired = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    path.rename(retired)
+    try:
+        _publish(staging, path)
+    except BaseException:
+        retired.rename(path)
+        raise
+    shutil.rmtree(retired)
+
+
+def _staging_name(path: Path, suffix: str) -> Path:
+    return path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}{suffix}"
+
+
+def _publish(staging: Path, path: Path) -> None:
+    """Make the fully written `staging` visible as `path` in one step (local disk: a rename; a file
+    replaces a file, a directory must not exist yet)."""
+    if staging.is_dir() and path.exists():
+        raise FileExistsError(f"{path} appeared while it was being written")
+    os.replace(staging, path)
 
 
 def local_copy(location: str | Path | Location, marker: str | None = None) -> Path:

@@ -734,7 +734,7 @@ def test_the_demo_refuses_a_data_folder_it_did_not_write_and_names_workdir(tmp_p
 
 
 def test_a_directory_never_replaces_a_file_and_a_failed_swap_puts_the_old_one_back(tmp_path, monkeypatch):
-    import mhf_dist.files as files
+    import mhf_dist.storage as storage
 
     staging, out = tmp_path / ".staging", tmp_path / "out"
     (staging / "sub").mkdir(parents=True)
@@ -742,7 +742,7 @@ def test_a_directory_never_replaces_a_file_and_a_failed_swap_puts_the_old_one_ba
     out.write_text("a file")
     before = local_tree(tmp_path)
     with pytest.raises(FileExistsError, match="is not a directory"):
-        files.publish_directory(staging, out, replace=True)
+        storage.publish_directory(staging, out, replace=True)
     assert local_tree(tmp_path) == before
     out.unlink()
     (out / "old").mkdir(parents=True)
@@ -752,9 +752,9 @@ def test_a_directory_never_replaces_a_file_and_a_failed_swap_puts_the_old_one_ba
     def disk_full(staging: Path, path: Path) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(files, "_publish", disk_full)
+    monkeypatch.setattr(storage, "_publish", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        files.publish_directory(staging, out, replace=True)
+        storage.publish_directory(staging, out, replace=True)
     assert local_tree(tmp_path) == before  # the old directory back in place, no .out.old-* beside it
 
 

@@ -18,11 +18,8 @@ kinds hold UTF-8 strings by construction).
 
 from __future__ import annotations
 
-import fnmatch
-import glob
 import itertools
 import json
-import os
 import pydoc_data.topics
 import re
 import urllib.request
@@ -41,10 +38,11 @@ import pyarrow.parquet as pq
 from mhf_dist.config import DATASET_PREFIX
 from mhf_dist.errors import DataError
 from mhf_dist.storage import (
+    WILDCARD,
     Location,
     StorageError,
     describe_failure,
-    is_uri,
+    matches,
     reachable,
     redact,
     store_problem,
@@ -68,7 +66,6 @@ JSON_BLOCK_BYTES = 32 << 20  # pyarrow's JSON reader needs every line inside one
 REPLACEMENT = "\ufffd"
 _BLANK_LINES = re.compile(r"\n[ \t\r]*\n")
 _BLANK_LINE_BYTES = re.compile(rb"\n[ \t\r]*\n")
-_WILDCARD = re.compile(r"[*?\[]")
 _ARROW_FILE_MAGIC = b"ARROW1\0\0"  # the file format: this, then the stream format, then a footer
 
 
@@ -119,14 +116,14 @@ def corpus_files(spec: str, log: Callable[[str], None] | None = None) -> list[Co
         )
     where = Location.of(spec)
     if where.is_dir():
-        listed = _local_tree(where.local) if not where.remote else where.files()
+        listed = where.files(links=True)
         found = [(where / name, size) for name, size in listed if file_kind(name)]
         if not found:
             raise DataError(f"corpus directory {str(where)!r} holds no {SUFFIXES_TEXT} files")
     elif where.is_file():
         found = [(where, where.size())]
     else:
-        found = _glob(spec) if _WILDCARD.search(where.path) else []
+        found = matches(spec) if WILDCARD.search(where.path) else []
         if not found:
             raise _nothing_at(where)
     files, reached = [], set()
@@ -134,9 +131,8 @@ def corpus_files(spec: str, log: Callable[[str], None] | None = None) -> list[Co
         kind = file_kind(location.name)
         if kind is None:
             raise DataError(f"corpus file {str(location)!r} is not {SUFFIXES_TEXT}; convert it")
-        real = location.uri if location.remote else os.path.realpath(location.path)
-        if real not in reached:
-            reached.add(real)
+        if location.real not in reached:
+            reached.add(location.real)
             files.append(CorpusFile(location.uri, size, *kind))
     if len(files) < len(found) and log is not None:
         log(
@@ -146,45 +142,10 @@ def corpus_files(spec: str, log: Callable[[str], None] | None = None) -> list[Co
     return files
 
 
-def _local_tree(root: Path) -> list[tuple[str, int]]:
-    """(path relative to `root`, size) of every file below it, sorted, following links to directories
-    but no loop: a directory reached again (by a link to a parent, say) is not entered again."""
-    entered: set[tuple[int, int]] = set()
-    found = []
-    for folder, folders, names in os.walk(root, followlinks=True):
-        identity = os.stat(folder)
-        if (identity.st_dev, identity.st_ino) in entered:
-            folders.clear()
-            continue
-        entered.add((identity.st_dev, identity.st_ino))
-        for name in names:
-            path = Path(folder) / name
-            if path.is_file():
-                found.append((str(path.relative_to(root)), path.stat().st_size))
-    return sorted(found)
-
-
 def _nothing_at(where: Location) -> DataError:
     """No file at `where` (unless its bucket is missing: that is a StorageError)."""
     where.check_bucket()
     return DataError(f"corpus {str(where)!r} matches no file; pass 'builtin', a directory, a file or a glob")
-
-
-def _glob(spec: str) -> list[tuple[Location, int]]:
-    """Local: `glob.glob` (recursive `**`); in a bucket: the listing below the glob's first wildcard,
-    matched by fnmatch."""
-    if not is_uri(spec):
-        paths = sorted(Path(p).absolute() for p in glob.glob(spec, recursive=True) if Path(p).is_file())
-        return [(Location.of(path), path.stat().st_size) for path in paths]
-    first = _WILDCARD.search(spec)
-    assert first is not None
-    base = Location.of(spec[: spec.rfind("/", 0, first.start())])
-    pattern = Location.of(spec).path
-    return [
-        (base / name, size)
-        for name, size in base.files()
-        if fnmatch.fnmatchcase(f"{base.path.rstrip('/')}/{name}", pattern)
-    ]
 
 
 @dataclass

@@ -29,7 +29,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
 from tokenizers.models import BPE
 
 from mhf_dist.errors import DataError
-from mhf_dist.files import write_text_atomic
+from mhf_dist.storage import Location
 
 NAME = "mistral-v0.3"
 PACKAGE, MODEL_FILE = "mistral_common", "data/mistral_instruct_tokenizer_240323.model.v3"
@@ -87,8 +87,8 @@ def tokenizer_json() -> str:
     text = convert(source).to_str()
     try:  # a read-only home still works: the conversion is then simply redone next time
         cached.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(cached, text)
-        write_text_atomic(checksum, hashlib.sha256(text.encode()).hexdigest() + "\n")
+        Location.of(cached).write_text(text)
+        Location.of(checksum).write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
     except OSError:
         pass
     return text

@@ -116,7 +116,7 @@ def run_sweep(
     directory = sweep_dir(spec)
     record = directory / SWEEP_FILE
     uri = tracking_uri(Location.of(spec.storage).uri)
-    tune_storage = _tune_storage(directory)
+    tune_storage = directory.ray_storage()
     relay = None if workers_print_to_console() else ConsoleRelay(log)
     console = relay.lines if relay else None
     if resume:
@@ -350,16 +350,11 @@ def _scheduler(spec: SweepConfig, configs: Iterable[Config]) -> dict[str, Any]:
     return {"scheduler": scheduler, "metric": spec.asha.metric, "mode": spec.asha.mode}
 
 
-def _tune_storage(directory: Location) -> dict[str, Any]:
-    """Tune's storage_path (and filesystem, for a bucket) for the sweep's directory."""
-    return {"storage_path": directory.path, "storage_filesystem": directory.fs if directory.remote else None}
-
-
 def _check_resume(spec: SweepConfig, directory: Location) -> str:
     from ray import tune
 
     record = directory / SWEEP_FILE
-    storage = _tune_storage(directory)
+    storage = directory.ray_storage()
     tune_dir = (directory / TUNE_DIR).path
     if not record.is_file() or not tune.Tuner.can_restore(tune_dir, storage["storage_filesystem"]):
         raise SweepError(

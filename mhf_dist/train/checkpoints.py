@@ -11,7 +11,7 @@ batches are a pure function of the step, so a resumed run skips exactly the batc
 Checkpoints live wherever `topology.storage` is: a local directory or a bucket (`storage.Location`).
 An object store has no rename, so completeness is the rule there too: the rank files are written last
 and a reader trusts a checkpoint only when every listed file is there with its size. A restarted
-worker downloads only its own share of a checkpoint (`download_for_rank`), so a resume costs each worker
+worker downloads only its own share of a checkpoint (`loaded_by_rank`), so a resume costs each worker
 the same whatever the worker count.
 """
 
@@ -167,15 +167,11 @@ def _listed_files_present(path: Location, rank: int, present: dict[str, int]) ->
     return isinstance(listed, dict) and all(present.get(name) == size for name, size in listed.items())
 
 
-def download_for_rank(checkpoint: Location, rank: int, local: Path) -> Path:
-    """The files of `checkpoint` rank `rank` loads, copied to `local`: everything but the other ranks'
-    ZeRO partitions and the exported model (a worker's download does not grow with the worker count)."""
-    for name, _ in checkpoint.files():
-        owner = _RANK_SHARD.search(name)
-        if name.startswith(f"{MODEL_DIR}/") or (owner is not None and int(owner.group(1)) != rank):
-            continue
-        (checkpoint / name).download(local / name)
-    return local
+def loaded_by_rank(rank: int, name: str) -> bool:
+    """Whether rank `rank` loads the checkpoint file `name`: all but the other ranks' ZeRO partitions and
+    the exported model (a worker's download of a checkpoint does not grow with the worker count)."""
+    owner = _RANK_SHARD.search(name)
+    return not name.startswith(f"{MODEL_DIR}/") and (owner is None or int(owner.group(1)) == rank)
 
 
 def read_history(checkpoint: str | Path | Location) -> list[dict[str, float]]:

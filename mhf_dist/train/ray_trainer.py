@@ -14,7 +14,6 @@ no shared disk.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -274,8 +273,7 @@ def _trainer(
         ),
         run_config=RunConfig(
             name=options.name,
-            storage_path=storage.path,
-            storage_filesystem=storage.fs if storage.remote else None,
+            **storage.ray_storage(),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             failure_config=FailureConfig(max_failures=options.max_failures),
             callbacks=callbacks,
@@ -357,9 +355,7 @@ def check_tracking_reaches_workers(uri: str, nodes: list[dict[str, Any]]) -> Non
 def tidy_stopped_run(run_dir: Location, keep: int) -> None:
     """What a run stopped mid-way leaves, cleared: its ranks' staging directories, incomplete
     checkpoints and any beyond the newest `keep` (train.keep_checkpoints)."""
-    if not run_dir.remote:  # a run in a bucket stages in local temporary directories
-        for staging in run_dir.local.glob(f"{STAGING_PREFIX}*"):
-            shutil.rmtree(staging, ignore_errors=True)
+    run_dir.clear_staging(STAGING_PREFIX)
     prune_checkpoints(run_dir, keep)
 
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
-import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path, PurePosixPath
@@ -52,7 +50,7 @@ from mhf_dist.train.checkpoints import (
     RunRecord,
     checkpoint_name,
     checkpoint_step,
-    download_for_rank,
+    loaded_by_rank,
     newest_checkpoint,
     read_client_state,
     read_history,
@@ -290,7 +288,7 @@ def _restore(stepper: DeepSpeedStepper, spec: WorkerSpec, rank: int) -> tuple[in
         checkpoint = Location.of(spec.resume_from)
     if checkpoint is None:
         return 0, []
-    with _files_of_rank(checkpoint, rank) as directory:
+    with checkpoint.on_disk(partial(loaded_by_rank, rank)) as directory:
         _, saved = stepper.engine.load_checkpoint(str(directory), tag=STATE_TAG)
         history = read_history(directory)
     client_state = read_client_state(saved, checkpoint)
@@ -298,17 +296,6 @@ def _restore(stepper: DeepSpeedStepper, spec: WorkerSpec, rank: int) -> tuple[in
     if rank == 0:
         spec.say(f"resumed from {checkpoint} at step {client_state.step}")
     return client_state.step, history
-
-
-@contextmanager
-def _files_of_rank(checkpoint: Location, rank: int) -> Iterator[Path]:
-    """A local directory with what this rank loads of `checkpoint`: the checkpoint itself on a local
-    disk, else a temporary download of its share (`download_for_rank`)."""
-    if not checkpoint.remote:
-        yield checkpoint.local
-        return
-    with tempfile.TemporaryDirectory(prefix="mhf-restore-") as tmp:
-        yield download_for_rank(checkpoint, rank, Path(tmp))
 
 
 def _throughput(spec: WorkerSpec, stepper: DeepSpeedStepper, world_size: int) -> Throughput:
@@ -414,8 +401,7 @@ class CheckpointSaver:
         torch.distributed.all_gather_object(rng_states, _rng_state())
         # Staged inside the run's own directory (on a local disk), where an interrupted run's driver can
         # remove what is left; for a run in a bucket, in a local temporary directory Ray Train uploads.
-        local_run_dir = None if self.run_dir.remote else self.run_dir.local
-        with tempfile.TemporaryDirectory(dir=local_run_dir, prefix=STAGING_PREFIX) as tmp:
+        with self.run_dir.staging(STAGING_PREFIX) as tmp:
             directory = Path(tmp)
             client_state = ClientState(step=step, rng=rng_states).model_dump()
             self.stepper.engine.save_checkpoint(tmp, tag=STATE_TAG, client_state=client_state)

@@ -30,9 +30,9 @@ from mhf_dist.data.shards import (
     write_manifest,
 )
 from mhf_dist.errors import DataError, MhfError
-from mhf_dist.files import publish_directory, unwritable
+from mhf_dist.files import unwritable
 from mhf_dist.signatures import load_table
-from mhf_dist.storage import Location
+from mhf_dist.storage import Location, publish_directory
 
 # Every file a prepare writes in its output: the manifest, and the files of a version (in a bucket in its
 # version folder, where the progress folder is kept while the run is unfinished).
@@ -59,9 +59,8 @@ def check_output(out: Location, overwrite: bool, flag: str = "--out") -> None:
     command wrote, replaced only with `overwrite` (a bucket prefix holding a partial run of ours is
     resumed); anything else is never touched. A local one must be writable."""
     keep_out = f"choose another {flag} or remove it yourself"
-    if out.remote:
-        out.check_bucket()
-    elif out.local.is_symlink():
+    out.check_bucket()
+    if out.is_symlink():
         raise DataError(f"output {str(out)!r} is a symbolic link, not a directory of shards; {keep_out}")
     if out.is_file():
         raise DataError(f"output {str(out)!r} is a file, not a directory of shards; {keep_out}")
