@@ -1,10 +1,10 @@
 """The `mhf` command: parses arguments, loads the config, calls the library.
 
-Each sub-command `mhf <command>` runs the function `cmd_<command>`, whose `@command` declares its help
-and arguments: `arg(name, kind, help, **options)` is argparse's `add_argument(name, type=kind, help=help,
-**options)`. A flag that sets a config key (`--workers` sets `topology.workers`) has that key as its
-dest, defaults to None (the config's own value holds) and wins over a `--set` of the same key. Every user
-mistake surfaces as one line `error: ...` and exit status 2.
+Each sub-command `mhf <command>` runs the function `cmd_<command>` (`-` written `_`), whose docstring is
+its help and whose `@command` declares its arguments: `arg(name, kind, help, **options)` is argparse's
+`add_argument(name, type=kind, help=help, **options)`. A flag that sets a config key (`--workers` sets
+`topology.workers`) has that key as its dest, defaults to None (the config's own value holds) and wins
+over a `--set` of the same key. Every user mistake surfaces as one line `error: ...` and exit status 2.
 """
 
 from __future__ import annotations
@@ -51,12 +51,13 @@ EXPORTED_MODEL = "an exported model directory (a checkpoint's model/): path or U
 QWEN3_VOCAB = 151_936  # Qwen3's own tokenizer: `mhf plan`'s second vocabulary by default
 
 
-def command(name: str, help: str, *arguments: Argument, **options: Any) -> Callable[[Callable], Callable]:
-    """Declare the function below as `mhf <name>`, with `arguments` (and add_parser's `options`)."""
+def command(*arguments: Argument, **options: Any) -> Callable[[Callable], Callable]:
+    """Declare the function below, `cmd_<command>`, as `mhf <command>` with `arguments` (and add_parser's
+    `options`); its docstring is the command's help."""
 
     def declare(run: Callable) -> Callable:
-        assert run.__name__ == "cmd_" + name.replace("-", "_"), "main runs a sub-command by its name"
-        COMMANDS[name] = ({"help": help, **options}, arguments)
+        name = run.__name__.removeprefix("cmd_").replace("_", "-")
+        COMMANDS[name] = ({"help": run.__doc__, **options}, arguments)
         return run
 
     return declare
@@ -65,7 +66,9 @@ def command(name: str, help: str, *arguments: Argument, **options: Any) -> Calla
 def arg(name: str, kind: kinds.Kind | None = None, help: str | None = None, **options: Any) -> Argument:
     """A sub-command's `add_argument(name, type=kind, help=help, **options)`. Every argument that takes a
     value has a kind (tests/test_contract.py); only a choice or a `switch` has none."""
-    return name, {"help": help, **options} if kind is None else {"type": kind, "help": help, **options}
+    if kind is not None:
+        options["type"] = kind
+    return name, {"help": help, **options}
 
 
 def switch(name: str, help: str, **options: Any) -> Argument:
@@ -154,8 +157,6 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 @command(
-    "demo",
-    "train mhf and Qwen3 baselines small on the built-in corpus",
     *config_args(),
     arg(
         "--workdir",
@@ -175,6 +176,7 @@ def _config(args: argparse.Namespace) -> Config:
     VERBOSE,
 )
 def cmd_demo(args: argparse.Namespace) -> None:
+    """train mhf and Qwen3 baselines small on the built-in corpus"""
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.demo import run_demo
 
@@ -182,8 +184,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 @command(
-    "sweep",
-    "matched-baseline, seed or grid sweeps on Ray Tune",
     arg("--config", kinds.FILE, "the sweep YAML file (see README: Sweeps)", required=True),
     switch("--resume", "finish an interrupted sweep; keeps finished trials"),
     set_arg("a config override for every trial, on top of the file's set:"),
@@ -196,6 +196,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     VERBOSE,
 )
 def cmd_sweep(args: argparse.Namespace) -> None:
+    """matched-baseline, seed or grid sweeps on Ray Tune"""
     from mhf_dist.sweep.runner import compare_sweep, run_sweep
     from mhf_dist.sweep.spec import load_sweep, parse_sweep
     from mhf_dist.tracking import browse_hint
@@ -217,8 +218,6 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 
 @command(
-    "compare",
-    "compare runs across seeds from MLflow: table, CSV, plots",
     arg("--experiment", kinds.TEXT, "MLflow experiment (default: mhf-sweeps)", default="mhf-sweeps"),
     arg("--sweep", kinds.TEXT, "a sweep's parent run id: only its trials, results logged to it"),
     arg("--metric", kinds.TEXT, "the metric compared (default: val_nll)", default="val_nll"),
@@ -239,6 +238,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     arg("--unstable-cv", kinds.POSITIVE, "coefficient of variation flagged unstable", default=0.05),
 )
 def cmd_compare(args: argparse.Namespace) -> None:
+    """compare runs across seeds from MLflow: table, CSV, plots"""
     from mhf_dist.compare import compare_runs
     from mhf_dist.storage import Location
     from mhf_dist.tracking import browse_hint, reading_uri
@@ -254,8 +254,6 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 @command(
-    "prepare",
-    "tokenize, pack and sign a corpus into parquet shards on Ray (resumable)",
     *config_args(),
     key_flag(
         "--corpus",
@@ -280,6 +278,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     VERBOSE,
 )
 def cmd_prepare(args: argparse.Namespace) -> None:
+    """tokenize, pack and sign a corpus into parquet shards on Ray (resumable)"""
     from mhf_dist.data import recall
     from mhf_dist.data.prepare import prepare
 
@@ -291,11 +290,10 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 @command(
-    "verify-data",
-    "check every prepared shard against its manifest's sha256 (reads all the data)",
     arg("path", kinds.DIRECTORY, "a prepared shard directory, local or s3:// / gs:// (mhf prepare --out)"),
 )
 def cmd_verify_data(args: argparse.Namespace) -> None:
+    """check every prepared shard against its manifest's sha256 (reads all the data)"""
     from mhf_dist.data.shards import verify_shards
     from mhf_dist.storage import redact
 
@@ -327,8 +325,6 @@ def _print_result(result: TrainResult, experiment: str) -> None:
 
 
 @command(
-    "train",
-    "train on prepared shards with Ray Train + DeepSpeed ZeRO",
     *config_args(),
     *run_options(name="mhf-train"),
     arg(
@@ -348,6 +344,7 @@ def _print_result(result: TrainResult, experiment: str) -> None:
     PREPARE,
 )
 def cmd_train(args: argparse.Namespace) -> None:
+    """train on prepared shards with Ray Train + DeepSpeed ZeRO"""
     cfg = _config(args)
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.data.prepare import prepare_if_missing
@@ -369,13 +366,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 @command(
-    "cpt",
-    "continued pretraining with an expanded vocabulary (mhf: zero new parameters)",
     *config_args(),
-    # a path on the cluster that runs it (jobs/cpt.job.yaml); checked there
     arg(
         "--from",
-        kinds.NAME_OR_PATH,
+        kinds.NAME_OR_PATH,  # a path on the cluster that runs it (jobs/cpt.job.yaml); checked there
         "exported model, checkpoint or run directory",
         dest="parent",
         required=True,
@@ -399,6 +393,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     *run_options(name="mhf-cpt"),
 )
 def cmd_cpt(args: argparse.Namespace) -> None:
+    """continued pretraining with an expanded vocabulary (mhf: zero new parameters)"""
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.cpt import expanded_tokenizer, run_cpt
         from mhf_dist.data.corpus import corpus_texts
@@ -415,8 +410,6 @@ def cmd_cpt(args: argparse.Namespace) -> None:
 
 
 @command(
-    "eval",
-    "evaluate an exported model: ppl, bpb, lambada, hellaswag, card660",
     arg("--model", kinds.DIRECTORY, EXPORTED_MODEL, required=True),
     arg("--task", required=True, choices=EVAL_TASKS, help=" | ".join(EVAL_TASKS)),
     arg(
@@ -437,6 +430,7 @@ def cmd_cpt(args: argparse.Namespace) -> None:
     mlflow_storage("runs/train"),
 )
 def cmd_eval(args: argparse.Namespace) -> None:
+    """evaluate an exported model: ppl, bpb, lambada, hellaswag, card660"""
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.eval.tasks import check_task_data, run_task
         from mhf_dist.export import load_exported
@@ -471,8 +465,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 @command(
-    "import-hf",
-    "a reference MHF or transformers Qwen3 checkpoint -> an exported mhf-dist model",
     arg(
         "source",
         kinds.DIRECTORY,
@@ -483,6 +475,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     ),
 )
 def cmd_import_hf(args: argparse.Namespace) -> None:
+    """a reference MHF or transformers Qwen3 checkpoint -> an exported mhf-dist model"""
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.hf_layout import import_hf
         from mhf_dist.models import param_count
@@ -498,8 +491,6 @@ def cmd_import_hf(args: argparse.Namespace) -> None:
 
 
 @command(
-    "export-hf",
-    "an exported model -> the reference layout (mhf) or a transformers Qwen3 directory",
     arg("model", kinds.DIRECTORY, EXPORTED_MODEL),
     arg("--out", kinds.OUTPUT_DIRECTORY, "the Hugging Face directory to create (path or URI)", required=True),
     arg(
@@ -510,6 +501,7 @@ def cmd_import_hf(args: argparse.Namespace) -> None:
     ),
 )
 def cmd_export_hf(args: argparse.Namespace) -> None:
+    """an exported model -> the reference layout (mhf) or a transformers Qwen3 directory"""
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.hf_layout import export_hf
 
@@ -517,8 +509,6 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
 
 
 @command(
-    "generate",
-    "stream tokens from an exported model",
     arg("--model", kinds.DIRECTORY, "an exported model directory: a path or s3:// gs://", required=True),
     arg("--prompt", kinds.TEXT, "the text to continue", required=True),
     arg("--max-new-tokens", kinds.COUNT, "tokens to add (default: 64)", default=64),
@@ -528,6 +518,7 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
     arg("--seed", kinds.SEED, "seed for reproducible sampling"),
 )
 def cmd_generate(args: argparse.Namespace) -> None:
+    """stream tokens from an exported model"""
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.eval.tasks import check_positions
         from mhf_dist.export import load_exported
@@ -564,13 +555,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(flush=True)
 
 
-@command("config", "print the resolved config as YAML", *config_args())
+@command(*config_args())
 def cmd_config(args: argparse.Namespace) -> None:
+    """print the resolved config as YAML"""
     print(yaml.safe_dump(_config(args).model_dump(mode="json"), sort_keys=False), end="")
 
 
-@command("count", "analytic parameters and FLOPs of every family for a config", *config_args())
+@command(*config_args())
 def cmd_count(args: argparse.Namespace) -> None:
+    """analytic parameters and FLOPs of every family for a config"""
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.models import FAMILIES, forward_flops_per_token, param_count
         from mhf_dist.models.registry import resolved_config
@@ -626,8 +619,6 @@ def cmd_count(args: argparse.Namespace) -> None:
 
 
 @command(
-    "plan",
-    "per-GPU memory at ZeRO 0-3, stage, micro-batch and days for a cluster",
     *config_args(default="1b"),
     arg(
         "--family",
@@ -651,6 +642,7 @@ def cmd_count(args: argparse.Namespace) -> None:
     arg("--peak-tflops", kinds.POSITIVE, "bf16 peak per GPU (default: 989, H100/H200)", default=989.0),
 )
 def cmd_plan(args: argparse.Namespace) -> None:
+    """per-GPU memory at ZeRO 0-3, stage, micro-batch and days for a cluster"""
     from mhf_dist.plan import Cluster, check_fits, plan, plan_rows
     from mhf_dist.tables import markdown_table
 
@@ -688,8 +680,6 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 @command(
-    "submit",
-    "submit a job spec to a Ray cluster through the Jobs API",
     arg("spec", kinds.FILE, "a job spec YAML, e.g. jobs/pretrain.job.yaml"),
     arg(
         "--address",
@@ -710,6 +700,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     usage="mhf submit SPEC [options] [-- ARGS appended to the spec's entrypoint]",
 )
 def cmd_submit(args: argparse.Namespace) -> int:
+    """submit a job spec to a Ray cluster through the Jobs API"""
     from mhf_dist.submit import follow_job, job_message, load_job_spec, submit_job
 
     spec = load_job_spec(args.spec)
@@ -732,8 +723,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 @command(
-    "cluster",
-    "start or stop a local multi-node Ray cluster (head + workers on 127.0.0.1)",
     arg("action", choices=["start", "stop"]),
     arg("--dir", kinds.PLACE, "state and node logs (default: runs/cluster)", default="runs/cluster"),
     arg("--workers", kinds.COUNT, "worker nodes beside the head (default: 1)", default=1),
@@ -742,6 +731,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     arg("--dashboard-port", kinds.PORT, "Jobs API and dashboard port (default: 8265)", default=8265),
 )
 def cmd_cluster(args: argparse.Namespace) -> None:
+    """start or stop a local multi-node Ray cluster (head + workers on 127.0.0.1)"""
     from mhf_dist.local_cluster import start_local_cluster, stop_local_cluster
 
     if args.action == "stop":
