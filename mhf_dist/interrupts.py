@@ -43,7 +43,6 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # SIGINT without saying it came, is switched off by this variable).
 TUNE_STOP_SIGNAL = signal.SIGUSR1
 TUNE_SIGINT_VARIABLE = "TUNE_DISABLE_SIGINT_HANDLER"
-RERUN = "rerun the command to start again"
 
 
 class Resumable(Interrupted):
@@ -56,15 +55,18 @@ class Resumable(Interrupted):
         self.lead = lead
 
 
-def stopped(sig: int, what: str = RERUN) -> Interrupted:
+def stopped(sig: int, what: str = "rerun the command to start again") -> Interrupted:
     """The `Interrupted` of signal `sig`: its name, then `what` to do next."""
     return Interrupted(f"{signal.Signals(sig).name}; {what}", 128 + sig)
 
 
-def restated(err: Interrupted | KeyboardInterrupt, what: str) -> Interrupted:
-    """The interrupt `err` with `what` to do next in place of its own advice."""
-    exit_code = err.exit_code if isinstance(err, Interrupted) else 128 + signal.SIGINT
-    return stopped(exit_code - 128, what)
+@contextmanager
+def advising(what: str) -> Iterator[None]:
+    """An interrupt of the block says `what` to do next in place of its own advice."""
+    try:
+        yield
+    except (KeyboardInterrupt, Interrupted) as err:
+        raise stopped(err.exit_code - 128 if isinstance(err, Interrupted) else signal.SIGINT, what) from None
 
 
 def as_interrupted(err: BaseException) -> Interrupted | None:
@@ -113,11 +115,8 @@ def started(module: str, name: str) -> Callable[[], Any]:
     def ended(signum: int, frame: object) -> None:
         _end(f"{signal.Signals(signum).name} while starting; nothing was done", signum)
 
-    previous = {sig: signal.signal(sig, ended) for sig in SIGNALS if answered(signal.getsignal(sig))}
-    try:
+    with _handling({sig: ended for sig in SIGNALS if answered(signal.getsignal(sig))}):
         return getattr(importlib.import_module(module), name)
-    finally:
-        _restore(previous)
 
 
 def delivered_again_when_swallowed() -> None:
@@ -169,12 +168,9 @@ def deferred(during: str) -> Iterator[None]:
     previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
     _holding = True
     try:
-        for sig, handler in previous.items():
-            if answered(handler):
-                signal.signal(sig, hold)
-        yield
+        with _handling({sig: hold if answered(handler) else handler for sig, handler in previous.items()}):
+            yield
     finally:
-        _restore(previous)
         _holding = False
         if held:
             signal.raise_signal(held[0])
@@ -214,12 +210,8 @@ def running() -> Iterator[None]:
     """Around a command: SIGTERM raises `Interrupted` in the main thread as Ctrl-C raises
     KeyboardInterrupt, unless the process was started to ignore it (then it goes on ignoring it)."""
     previous = signal.getsignal(signal.SIGTERM)
-    if answered(previous):
-        signal.signal(signal.SIGTERM, _terminated)
-    try:
+    with _handling({signal.SIGTERM: _terminated if answered(previous) else previous}):
         yield
-    finally:
-        _restore({signal.SIGTERM: previous})
 
 
 @dataclass
@@ -239,17 +231,13 @@ def sigterm_as_sigint() -> Iterator[Stop]:
     if not _in_main_thread():  # a Tune trial: the sweep's driver owns the signals
         yield stop
         return
-    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
 
     def on_sigterm(signum: int, frame: Any) -> None:
         stop.signal = signal.SIGTERM
         signal.raise_signal(signal.SIGINT)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
+    with _handling({signal.SIGTERM: on_sigterm, signal.SIGINT: signal.getsignal(signal.SIGINT)}):
         yield stop
-    finally:
-        _restore(previous)
 
 
 @contextmanager
@@ -261,7 +249,6 @@ def tune_stops_gracefully() -> Iterator[Stop]:
     if not _in_main_thread():
         yield stop
         return
-    previous = {sig: signal.getsignal(sig) for sig in (*SIGNALS, TUNE_STOP_SIGNAL)}
 
     def on_signal(signum: int, frame: Any) -> None:
         if stop.signal is not None:
@@ -272,25 +259,29 @@ def tune_stops_gracefully() -> Iterator[Stop]:
     def before_tune(signum: int, frame: Any) -> None:  # Tune's own handler replaces it
         raise KeyboardInterrupt
 
-    for sig in SIGNALS:
-        signal.signal(sig, on_signal)
-    signal.signal(TUNE_STOP_SIGNAL, before_tune)
-    tune_sigint = os.environ.get(TUNE_SIGINT_VARIABLE)
-    os.environ[TUNE_SIGINT_VARIABLE] = "1"
+    with _handling({signal.SIGINT: on_signal, signal.SIGTERM: on_signal, TUNE_STOP_SIGNAL: before_tune}):
+        tune_sigint = os.environ.get(TUNE_SIGINT_VARIABLE)
+        os.environ[TUNE_SIGINT_VARIABLE] = "1"
+        try:
+            yield stop
+        finally:
+            if tune_sigint is None:
+                os.environ.pop(TUNE_SIGINT_VARIABLE)
+            else:
+                os.environ[TUNE_SIGINT_VARIABLE] = tune_sigint
+
+
+@contextmanager
+def _handling(handlers: dict[int, Any]) -> Iterator[None]:
+    """Each signal's handler in `handlers` in place for the block, the one before put back after it (a
+    handler installed outside Python, None, can be neither: it is left alone)."""
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items() if handler is not None}
     try:
-        yield stop
+        yield
     finally:
-        if tune_sigint is None:
-            os.environ.pop(TUNE_SIGINT_VARIABLE)
-        else:
-            os.environ[TUNE_SIGINT_VARIABLE] = tune_sigint
-        _restore(previous)
-
-
-def _restore(handlers: dict[int, Any]) -> None:
-    for sig, handler in handlers.items():
-        if handler is not None:  # None: a handler installed outside Python, which cannot be put back
-            signal.signal(sig, handler)
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 # Phase 5, finished.

@@ -66,10 +66,6 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return unique
 
 
-def _loads(text: str) -> Any:
-    return json.loads(text, object_pairs_hook=_unique_keys)
-
-
 def read_json(path: PathLike, error: type[MhfError], fix: str) -> Any:
     """The parsed file; an empty file, invalid JSON or a key given twice in one object is `error` naming
     the file, the line and `fix`."""
@@ -78,7 +74,7 @@ def read_json(path: PathLike, error: type[MhfError], fix: str) -> Any:
     if not text.strip():
         raise error(f"{str(where)!r} is empty; {fix}")
     try:
-        return _loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as err:
         raise error(f"{str(where)!r} is damaged (invalid JSON at line {err.lineno}); {fix}") from None
     except RepeatedKeyError as err:
@@ -105,7 +101,7 @@ def read_jsonl_located(
             continue
         at = f"{where}:{number}"
         try:
-            row = _loads(line)
+            row = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as err:
             raise error(f"{at}: not valid JSON ({err.msg}, column {err.colno}); {fix}") from None
         except RepeatedKeyError as err:
