@@ -41,7 +41,8 @@ from mhf_dist.cpt import INIT_NEW_ROWS, run_cpt
 from mhf_dist.data.prepare import prepare
 from mhf_dist.eval.perplexity import text_scores
 from mhf_dist.export import load_exported
-from mhf_dist.files import write_json_atomic, write_text_atomic
+from mhf_dist.files import write_json_atomic
+from mhf_dist.storage import Location
 from mhf_dist.tables import markdown_table
 from mhf_dist.train.checkpoints import MODEL_DIR, checkpoint_step, newest_checkpoint
 from mhf_dist.train.ray_trainer import TrainOptions, train
@@ -185,9 +186,9 @@ def main() -> None:
         prepare(base, base.data.path)
 
     mixed_texts = [text for texts in train_text.values() for text in texts]
-    mixed = write_text_atomic(
-        workdir / "mixed.jsonl",
-        "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in mixed_texts),
+    mixed = workdir / "mixed.jsonl"
+    Location.of(mixed).write_text(
+        "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in mixed_texts)
     )
     setting = f"{args.trainable}-r{args.replay_fraction:g}-{args.init_new_rows}"
     cpt_overrides = {"data.corpus": str(mixed), "train.steps": args.cpt_steps, **topology}

@@ -34,7 +34,8 @@ from mhf_dist.compare import read_runs
 from mhf_dist.config import load_config
 from mhf_dist.data.corpus import builtin_documents
 from mhf_dist.data.shards import is_validation
-from mhf_dist.files import write_json_atomic, write_text_atomic
+from mhf_dist.files import write_json_atomic
+from mhf_dist.storage import Location
 from mhf_dist.sweep.runner import SWEEP_FILE, sweep_dir
 from mhf_dist.sweep.spec import SweepConfig, load_sweep
 from mhf_dist.tables import markdown_table
@@ -107,7 +108,7 @@ def write_builtin_validation() -> None:
     # `mhf eval` splits a text file at blank lines: a document keeps its lines but not its blank ones.
     paragraphs = [re.sub(r"\n\s*\n", "\n", doc.strip()) for doc in held_out]
     BUILTIN_VALIDATION.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(BUILTIN_VALIDATION, "\n\n".join(paragraphs) + "\n")
+    Location.of(BUILTIN_VALIDATION).write_text("\n\n".join(paragraphs) + "\n")
 
 
 def run_sweep_file(sweep_file: str, start_runs: bool) -> tuple[SweepConfig, str] | None:
@@ -344,7 +345,7 @@ def fill_report(results: dict[str, list[dict[str, Any]]]) -> None:
         rendered = render(name, rows)
         pattern = re.compile(rf"(<!-- table {name} -->\n).*?(<!-- /table {name} -->)", re.DOTALL)
         text = pattern.sub(lambda match, r=rendered: match[1] + r + "\n" + match[2], text)
-    write_text_atomic(REPORT, text)
+    Location.of(REPORT).write_text(text)
 
 
 def main() -> None:

@@ -23,7 +23,8 @@ from typing import Any
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
 from mhf_dist.data.shards import MANIFEST
-from mhf_dist.files import write_json_atomic, write_text_atomic
+from mhf_dist.files import write_json_atomic
+from mhf_dist.storage import Location
 from mhf_dist.sweep.runner import SWEEP_FILE, compare_sweep, run_sweep, sweep_dir
 from mhf_dist.sweep.spec import load_sweep
 from mhf_dist.tables import markdown_table
@@ -89,7 +90,7 @@ def main() -> None:
     table = markdown_table(rows, columns)
     print(table)
     write_json_atomic(RESULTS, {"benchmark": "triple_protocols", "results": kept + rows})
-    write_text_atomic(REPORT, _report(kept + rows, columns))
+    Location.of(REPORT).write_text(_report(kept + rows, columns))
     print(f"wrote {RESULTS} and {REPORT}")
 
 

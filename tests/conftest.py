@@ -10,6 +10,10 @@ from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.signatures import SignatureTable
 
 servers.install_s3_environment()  # before any Ray instance starts: its workers inherit the endpoint
+# Ray Train's controller looks at its workers every 2 s: a finished tiny fit waits out that poll several
+# times over (about 5 s of each fit's 20). Every Ray instance the tests start, in-process or by a command,
+# inherits the shorter interval; what the tests check does not depend on it.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 # A test run started in the background (`bash .ci/run &`, nohup) ignores SIGINT, as POSIX shells start
 # background jobs, and every process the tests start would inherit that and rightly keep ignoring it (the

@@ -248,7 +248,7 @@ def test_a_sweep_of_four_concurrent_trials_logs_through_the_server_and_compare_r
 def test_a_tracking_server_down_mid_sweep_loses_no_step_and_logs_none_twice(
     ray_session, mlflow_server, tmp_path, monkeypatch, capsys
 ):
-    """The server stopped for 20 s while two trials train, then started again on the same port: rank 0's
+    """The server stopped for 10 s while two trials train, then started again on the same port: rank 0's
     logging waits it out (MLflow's own retries), both trials finish, every step's metrics are in MLflow
     exactly once with the values the trials' histories hold, and `mhf compare` reads the table those give."""
     import threading
@@ -261,7 +261,7 @@ def test_a_tracking_server_down_mid_sweep_loses_no_step_and_logs_none_twice(
     from mhf_dist.sweep.spec import parse_sweep
     from mhf_dist.train.checkpoints import newest_checkpoint, read_history
 
-    steps = 100
+    steps = 40
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
     monkeypatch.chdir(tmp_path)
     prepare(load_config("tiny", BYTES), "data", log=lambda _: None)
@@ -291,12 +291,12 @@ def test_a_tracking_server_down_mid_sweep_loses_no_step_and_logs_none_twice(
         )
 
     def stop_mid_training() -> None:
-        """Once both trials have logged step 5, the server goes away for 20 s."""
+        """Once both trials have logged step 5, the server goes away for 10 s."""
         while not trained_to(5):
             time.sleep(0.2)
         mlflow_server.stop()
         outage.append(time.time())
-        time.sleep(20)
+        time.sleep(10)
         mlflow_server.start()
         outage.append(time.time())
 
