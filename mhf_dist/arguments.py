@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 from pydantic import Field, TypeAdapter
+from pydantic.fields import FieldInfo
 
 from mhf_dist.config import DATASET_PREFIX, MAX_SEED, MAX_VOCAB, MIN_VOCAB, check_corpus
 from mhf_dist.errors import MhfError
@@ -52,15 +53,25 @@ def _fail(message: str) -> NoReturn:
     raise argparse.ArgumentTypeError(message) from None
 
 
+BOUNDS = ("ge", "gt", "le", "lt")
+
+
 def number(takes: str, kind: type = int, **bounds: float) -> Kind:
     """A whole (`int`) or finite `float` number as Python reads it, within pydantic's `bounds` (ge, gt, le,
     lt); its bad texts are the values just outside each bound, and what is no such number."""
     adapter = TypeAdapter(Annotated[kind, Field(allow_inf_nan=False, **bounds)])
-    outside, inside = {"ge": -1, "gt": 0, "le": 1, "lt": 0}, {"ge": 0, "gt": 0.5, "le": 0, "lt": -0.5}
+    step = 1 if kind is int else 0.5
+    outside, inside = {"ge": -1, "gt": 0, "le": 1, "lt": 0}, {"ge": 0, "gt": step, "le": 0, "lt": -step}
     bad = [str(value + outside[bound]) for bound, value in bounds.items()]
     bad += ["x", "", *(["1.5"] if kind is int else ["nan", "inf", "1e400"])]
     good = [str(value + inside[bound]) for bound, value in bounds.items()] or ["-2", "0", "3"]
     return Kind(takes, lambda text: adapter.validate_python(kind(text)), tuple(bad), tuple(good))
+
+
+def bounded_as(field: FieldInfo, takes: str) -> Kind:
+    """The number kind of a config key's flag, within the bounds the key's field sets: one rule for both."""
+    bounds = {name: getattr(rule, name) for rule in field.metadata for name in BOUNDS if hasattr(rule, name)}
+    return number(takes, field.annotation, **bounds)
 
 
 _nonempty = TypeAdapter(Annotated[str, Field(pattern=r"\S")]).validate_strings  # text, not only spaces
@@ -134,7 +145,6 @@ PORT = number("use a TCP port, 1-65535", ge=1, le=65535)
 WINDOW = number("use a whole number of at least 2 tokens", ge=2)
 RETRIES = number("use a number of restarts, 0 or more, or -1 for no limit", ge=-1)
 VOCABULARY = number(f"use a vocabulary size from {MIN_VOCAB} to {MAX_VOCAB:,}", ge=MIN_VOCAB, le=MAX_VOCAB)
-ZERO_STAGE = number("use a ZeRO stage: 0, 1, 2 or 3", ge=0, le=3)
 TEXT = Kind("give some text", _nonempty)
 # A name or path the command resolves itself, and checks there (a preset or YAML file; a run or checkpoint).
 NAME_OR_PATH = Kind("give a name or a path", _nonempty)

@@ -105,14 +105,18 @@ def config_args(default: str = "tiny") -> tuple[Argument, ...]:
 
 
 # `--workers`, `--gpus-per-worker`, `--zero-stage`, `--storage`: flags of the config's `topology:` keys
+# (the numbers' bounds are their config fields')
 TOPOLOGY_FLAGS = {
     name: key_flag(
-        f"--{name.replace('_', '-')}", f"topology.{name}", kind, TopologyConfig.model_fields[name].description
+        f"--{name.replace('_', '-')}",
+        f"topology.{name}",
+        kind if isinstance(kind, kinds.Kind) else kinds.bounded_as(TopologyConfig.model_fields[name], kind),
+        TopologyConfig.model_fields[name].description,
     )
     for name, kind in {
-        "workers": kinds.COUNT,
-        "gpus_per_worker": kinds.NATURAL,
-        "zero_stage": kinds.ZERO_STAGE,
+        "workers": "use a whole number of at least 1",
+        "gpus_per_worker": "use a whole number, 0 or more",
+        "zero_stage": "use a ZeRO stage: 0, 1, 2 or 3",
         "storage": kinds.OUTPUT_DIRECTORY,
     }.items()
 }

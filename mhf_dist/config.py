@@ -477,6 +477,9 @@ class DataConfig(StrictModel):
         return self
 
 
+ZeroStage = Annotated[int, Field(ge=0, le=3)]  # the key's, its flag's (`--zero-stage`) and run.json's bounds
+
+
 class TopologyConfig(StrictModel):
     """What a run trains on: Ray Train workers, their GPUs, the ZeRO stage and where runs are stored.
 
@@ -487,7 +490,7 @@ class TopologyConfig(StrictModel):
 
     workers: int = Field(2, gt=0, description="Ray Train workers, one process each")
     gpus_per_worker: int = Field(0, ge=0, description="GPUs per worker; 0 trains on CPUs")
-    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage (0: plain data parallel)")
+    zero_stage: ZeroStage = Field(0, description="DeepSpeed ZeRO stage (0: plain data parallel)")
     storage: str = Field(
         "runs/train", description="Ray Train storage: run directories, checkpoints, the embedded MLflow"
     )

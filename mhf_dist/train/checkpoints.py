@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mhf_dist.config import Config
+from mhf_dist.config import Config, ZeroStage
 from mhf_dist.data.tokenizer import LEGACY_FORMAT
 from mhf_dist.errors import TrainingError, problem_line
 from mhf_dist.readers import read_json
@@ -49,7 +49,7 @@ class RunRecord(BaseModel):
     model: dict[str, Any]  # the ModelConfig, as JSON
     fingerprint: str  # the signature table's
     workers: int | None = None  # None: not recorded (such a checkpoint never counts as complete)
-    zero_stage: int | None = Field(None, ge=0, le=3)  # None: not recorded (a resume takes the run's own)
+    zero_stage: ZeroStage | None = None  # None: not recorded (a resume takes the run's own)
     lineage: list[dict[str, Any]] = Field(default_factory=list)  # vocabularies it grew from (`mhf cpt`)
     # A resume must freeze the same parameters (no optimizer state); not recorded: not checked.
     trainable: list[str] | None = None
