@@ -45,8 +45,9 @@ if TYPE_CHECKING:
     from mhf_dist.train.ray_trainer import TrainOptions, TrainResult
 
 Argument = tuple[str, dict[str, Any]]
-# name -> (add_parser's options, the arguments), in the order `mhf --help` lists them (this file's)
-COMMANDS: dict[str, tuple[dict[str, Any], tuple[Argument, ...]]] = {}
+# name -> (its function's name, add_parser's options, the arguments), in the order `mhf --help` lists them
+# (this file's)
+COMMANDS: dict[str, tuple[str, dict[str, Any], tuple[Argument, ...]]] = {}
 EXPORTED_MODEL = "an exported model directory (a checkpoint's model/): path or URI"
 QWEN3_VOCAB = 151_936  # Qwen3's own tokenizer: `mhf plan`'s second vocabulary by default
 
@@ -57,7 +58,7 @@ def command(*arguments: Argument, **options: Any) -> Callable[[Callable], Callab
 
     def declare(run: Callable) -> Callable:
         name = run.__name__.removeprefix("cmd_").replace("_", "-")
-        COMMANDS[name] = ({"help": run.__doc__, **options}, arguments)
+        COMMANDS[name] = (run.__name__, {"help": run.__doc__, **options}, arguments)
         return run
 
     return declare
@@ -754,7 +755,7 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 def build_parser() -> MhfParser:
     parser = MhfParser(prog="mhf", description="Train hash-based language models on Ray.")
     commands = parser.add_commands(dest="command", required=True)
-    for name, (options, arguments) in COMMANDS.items():
+    for name, (_, options, arguments) in COMMANDS.items():
         sub = commands.add_parser(name, **options)
         for argument, settings in arguments:
             sub.add_argument(argument, **settings)
@@ -782,8 +783,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except SystemExit as done:  # --help, or argparse's one error line (MhfParser.error)
                 return int(done.code or 0)
             args.extra = extra
-            # Looked up by name when it runs, as a test replaces one (`cli.cmd_count = ...`).
-            status = globals()["cmd_" + args.command.replace("-", "_")](args) or 0
+            # Looked up by its name when it runs, as a test replaces one (`cli.cmd_count = ...`).
+            status = globals()[COMMANDS[args.command][0]](args) or 0
             _print_logs_hint(sys.stdout)
             sys.stdout.flush()  # a reader that left (`mhf count | head -1`) shows here, not at exit
             return status

@@ -275,8 +275,11 @@ def tune_stops_gracefully() -> Iterator[Stop]:
 def _handling(handlers: dict[int, Any]) -> Iterator[None]:
     """Each signal's handler in `handlers` in place for the block, the one before put back after it (a
     handler installed outside Python, None, can be neither: it is left alone)."""
-    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items() if handler is not None}
-    try:
+    previous: dict[int, Any] = {}
+    try:  # installed inside: a signal between two installs still puts the first one back
+        for sig, handler in handlers.items():
+            if handler is not None:
+                previous[sig] = signal.signal(sig, handler)
         yield
     finally:
         for sig, handler in previous.items():

@@ -14,9 +14,10 @@ a bounded number of times, so an unreachable endpoint is an error within seconds
 
 Every write that others may read is published whole: `Location.write_bytes`, `Location.staged_file` and
 `Location.staged_directory` write to a private staging path, then publish it in one step. On a local disk
-that step is a rename (`publish_directory`). Object stores have no rename: the staging path is a local
-temporary one, its files are uploaded, and a directory's marker file (its manifest or config) last, so a
-reader that trusts a directory only once its marker is there never sees half of one. A prepared dataset is
+that step is a rename (`_publish`; a directory that replaces another: `publish_directory`). Object stores
+have no rename: a file is one upload, whole or not at all; a directory is staged in a local temporary one,
+its files are uploaded, and its marker file (its manifest or config) last, so a reader that trusts a
+directory only once its marker is there never sees half of one. A prepared dataset is
 replaced by a new version folder and a switch of its manifest (`data.prepare.output`).
 
 What only the local disk has is asked of a `Location` here, never of the caller: links (`files(links=True)`,
@@ -400,7 +401,8 @@ class Location:
         staging.mkdir()  # mode 0777 less the umask, as any new directory (mkdtemp's would be 0700)
         try:
             yield staging
-            mode = staging.stat().st_mode & 0o666  # a new file's: 0666 less the umask, as the folder's 0777
+            # A new file's mode: 0666 less the umask, as the staging folder's is 0777 less it.
+            mode = staging.stat().st_mode & 0o666
             for written in staging.rglob("*"):  # a writer that replaces its file (safetensors) makes it 0600
                 if written.is_file():
                     os.chmod(written, mode)
