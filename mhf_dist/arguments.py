@@ -24,9 +24,8 @@ from pydantic.fields import FieldInfo
 
 from mhf_dist.config import DATASET_PREFIX, MAX_SEED, MAX_VOCAB, MIN_VOCAB, check_corpus
 from mhf_dist.errors import MhfError
-from mhf_dist.files import unwritable
 from mhf_dist.sizes import byte_size
-from mhf_dist.storage import is_uri
+from mhf_dist.storage import is_uri, unwritable
 
 
 @dataclass(frozen=True, eq=False)

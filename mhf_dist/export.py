@@ -13,7 +13,6 @@ trained on (`document_format`: bos or eos); a model written before it was record
 from __future__ import annotations
 
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -108,24 +107,10 @@ def export_model(
 
 
 def check_new_output(where: Location, error: type[MhfError], fix: str) -> None:
-    """`where` does not exist yet and can be written: a local parent this process may create and write
-    in, or an existing bucket (checked before any work, not at the upload after it)."""
+    """`where` does not exist yet and can be written (checked before any work, not at the upload after it)."""
     if where.exists():
         raise error(f"output {str(where)!r} already exists; remove it or pick {fix}")
-    if where.remote:
-        where.check_bucket()
-        return
-    parent = where.local.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise error(f"cannot create the directory {str(parent)!r} ({err.strerror}); pick {fix}") from None
-    try:  # a real attempt: os.access tells root it may write in /proc or on a read-only mount
-        tempfile.TemporaryDirectory(dir=parent, prefix=f".{where.name}.").cleanup()
-    except OSError as err:
-        raise error(
-            f"cannot write in {str(parent)!r} (a new file there fails: {err.strerror}); pick {fix}"
-        ) from None
+    where.check_writable(error, f"pick {fix}")
 
 
 def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -252,6 +252,18 @@ def filesystem(location: str | Path) -> tuple[pafs.FileSystem, str]:
     return fs, path
 
 
+def unwritable(path: Path) -> Path | None:
+    """The nearest existing part of `path` (itself, or the folder it would be made in) when nothing can
+    be made there: a file, or a folder that refuses a new entry, tried by making one and removing it
+    (`os.access` says yes to root everywhere, `/proc` included). None when `path` can be written."""
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".mhf-probe-"))
+    except OSError:  # NotADirectoryError for a file, PermissionError, or a file system that takes none
+        return existing
+    return None
+
+
 @dataclass(frozen=True)
 class Location:
     """A file or directory on some filesystem: `uri` as the user wrote it (re-resolved in other processes),
@@ -325,6 +337,14 @@ class Location:
         root = Location(urlunsplit(urlsplit(self.uri)._replace(path="")), self.fs, bucket)
         if not root.is_dir():
             raise StorageError(f"the bucket of {str(self)!r} does not exist; create it or fix the URI")
+
+    def check_writable(self, error: type[MhfError], fix: str) -> None:
+        """Before any work: this can be made (or replaced) here: in an existing bucket, or locally where its
+        folder, or the nearest existing one above it, takes new entries."""
+        if self.remote:
+            self.check_bucket()
+        elif (closed := unwritable(self.local.parent)) is not None:
+            raise error(f"cannot write in {str(closed)!r} (not a writable directory); {fix}")
 
     def info(self) -> pafs.FileInfo:
         with storage_errors(self):

@@ -16,7 +16,6 @@ import json
 import re
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 from mhf_dist.data.prepare.records import KEY_FILE, PARTS, PROGRESS, SHARDS, STAGED, InputsKey, read_record
 from mhf_dist.data.shards import (
@@ -30,7 +29,6 @@ from mhf_dist.data.shards import (
     write_manifest,
 )
 from mhf_dist.errors import DataError, MhfError
-from mhf_dist.files import unwritable
 from mhf_dist.signatures import load_table
 from mhf_dist.storage import Location, publish_directory
 
@@ -59,7 +57,7 @@ def check_output(out: Location, overwrite: bool, flag: str = "--out") -> None:
     command wrote, replaced only with `overwrite` (a bucket prefix holding a partial run of ours is
     resumed); anything else is never touched. A local one must be writable."""
     keep_out = f"choose another {flag} or remove it yourself"
-    out.check_bucket()
+    out.check_writable(DataError, f"choose another {flag}")
     if out.is_symlink():
         raise DataError(f"output {str(out)!r} is a symbolic link, not a directory of shards; {keep_out}")
     if out.is_file():
@@ -73,8 +71,6 @@ def check_output(out: Location, overwrite: bool, flag: str = "--out") -> None:
             raise DataError(
                 f"output {str(out)!r} holds prepared shards; pass --overwrite or choose another {flag}"
             )
-    if not out.remote:
-        check_writable(out.local.parent, flag)
 
 
 def _foreign(out: Location, entries: list[Location]) -> str | None:
@@ -112,15 +108,6 @@ def _our_signature_table(path: Location) -> bool:
     except MhfError:
         return False
     return True
-
-
-def check_writable(directory: Path, flag: str = "--out") -> None:
-    """The output's parent must exist or be creatable, and take new files, before any work starts."""
-    existing = unwritable(directory)
-    if existing is not None:
-        raise DataError(
-            f"cannot write under {str(existing)!r} (not a writable directory); choose another {flag}"
-        )
 
 
 def work_directory(out: Location) -> Location:
