@@ -16,7 +16,6 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 from pydantic import Field, TypeAdapter
@@ -25,7 +24,7 @@ from pydantic.fields import FieldInfo
 from mhf_dist.config import DATASET_PREFIX, MAX_SEED, MAX_VOCAB, MIN_VOCAB, check_corpus
 from mhf_dist.errors import MhfError
 from mhf_dist.sizes import byte_size
-from mhf_dist.storage import is_uri, unwritable
+from mhf_dist.storage import is_uri, local_path, unwritable
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,7 +97,7 @@ def _path(text: str, want: str) -> str:
     Bucket URIs pass as they are."""
     if is_uri(_nonempty(text)):
         return text
-    path = Path(text.removeprefix("file://")).expanduser()
+    path = local_path(text)
     try:
         exists = path.exists()
         nearest = next(part for part in (path.absolute(), *path.absolute().parents) if part.exists())

@@ -219,12 +219,21 @@ def _gcs(emulator: str | None) -> pafs.FileSystem:
     return pafs.GcsFileSystem(**options)
 
 
+def local_path(text: str) -> Path:
+    """A local path as written (`file://` dropped, `~` expanded); a `~user` without a home is one line."""
+    path = text.removeprefix("file://")
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # what expanduser raises for a user it finds no home directory of
+        home = path.split("/", 1)[0]
+        raise StorageError(f"{text!r}: {home!r} has no home directory here; write the path out") from None
+
+
 def filesystem(location: str | Path) -> tuple[pafs.FileSystem, str]:
     """The filesystem holding `location` and the path inside it."""
     text = str(location)
     if not is_uri(text):
-        path = text.removeprefix("file://") if text.startswith("file://") else text
-        return pafs.LocalFileSystem(), str(Path(path).expanduser().absolute())
+        return pafs.LocalFileSystem(), str(local_path(text).absolute())
     parts = urlsplit(text)
     scheme = parts.scheme.lower()
     inside = (parts.netloc.rsplit("@", 1)[-1] + parts.path).rstrip("/")

@@ -58,6 +58,7 @@ VALID = {
     "cluster": ["cluster", "start"],
 }
 TOO_LONG = "/tmp/" + "n" * 300  # a path component over every common filesystem's 255 bytes
+NO_HOME = "~no-such-user-of-mhf/x"  # `~user` of no account: Path.expanduser raises
 URIS = ["s3://bucket/x"]  # checked by the command that opens them
 # (bad, good) texts of each kind ("{...}": a path of `ws`), the most telling bad one first: one a laxer
 # kind would take. A number kind (`kinds.number`) brings its own, from its bounds.
@@ -74,7 +75,7 @@ EXAMPLES = {
         ["http://127.0.0.1:8265", "https://ray.example.com", "ray://head:10001", "auto"],
     ),
     kinds.CORPUS: (
-        ["{missing}", "", "hf:", "dataset:", "dataset:module", "dataset:a b:f"],
+        ["{missing}", "", "hf:", "dataset:", "dataset:module", "dataset:a b:f", NO_HOME],
         [
             "builtin",
             "recall",
@@ -86,14 +87,14 @@ EXAMPLES = {
             "{dir}",
         ],
     ),
-    kinds.FILE: (["{missing}", "{dir}", "", TOO_LONG], ["{text}", "file://{text}", *URIS]),
-    kinds.DIRECTORY: (["{missing}", "{text}", "", TOO_LONG], ["{dir}", "file://{dir}", *URIS]),
-    kinds.FILE_OR_DIRECTORY: (["{missing}", "", TOO_LONG], ["{dir}", "{text}", *URIS]),
+    kinds.FILE: (["{missing}", "{dir}", "", TOO_LONG, NO_HOME], ["{text}", "file://{text}", *URIS]),
+    kinds.DIRECTORY: (["{missing}", "{text}", "", TOO_LONG, NO_HOME], ["{dir}", "file://{dir}", *URIS]),
+    kinds.FILE_OR_DIRECTORY: (["{missing}", "", TOO_LONG, NO_HOME], ["{dir}", "{text}", *URIS]),
     kinds.OUTPUT_DIRECTORY: (
-        ["{text}", "{text}/below", "/proc/x/out", "", TOO_LONG],
+        ["{text}", "{text}/below", "/proc/x/out", "", TOO_LONG, NO_HOME],
         ["{new}", "{dir}", "{new}/deeper", "file://{new}", *URIS],
     ),
-    kinds.PLACE: (["{text}", "{text}/below", "", TOO_LONG], ["{new}", "{dir}", *URIS]),
+    kinds.PLACE: (["{text}", "{text}/below", "", TOO_LONG, NO_HOME], ["{new}", "{dir}", *URIS]),
 }
 PARSER = cli.build_parser()
 
