@@ -1,14 +1,11 @@
 """`mhf compare`: runs read back from MLflow, grouped across seeds, as tables, plots and tags.
 
 A group is a sweep's variant (tag `group`: the family in a matched sweep, the grid values in a grid
-sweep) or, for runs outside a sweep, the family; `group_by` (`--group-by`) groups by MLflow params or
-tags instead (`topology.zero_stage=2,model.family=mhf`: every config key is a param). A group's runs are
-seeds of one setting: a group whose runs differ in any other param (`train.steps`, `train.lr`, ...; not
-`IDENTITY_PARAMS`) or in the metric's last logged step is split by those (`mhf,train.steps=50`) and the
-report says so; two runs of one seed in a group are an error naming them. Per group: the
-final value of the metric over the seeds (mean, std, min, max, max - min, coefficient of variation),
-parameters and tokens seen; a group is `unstable` when its coefficient of variation passes the
-threshold. The report (Markdown, CSV, PNG plots) goes to a local directory or a bucket (`s3://...`).
+sweep) or, for runs outside a sweep, the family; `--group-by` groups by MLflow params or tags instead
+(`topology.zero_stage=2,model.family=mhf`). A group's runs are seeds of one setting: a group whose runs
+differ in any other param (not `IDENTITY_PARAMS`) or in the metric's last logged step is split by those
+(`mhf,train.steps=50`). Per group: the final value of the metric over the seeds (`STATISTICS`); a group is
+`unstable` when its coefficient of variation passes the threshold.
 """
 
 from __future__ import annotations
@@ -40,22 +37,8 @@ from mhf_dist.tracking import (
 if TYPE_CHECKING:
     from mlflow.entities import Experiment
 
-COLUMNS = (
-    "group",
-    "family",
-    "objective",
-    "n_seeds",
-    "mean",
-    "std",
-    "min",
-    "max",
-    "spread",
-    "cv",
-    "unstable",
-    "params",
-    "param_residual",
-    "tokens_seen",
-)
+STATISTICS = ("mean", "std", "min", "max", "spread", "cv", "unstable")  # of a group's final values
+COLUMNS = ("group", "family", "objective", "n_seeds", *STATISTICS, "params", "param_residual", "tokens_seen")
 SWEEPS_LISTED = 5  # an unknown --sweep's error line lists the experiment's newest sweeps
 
 
@@ -103,10 +86,7 @@ class RunCurve:
 def read_runs(
     uri: str, experiment: str, metric: str, sweep_run_id: str | None = None, group_by: Sequence[str] = ()
 ) -> list[RunCurve]:
-    """Finished training runs of `experiment` (only the sweep's children with `sweep_run_id`), grouped
-    by `group_by`'s params or tags, else as the module's docstring says; a group whose runs differ in
-    more than the seed is split by what they differ in (`separate`), and a seed twice in a group is an
-    error (`check_distinct_seeds`)."""
+    """Finished training runs of `experiment` (or of the sweep `sweep_run_id`), grouped as the module says."""
     with tracking_errors(uri):
         require_store(uri)
         client = connect(uri)
@@ -157,11 +137,8 @@ def read_runs(
 def check_sweep(uri: str, experiment: Experiment, sweep_run_id: str) -> None:
     """`--sweep` names a sweep's parent run of `experiment`, or the line lists the newest ones."""
     run = find_run(uri, sweep_run_id)
-    if (
-        run is not None
-        and run.info.experiment_id == experiment.experiment_id
-        and "family" not in run.data.tags
-    ):
+    ours = run is not None and run.info.experiment_id == experiment.experiment_id
+    if ours and "family" not in run.data.tags:  # a training run has a family, a sweep's parent none
         return
     sweeps = connect(uri).search_runs(
         [experiment.experiment_id],
@@ -170,14 +147,10 @@ def check_sweep(uri: str, experiment: Experiment, sweep_run_id: str) -> None:
         order_by=["attributes.start_time DESC"],
     )
     listed = ", ".join(f"{sweep.info.run_id} ({sweep.info.run_name})" for sweep in sweeps)
+    newest = f"newest here: {listed}" if listed else "the experiment has no sweep runs: check --experiment"
     raise CompareError(
         f"--sweep {sweep_run_id!r} is not a sweep run of experiment {experiment.name!r} at {redact(uri)!r}; "
-        "give the parent run id `mhf sweep` printed"
-        + (
-            f" (newest here: {listed})"
-            if listed
-            else " (the experiment has no sweep runs: check --experiment)"
-        )
+        f"give the parent run id `mhf sweep` printed ({newest})"
     )
 
 
@@ -206,25 +179,18 @@ def separate(curves: list[RunCurve], values: Callable[[RunCurve], Mapping[str, s
             for key in set().union(*(values(member) for member in members))
             if len({values(member).get(key, NOT_LOGGED) for member in members}) > 1
         )
+        if not keys:
+            split += members
+            continue
         for member in members:
-            if not keys:
-                split.append(member)
-                continue
             label = ",".join([group, *(f"{key}={values(member).get(key, NOT_LOGGED)}" for key in keys)])
-            split.append(
-                replace(
-                    member,
-                    group=label,
-                    split_from=member.split_from or group,
-                    split_by=(*member.split_by, *keys),
-                )
-            )
+            split_from, split_by = member.split_from or group, (*member.split_by, *keys)
+            split.append(replace(member, group=label, split_from=split_from, split_by=split_by))
     return split
 
 
 def check_distinct_seeds(curves: list[RunCurve]) -> None:
-    """A group's runs are its seeds: two runs of one seed (a repeated run, two sweeps of one experiment)
-    would be counted twice. One line names them and the ways out."""
+    """Refuse two runs of one seed in a group (a repeated run, two sweeps of one experiment)."""
     for group, members in by_group(curves).items():
         runs_of: dict[int, list[str]] = defaultdict(list)
         for member in members:
@@ -305,9 +271,7 @@ def curves_png(curves: list[RunCurve], metric: str) -> bytes:
         axes.fill_between(
             steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2, color=line[0].get_color()
         )
-    axes.set_xlabel("step")
-    axes.set_ylabel(metric)
-    axes.set_title(f"{metric}: mean over seeds, band = min..max")
+    axes.set(xlabel="step", ylabel=metric, title=f"{metric}: mean over seeds, band = min..max")
     axes.legend()
     return _png(figure)
 
@@ -323,8 +287,7 @@ def finals_png(curves: list[RunCurve], metric: str) -> bytes:
                 f"seed {member.seed}", (index, member.final), textcoords="offset points", xytext=(6, 0)
             )
     axes.set_xticks(range(len(groups)), list(groups), rotation=20)
-    axes.set_ylabel(f"final {metric}")
-    axes.set_title(f"final {metric} per seed")
+    axes.set(ylabel=f"final {metric}", title=f"final {metric} per seed")
     return _png(figure)
 
 
@@ -370,8 +333,7 @@ def compare_runs(
     unstable_cv: float = 0.05,
     group_by: Sequence[str] = (),
 ) -> Comparison:
-    """Read, summarize, write Markdown/CSV/PNG to `out_dir` (a local directory or a bucket URI); with a
-    sweep, log them to its parent run too."""
+    """Read, summarize, write the report to `out_dir`; with a sweep, log it to its parent run too."""
     out = report_directory(out_dir)
     curves = read_runs(uri, experiment, metric, sweep_run_id, group_by)
     rows = summarize(curves, unstable_cv)
@@ -390,18 +352,16 @@ def compare_runs(
         report["loss.png"] = curves_png(loss, "training loss (each family's objective)")
     for name, data in report.items():
         (out / name).write_bytes(data)  # each whole, in one step
-    files = [(out / name).as_given() for name in report]
     if sweep_run_id:
         log_files(uri, sweep_run_id, report)
         images = {name.removesuffix(".png"): data for name, data in report.items() if name.endswith(".png")}
         show_report(uri, sweep_run_id, report["compare.md"].decode(), images)
         set_tags(uri, sweep_run_id, stability_tags(rows))
-    return Comparison(rows, table, notes, files)
+    return Comparison(rows, table, notes, [(out / name).as_given() for name in report])
 
 
 def report_directory(out_dir: str | Path | Location) -> Location:
-    """Where the report goes: refused in one line, before anything is read, when it or a directory
-    above it (on the local disk) is a file."""
+    """`out_dir`, refused before anything is read when it or a local directory above it is a file."""
     out = Location.of(out_dir)
     if out.is_file():
         raise CompareError(

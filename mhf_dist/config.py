@@ -58,11 +58,9 @@ DATASET_PREFIX = "dataset:"  # data.corpus (or --corpus) naming such a callable
 
 
 def check_corpus(corpus: str) -> str:
-    """A corpus `dataset:...` names its callable as package.module:function (other forms are checked
-    where the corpus is read)."""
-    if corpus.startswith(DATASET_PREFIX) and not re.fullmatch(
-        DATASET_CALLABLE, corpus[len(DATASET_PREFIX) :]
-    ):
+    """A `dataset:` corpus names package.module:function (other forms are checked where it is read)."""
+    callable_name = corpus.removeprefix(DATASET_PREFIX)
+    if callable_name != corpus and not re.fullmatch(DATASET_CALLABLE, callable_name):
         raise ValueError(f"{corpus!r}: write {DATASET_PREFIX}package.module:function")
     return corpus
 
@@ -73,9 +71,8 @@ Overrides = Mapping[str, Any] | Iterable[str]
 
 
 class StrictModel(BaseModel):
-    """Rejects unknown keys so that a typo is an error, never a silently ignored setting; numbers that
-    are not finite; and values of another type (pydantic's strict mode: `true` is no number, `"50"` no
-    integer), which YAML 1.2's core schema (`readers.load_yaml`) has already typed."""
+    """Rejects unknown keys (a typo is an error, not an ignored setting), numbers that are not finite, and
+    values of another type (`true` is no number, `"50"` no integer: YAML 1.2 has already typed them)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
@@ -90,8 +87,7 @@ SPEC_HELP = (
 
 
 def parse_hash_spec(spec: str) -> tuple[int, int]:
-    """`H4B16K` -> (4, 16384): H hash functions, B buckets (a trailing K multiplies by 1024, except
-    where the paper names another B: `B10K` is its 10,624; write `B10240` for 10 x 1024)."""
+    """`H4B16K` -> (4, 16384): H hash functions, B buckets (K: x1024, but `B10K` is the paper's 10,624)."""
     match = HASH_SPEC.match(spec.strip())
     if match is None:
         raise ConfigError(f"bad hash spec {spec!r}; {SPEC_HELP}")
@@ -118,9 +114,7 @@ class BackboneConfig(StrictModel):
     """The model's stack: a Qwen3 decoder (QK-norm, grouped-query attention, RoPE, SwiGLU MLP) unless
     `kind` names a triple-latent stack, which reuses the widths, layers, MLP and norms."""
 
-    kind: BackboneKind = Field(
-        "qwen3", description="family mhf: the stack between hash encoder and decoder; default qwen3"
-    )
+    kind: BackboneKind = Field("qwen3", description="family mhf: the stack between hash encoder and decoder")
     hidden_size: int = Field(gt=0)
     num_layers: int = Field(gt=0)
     num_heads: int = Field(gt=0)
@@ -145,13 +139,10 @@ class BackboneConfig(StrictModel):
 
 
 class HashConfig(StrictModel):
-    """Signature shape (`spec`, e.g. H4B16K), the hash I/O design, its objective and its widths.
-
-    `io: reference` is the paper's model as its authors built it (HUIYINXUE/MHF): one [H*B, d_model]
-    table shared by the encoder and the tied decoder, a full-width cascade, the `bottleneck` k inside
-    the gate and the mixers. `io: compact` is this project's cheaper variant: one narrow table shared
-    by the coordinates (`d_hash`), a reduced cascade (`d_casc`, `mixer_hidden`), `gate_hidden`.
-    """
+    """Signature shape (`spec`, e.g. H4B16K), the hash I/O design, its objective and its widths. `io:
+    reference` is the authors' model (HUIYINXUE/MHF): one [H*B, d_model] table shared by the encoder and
+    the tied decoder, a full-width cascade, the `bottleneck` k in the gate and mixers; `io: compact` is a
+    cheaper variant: one narrow table (`d_hash`), a reduced cascade (`d_casc`, `mixer_hidden`)."""
 
     spec: str = "H4B16K"
     seed: int = Field(0, ge=0)
@@ -178,15 +169,11 @@ class HashConfig(StrictModel):
     d_hash: int | None = Field(None, gt=0, description="compact I/O: bucket-embedding width; default hidden")
     gate_hidden: int = Field(64, gt=0, description="compact I/O: bottleneck of the encoder's gate")
     d_casc: int | None = Field(None, gt=0, description="compact I/O: cascade width; default hidden/4")
-    mixer_hidden: int | None = Field(
-        None, gt=0, description="compact I/O: bottleneck of the cascade mixer; default d_casc"
-    )
+    mixer_hidden: int | None = Field(None, gt=0, description="compact I/O: mixer bottleneck; default d_casc")
 
     @property
     def signature_scheme(self) -> str:
-        if self.scheme is not None:
-            return self.scheme
-        return "reference" if self.io == "reference" else "murmur32"
+        return self.scheme or ("reference" if self.io == "reference" else "murmur32")
 
     @model_validator(mode="before")
     @classmethod
@@ -233,28 +220,21 @@ class HashConfig(StrictModel):
 
 
 class TripleConfig(StrictModel):
-    """The triple-latent layer (families triple_* and gated_hybrid): sizes, chunking, variant parts.
-
-    The layer reuses the backbone's hidden_size, num_layers, intermediate_size (its MLP),
-    rms_norm_eps and tie_word_embeddings; attention settings do not apply.
-    """
+    """The triple-latent layer (families triple_* and gated_hybrid); it reuses the backbone's sizes, MLP,
+    norms and tie_word_embeddings, not its attention settings."""
 
     num_heads: int | None = Field(None, gt=0, description="heads of the pair memory; default backbone's")
     state_dim: int | None = Field(None, gt=0, description="S: running state and pair memory S x S per head")
-    chunk_size: int = Field(
-        16, gt=0, le=16, description="time steps per chunk of the parallel scans (<= scans.MAX_CHUNK)"
-    )
+    chunk_size: int = Field(16, gt=0, le=16, description="time steps per scan chunk (<= scans.MAX_CHUNK)")
     conv_kernel: int = Field(4, gt=0, description="triple_hybrid: width of the causal local convolution")
     num_slots: int = Field(4, gt=0, description="triple_slot: slots (the rank of the slot memory)")
     memory_dim: int | None = Field(None, gt=0, description="gated_hybrid: key/value width; default hidden")
     memory_top_k: int = Field(8, gt=0, description="gated_hybrid: keys retrieved per query")
     match_params: bool = Field(
-        False,
-        description="standard-head families: the MLP width that gives the parameter count of `match_to`",
+        False, description="standard-head families: an MLP width giving the parameter count of `match_to`"
     )
     match_to: Literal["qwen3", "mhf"] = Field(
-        "qwen3",
-        description="match_params target: the qwen3 baseline, or the mhf model over model.backbone.kind",
+        "qwen3", description="match_params target: the qwen3 baseline, or mhf over model.backbone.kind"
     )
 
 
@@ -313,9 +293,7 @@ class TrainConfig(StrictModel):
     log_every: int = Field(10, gt=0)
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
     keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (the newest)")
-    eval_every: int = Field(
-        0, ge=0, description="steps between validation passes (exact NLL); 0: only at the end"
-    )
+    eval_every: int = Field(0, ge=0, description="steps between validation passes (exact NLL); 0: at the end")
     eval_rows: int = Field(0, ge=0, description="validation rows per pass; 0: the whole split")
     precision: Literal["auto", "fp32", "bf16", "bf16-pure"] = Field(
         "auto",
@@ -351,9 +329,7 @@ class ReplayConfig(StrictModel):
 
     corpus: Corpus | None = Field(None, description="the replayed corpus (same forms as data.corpus)")
     fraction: float = Field(0.0, ge=0, lt=1, description="share of the training tokens from replay.corpus")
-    seed: int = Field(
-        0, ge=0, lt=2**32, description="documents are chosen in the order of MurmurHash3(text, seed)"
-    )
+    seed: int = Field(0, ge=0, lt=2**32, description="documents are chosen in MurmurHash3(text, seed) order")
 
     @model_validator(mode="after")
     def _corpus_given(self) -> ReplayConfig:
@@ -368,8 +344,7 @@ class ReplayConfig(StrictModel):
 
 
 class SourceConfig(StrictModel):
-    """One source of a mixture (`data.sources`): a corpus, or a ray.data.Dataset, and its share of the
-    training tokens."""
+    """One source of a mixture (`data.sources`): a corpus or a ray.data.Dataset, and its token share."""
 
     name: str = Field(
         pattern=r"^[A-Za-z0-9_-]+$",
@@ -409,14 +384,11 @@ class DataConfig(StrictModel):
     sources: list[SourceConfig] = Field(
         default_factory=list,
         description="a mixture instead of data.corpus: [{name, corpus | dataset (+ args), weight, "
-        "text_field?}]; weights are "
-        "shares of the training tokens (no upsampling: the source that runs out first sets the total)",
+        "text_field?}]; weights are shares of the training tokens (no upsampling: the source that runs "
+        "out first sets the total)",
     )
     mixture_seed: int = Field(
-        0,
-        ge=0,
-        lt=2**32,
-        description="data.sources: documents are taken in the order of MurmurHash3(text, seed)",
+        0, ge=0, lt=2**32, description="data.sources: documents are taken in MurmurHash3(text, seed) order"
     )
     text_field: str = Field("text", description="the JSON field, parquet or Arrow column holding the text")
     tokenizer: str = Field(
@@ -446,9 +418,7 @@ class DataConfig(StrictModel):
         "target once); blocks = disjoint blocks, tail dropped (the authors' group_texts)",
     )
     rows_per_shard: int = Field(2048, gt=0)
-    shuffle: bool = Field(
-        True, description="train on a seeded permutation of the rows each epoch; false: prepared order"
-    )
+    shuffle: bool = Field(True, description="rows in a seeded permutation each epoch; false: prepared order")
     shuffle_window: int = Field(
         64, gt=0, description="shards whose rows are mixed together (the shard order is shuffled too)"
     )
@@ -481,12 +451,8 @@ ZeroStage = Annotated[int, Field(ge=0, le=3)]  # the key's, its flag's (`--zero-
 
 
 class TopologyConfig(StrictModel):
-    """What a run trains on: Ray Train workers, their GPUs, the ZeRO stage and where runs are stored.
-
-    The batch split over these workers (`train.batch_size`, `train.micro_batch_size`) is checked
-    against it before a run starts (`check_topology`). The CLI's `--workers`,
-    `--gpus-per-worker`, `--zero-stage` and `--storage` set these keys; every key is an MLflow param.
-    """
+    """What a run trains on: Ray Train workers, their GPUs, the ZeRO stage and where runs are stored
+    (each key also a CLI flag: `--workers`, ...). `check_topology` checks the batch split over it."""
 
     workers: int = Field(2, gt=0, description="Ray Train workers, one process each")
     gpus_per_worker: int = Field(0, ge=0, description="GPUs per worker; 0 trains on CPUs")
@@ -496,19 +462,14 @@ class TopologyConfig(StrictModel):
     )
 
 
-def rows_per_worker(cfg: TrainConfig, world_size: int) -> int:
-    """train.batch_size is the global batch; each worker takes an equal share of it every step."""
+def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """Rows per worker per forward: train.micro_batch_size, a divisor of each worker's share of the batch."""
     if cfg.batch_size % world_size:
         raise ConfigError(
             f"train.batch_size={cfg.batch_size} does not split over {world_size} workers; "
             f"use a multiple of {world_size}"
         )
-    return cfg.batch_size // world_size
-
-
-def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
-    """Rows per worker per forward: train.micro_batch_size, which must divide the worker's share."""
-    share = rows_per_worker(cfg, world_size)
+    share = cfg.batch_size // world_size
     micro = cfg.micro_batch_size or share
     if share % micro:
         raise ConfigError(
@@ -519,13 +480,12 @@ def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
 
 
 def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
-    return rows_per_worker(cfg, world_size) // micro_batch_size(cfg, world_size)
+    return cfg.batch_size // world_size // micro_batch_size(cfg, world_size)
 
 
 def check_topology(cfg: Config) -> None:
-    """What a run's topology asks of the rest of its config, checked once before a run starts (`mhf
-    train`, `mhf cpt`, every sweep trial): the batch splits over the workers, no compile under ZeRO-3.
-    Commands that start no run (`mhf count`, `plan`, `prepare`) do not ask."""
+    """Before a run starts (train, cpt, each sweep trial; not count, plan, prepare): the batch splits
+    over the workers, and no compile under ZeRO-3."""
     try:
         micro_batch_size(cfg.train, cfg.topology.workers)
     except ConfigError as err:
@@ -565,10 +525,8 @@ def available_presets() -> list[str]:
 
 
 def load_config(source: str | Path | None = None, overrides: Overrides = ()) -> Config:
-    """Resolve a preset name or YAML path plus overrides into a validated `Config`.
-
-    `overrides` maps dotted keys to values (`{"train.steps": 50}`, as sweep files write them) or lists
-    `KEY=VALUE` texts (`["train.steps=50"]`, as `--set` takes them); later ones win."""
+    """Resolve a preset name or YAML path plus overrides (`{"train.steps": 50}` as sweep files write
+    them, or `["train.steps=50"]` as `--set` takes them; later ones win) into a validated `Config`."""
     raw = _load_source(source if source is not None else "tiny")
     apply_overrides(raw, parse_overrides(overrides))
     return validate_config(raw)
@@ -584,16 +542,18 @@ def validate_config(raw: Mapping[str, Any]) -> Config:
 def _load_source(source: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = Path(source)
     if path.suffix not in (".yaml", ".yml"):
-        preset = PRESET_DIR / f"{source}.yaml"
-        if not preset.is_file():
+        path = PRESET_DIR / f"{source}.yaml"
+        if not path.is_file():
             raise ConfigError(
                 f"unknown preset {str(source)!r}; choose one of {', '.join(available_presets())} "
                 "or pass a path to a .yaml file"
             )
-        path = preset
-    if not path.is_file():
+    elif not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; check the path")
-    raw = _read_yaml(path)
+    raw = read_yaml(path, ConfigError, "fix the YAML syntax")
+    if not isinstance(raw, dict | None):
+        raise ConfigError(f"{path} must hold a mapping of config sections, not a {type(raw).__name__}")
+    raw = raw or {}
     base = raw.pop("preset", None)
     if base is None:
         return raw if path.parent != PRESET_DIR else {**raw, "preset": path.stem}
@@ -608,15 +568,6 @@ def _load_source(source: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, A
     return merged
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
-    data = read_yaml(path, ConfigError, "fix the YAML syntax")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of config sections, not a {type(data).__name__}")
-    return data
-
-
 def split_assignment(text: str, flag: str = "--set", example: str = "train.steps=50") -> tuple[str, str]:
     """`KEY=VALUE` -> (KEY, VALUE text), the form of `--set` and of `mhf submit --env`."""
     key, sep, value = text.partition("=")
@@ -626,9 +577,8 @@ def split_assignment(text: str, flag: str = "--set", example: str = "train.steps
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`train.steps=50` -> ("train.steps", 50): the value typed as YAML reads it (`[a, b]` a list,
-    `null` None), text that is not YAML kept as it is. Scalars follow YAML 1.2's core schema, not
-    PyYAML's 1.1: `010` is 10 (not octal 8), `1e-3` a float, `1:30` and `yes` stay text."""
+    """`train.steps=50` -> ("train.steps", 50): the value as YAML 1.2 types it (`010` is 10, `yes` text,
+    `[a, b]` a list), text that is not YAML kept as it is."""
     key, value = split_assignment(text)
     try:
         return key, load_yaml(value)
@@ -639,8 +589,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def parse_overrides(overrides: Overrides) -> dict[str, Any]:
-    """Overrides as one mapping of dotted keys, in the order they apply; of a key given twice the
-    later value wins, at the later place."""
+    """Overrides as one mapping of dotted keys in the order they apply (a repeated key: last value, place)."""
     if isinstance(overrides, Mapping):
         return dict(overrides)
     settings: dict[str, Any] = {}
@@ -651,36 +600,28 @@ def parse_overrides(overrides: Overrides) -> dict[str, Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> None:
-    """Set each dotted key of `overrides` in `raw`, a config as read from YAML, in order.
-
-    A key must name a field (the error lists the keys allowed there). A value given to a whole section
-    merges into it: a mapping key by key, and a section's shorthand as its model reads it
+    """Set each dotted key of `overrides` in `raw` (a config as read from YAML), in order. A value given
+    to a whole section merges into it: a mapping key by key, a shorthand as its model reads it
     (`model.hash=H2B64` is `{spec: H2B64}`: the spec changes, the widths stay)."""
     for key, value in overrides.items():
-        _set_key(raw, key, value)
-
-
-def _set_key(raw: dict[str, Any], key: str, value: Any) -> None:
-    node, section = raw, Config
-    *parents, last = key.split(".")
-    for depth, part in enumerate(parents):
-        child = _field_section(section, key, depth)
-        path = ".".join(parents[: depth + 1])
+        node, section = raw, Config
+        *parents, last = key.split(".")
+        for depth, part in enumerate(parents):
+            child = _field_section(section, key, depth)
+            path = ".".join(parents[: depth + 1])
+            if child is None:
+                raise ConfigError(f"{path} is a value, not a section; use --set {path}=...")
+            node[part] = _section_keys(child, node.get(part) or {}, path)
+            node, section = node[part], child
+        child = _field_section(section, key, len(parents))
         if child is None:
-            raise ConfigError(f"{path} is a value, not a section; use --set {path}=...")
-        node[part] = _section_keys(child, node.get(part) or {}, path)
-        node, section = node[part], child
-    child = _field_section(section, key, len(parents))
-    if child is None:
-        node[last] = value
-        return
-    if isinstance(value, Mapping):  # key by key: a shorthand deeper down is read as its section reads it
-        for sub_key, sub_value in value.items():
-            _set_key(raw, f"{key}.{sub_key}", sub_value)
-        return
-    merged = _section_keys(child, node.get(last) or {}, key)
-    _deep_merge(merged, _section_keys(child, value, key))
-    node[last] = merged
+            node[last] = value
+        elif isinstance(value, Mapping):  # key by key: a shorthand deeper down is read as its section does
+            apply_overrides(raw, {f"{key}.{sub_key}": sub_value for sub_key, sub_value in value.items()})
+        else:
+            merged = _section_keys(child, node.get(last) or {}, key)
+            _deep_merge(merged, _section_keys(child, value, key))
+            node[last] = merged
 
 
 def _field_section(model_cls: type[BaseModel], key: str, depth: int) -> type[BaseModel] | None:
@@ -694,8 +635,7 @@ def _field_section(model_cls: type[BaseModel], key: str, depth: int) -> type[Bas
 
 
 def _section_keys(section: type[BaseModel], value: Any, path: str) -> dict[str, Any]:
-    """`value` given to a section as the mapping of keys it sets; the section's model reads any
-    shorthand, so the shorthand is defined once, on the model."""
+    """`value` given to a section as the keys it sets; a shorthand is read by the section's own model."""
     if isinstance(value, Mapping):
         return dict(value)
     try:
@@ -712,10 +652,7 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
     if get_origin(annotation) is list:  # a list of sections (`data.sources`) is set as one value
         return None
     candidates = getattr(annotation, "__args__", (annotation,))
-    for candidate in candidates:
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
+    return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
 
 
 def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:

@@ -1,14 +1,11 @@
 """`mhf cpt`: continued pretraining with a larger vocabulary.
 
 The tokenizer and the signature table grow by appending (every old id keeps its string and its
-signature); the model grows only where its parameters depend on V. MultiHashFormer has no such
-parameters: new tokens get signatures in the fixed bucket space, so its parameter count is unchanged.
-A Qwen3 baseline's embedding (and untied head) gains dV rows, initialised as the authors do (HUIYINXUE/MHF
-`instantiate_model_by_mean`): each new row is the mean of the rows of the pieces the old tokenizer splits
-the new token into (`--init-new-rows mean`: the mean of all old rows). Training then continues through
-`mhf train` (Ray Train + DeepSpeed) from the expanded weights, by default with the authors' frozen split
-(`train.trainable`, `mhf_dist.train.trainable.authors_ve_trainable`) and optionally with a replayed share
-of the parent's corpus (`data.replay`).
+signature); the model grows only where its parameters depend on V: not at all for MultiHashFormer (new
+tokens get signatures in the fixed bucket space); a Qwen3 baseline's embedding (and untied head) gains
+dV rows, each the mean of the rows of the new token's old pieces, as the authors' (HUIYINXUE/MHF)
+`instantiate_model_by_mean` does. Training then continues through `mhf train` from the expanded weights,
+by default with the authors' frozen split (`train.trainable`) and optionally with replay (`data.replay`).
 """
 
 from __future__ import annotations
@@ -45,20 +42,15 @@ class Expansion:
     table: SignatureTable
     params_added: int
     old_vocab_size: int
-    parent_fingerprint: str
     init_new_rows: str = "none"  # subword | mean | none (no vocabulary-sized table: mhf)
     fallback_rows: int = 0  # subword: new tokens the old tokenizer gives no piece, set to the mean
 
 
 def old_pieces(old: TextTokenizer, new: TextTokenizer, token_id: int) -> list[int]:
-    """The old tokenizer's ids for new token `token_id`: what its sub-word mean averages.
-
-    The authors re-tokenise the new token's string with the old tokenizer
-    (`source_tokenizer.tokenize(target_tokenizer.convert_ids_to_tokens(i))`). Here a token of the model's
-    own vocabulary (a learned BPE token, in its byte-level `Ġ` or Metaspace `▁` alphabet) is split by the
-    old BPE model itself, so its prefix is one piece of the old vocabulary and not text to pre-tokenise
-    again; an added whole-string token is its text, encoded by the old tokenizer.
-    """
+    """The old tokenizer's ids for new token `token_id`: what its sub-word mean averages. The authors
+    re-tokenise the new token's string; here a learned BPE token (in its byte-level `Ġ` or Metaspace `▁`
+    alphabet) is split by the old BPE model itself, so its prefix is one old piece and not text to
+    pre-tokenise again; an added token's text is encoded by the old tokenizer."""
     added = new.tokenizer.get_added_tokens_decoder()
     if token_id in added:
         return old.encode_batch([added[token_id].content])[0]
@@ -71,7 +63,6 @@ def old_pieces(old: TextTokenizer, new: TextTokenizer, token_id: int) -> list[in
 
 def _new_rows(old: torch.Tensor, added: int, pieces: list[list[int]] | None) -> torch.Tensor:
     """[added, d] rows after the [V, d] table `old`: each the mean of its pieces' rows, or of all rows.
-
     A token with no piece gets the mean of all rows (the authors' numpy mean over no rows is NaN)."""
     mean = old.mean(dim=0, keepdim=True)
     if pieces is None:
@@ -86,23 +77,15 @@ def expand_model(
     tokenizer: TextTokenizer | None = None,
 ) -> Expansion:
     """`parent` with `new_tokens` appended to its vocabulary; old rows and weights are kept as they are.
-
-    A vocabulary-sized table's new rows (a baseline's embedding and untied head) start as `init_new_rows`
-    says: `subword`, the mean of the old rows of each token's old pieces (needs the new `tokenizer`), or
-    `mean`, the mean of all old rows.
-    """
+    New rows of a vocabulary-sized table start as `init_new_rows` says (`subword` needs `tokenizer`)."""
     if init_new_rows not in INIT_NEW_ROWS:
         raise TrainingError(f"--init-new-rows {init_new_rows!r}: use one of {', '.join(INIT_NEW_ROWS)}")
     table = parent.table.expand(new_tokens)
     config = resolved_config(parent.config)  # parameter matching pinned: only vocabulary tables grow
-    if config.triple.match_params:
-        config = config.model_copy(
-            update={"triple": config.triple.model_copy(update={"match_params": False})}
-        )
-    config = config.model_copy(update={"vocab_size": len(table)})
+    triple = config.triple.model_copy(update={"match_params": False})
+    config = config.model_copy(update={"triple": triple, "vocab_size": len(table)})
     model = build_model(config, table)
-    old_state = parent.model.state_dict()
-    new_state = model.state_dict()
+    old_state, new_state = parent.model.state_dict(), model.state_dict()
     grows = [name for name, tensor in new_state.items() if tensor.shape != old_state[name].shape]
     pieces = None
     if grows and init_new_rows == "subword":
@@ -110,31 +93,21 @@ def expand_model(
             raise TrainingError("--init-new-rows subword needs the new tokenizer; pass tokenizer=")
         old_size = parent.config.vocab_size
         pieces = [old_pieces(parent.tokenizer, tokenizer, i) for i in range(old_size, len(table))]
-    for name, tensor in new_state.items():
+    state = {name: old_state[name] for name in new_state}
+    for name in grows:  # a vocabulary-sized table: [V, d] -> [V + dV, d]
         old = old_state[name]
-        if name in grows:  # a vocabulary-sized table: [V, d] -> [V + dV, d]
-            new_state[name] = torch.cat([old, _new_rows(old, tensor.shape[0] - old.shape[0], pieces)])
-        else:
-            new_state[name] = old
-    model.load_state_dict(new_state, strict=True)
+        state[name] = torch.cat([old, _new_rows(old, new_state[name].shape[0] - old.shape[0], pieces)])
+    model.load_state_dict(state, strict=True)
     params_added = param_count(config) - param_count(parent.config)
     if parent.config.family == "mhf" and params_added != 0:
         raise TrainingError(f"expanding an mhf model added {params_added} parameters; it must add none")
-    return Expansion(
-        model,
-        config,
-        table,
-        params_added,
-        parent.config.vocab_size,
-        parent.table.fingerprint,
-        init_new_rows if grows else "none",
-        sum(not ids for ids in pieces) if pieces is not None else 0,
-    )
+    fallback_rows = sum(not ids for ids in pieces) if pieces is not None else 0
+    init = init_new_rows if grows else "none"
+    return Expansion(model, config, table, params_added, parent.config.vocab_size, init, fallback_rows)
 
 
 def resolve_parent(source: str) -> Location:
-    """An exported model directory, a checkpoint directory (its `model/`) or a run (its newest), local or
-    in a bucket."""
+    """An exported model directory, a checkpoint directory (its `model/`) or a run (its newest)."""
     where = Location.of(source)
     if (where / MODEL_DIR).is_dir():
         return where / MODEL_DIR
@@ -160,8 +133,7 @@ def expanded_tokenizer(
         return new
     if add_tokens is not None:
         text = read_text(add_tokens, TrainingError, "give --add-tokens a UTF-8 file, one new token per line")
-        tokens = [line for line in text.splitlines() if line.strip()]
-        return parent.with_added_tokens(tokens)
+        return parent.with_added_tokens([line for line in text.splitlines() if line.strip()])
     if texts is None:
         raise TrainingError("--train-new-tokens needs --corpus: the text the new tokens are learned from")
     return parent.with_trained_tokens(texts(), train_new_tokens)
@@ -190,11 +162,7 @@ def run_cpt(
     log: Callable[[str], None] = print,
     init_new_rows: str = "subword",
 ) -> CptResult:
-    """Expand the parent's vocabulary, prepare `cfg.data.corpus` with the new tokenizer, and train.
-
-    `cfg` supplies the training and data settings; the model config comes from the parent.
-    `train.trainable` unset trains the authors' split (`authors_ve_trainable`); `[]` trains everything.
-    """
+    """Expand the parent's vocabulary, prepare `cfg.data` with the new tokenizer, and train the result."""
     from mhf_dist.data.prepare import prepare, recorded_data
     from mhf_dist.train.ray_trainer import train
 
@@ -211,9 +179,8 @@ def run_cpt(
         f"{param_count(expansion.config):,} (+{expansion.params_added:,})"
     )
     if expansion.init_new_rows != "none":
-        fallback = (
-            f", {expansion.fallback_rows} without old pieces: mean of all" if expansion.fallback_rows else ""
-        )
+        rows = expansion.fallback_rows
+        fallback = f", {rows} without old pieces: mean of all" if rows else ""
         log(f"new embedding rows: {expansion.init_new_rows} initialisation{fallback}")
     trainable, recipe = cpt_trainable(cfg, expansion.config)
     split = trainable_split(expansion.model, trainable)  # a bad pattern fails here, before prepare
@@ -247,18 +214,12 @@ def run_cpt(
         init_dir.remove()  # a half-made one, or none
         with Location.of(tokenizer_file).staged_file() as staging:
             tokenizer.save(staging)
-        lineage = [
-            *parent.lineage,
-            {"fingerprint": parent.table.fingerprint, "vocab_size": parent.config.vocab_size},
-        ]
+        grew_from = {"fingerprint": parent.table.fingerprint, "vocab_size": parent.config.vocab_size}
+        lineage = [*parent.lineage, grew_from]
+        model, config, table = expansion.model, expansion.config, expansion.table
+        # The new data is framed as the parent's was.
         export_model(
-            expansion.model,
-            expansion.config,
-            expansion.table,
-            local_copy(tokenizer_file),
-            init_dir.uri,
-            lineage,
-            document_format=parent.document_format,  # the new data is framed as the parent's was
+            model, config, table, local_copy(tokenizer_file), init_dir.uri, lineage, parent.document_format
         )
         write_json_atomic(init_record, made_from)
 
@@ -278,9 +239,8 @@ def run_cpt(
     manifest = read_manifest(data.path)
     # Shards an earlier run of this name prepared from other data are refused (the tokenizer and table:
     # by the fingerprint below; a key older manifests lack had its default then).
-    wanted = {
-        key: value for key, value in recorded_data(data).items() if key not in ("tokenizer", "signatures")
-    }
+    wanted = recorded_data(data)
+    del wanted["tokenizer"], wanted["signatures"]
     earlier = manifest.config.data
     other = next((key for key in wanted if key in earlier and earlier[key] != wanted[key]), None)
     if other is not None:

@@ -1,13 +1,10 @@
 """Exported model directories: what eval, generate, cpt and lm-eval load.
 
-An exported directory holds `config.json` (the model config and the signature fingerprint),
-`model.safetensors` (the weights), `signatures.safetensors` (the vocabulary's SignatureTable) and
+An exported directory holds `config.json` (`ExportRecord`: the model config, the signature fingerprint,
+the document format), `model.safetensors`, `signatures.safetensors` (the vocabulary's SignatureTable) and
 `tokenizer.json`. It is written through `Location.staged_directory`, so a directory that exists is
-complete: on a local disk by a rename, in a bucket (`s3://`, `gs://`) by uploading `config.json` last, so
-a remote directory without it is an export that did not finish and is refused. A remote model is loaded
-from a local copy (`storage.local_copy`, downloaded once per version); a local one in place.
-Loading never unpickles: safetensors only. `config.json` also records the document format the model was
-trained on (`document_format`: bos or eos); a model written before it was recorded is `eos`.
+complete (in a bucket, `config.json` is uploaded last). A remote model is loaded from a local copy
+(`storage.local_copy`); loading never unpickles: safetensors only.
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ class ExportError(MhfError):
 
 
 class ExportRecord(BaseModel):
-    """An exported model's config.json. Fields after `signature_fingerprint` came later: an export written
-    before one was recorded reads with its default."""
+    """An exported model's config.json; fields after `signature_fingerprint` default for older exports."""
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
@@ -72,12 +68,8 @@ def export_model(
     lineage: list[dict] | None = None,
     document_format: str = LEGACY_FORMAT,
 ) -> Path | Location:
-    """Write `model` (whole parameters: gather ZeRO-3 shards before calling) as an exported directory,
-    local or in a bucket.
-
-    `lineage` lists the earlier vocabularies of a model whose vocabulary was expanded (`mhf cpt`);
-    `document_format` the boundaries of the documents it was trained on (the shards' manifest's).
-    """
+    """Write `model` (whole parameters: gather ZeRO-3 shards first) as an exported directory, local or in
+    a bucket, with the vocabularies it grew from (`lineage`, `mhf cpt`) and its `document_format`."""
     if document_format not in DOCUMENT_FORMATS:
         raise ExportError(f"document format {document_format!r}; use one of {', '.join(DOCUMENT_FORMATS)}")
     from safetensors.torch import save_file
@@ -100,7 +92,12 @@ def export_model(
     )
     with where.staged_directory(CONFIG_FILE) as staging:
         (staging / CONFIG_FILE).write_text(record.model_dump_json(indent=2))
-        save_file(_weights(model), str(staging / WEIGHTS_FILE))
+        # Standalone copies: DeepSpeed's ZeRO-1/2 parameters are views into one flat buffer, which
+        # safetensors refuses to save; `load_model` restores the tied names on load.
+        weights = {
+            name: t.detach().to("cpu", copy=True).contiguous() for name, t in unique_tensors(model).items()
+        }
+        save_file(weights, str(staging / WEIGHTS_FILE))
         save_table(table, staging / SIGNATURES_FILE)
         shutil.copyfile(tokenizer_file, staging / TOKENIZER_FILE)
     return where.as_given()
@@ -116,24 +113,14 @@ def check_new_output(where: Location, error: type[MhfError], fix: str) -> None:
 def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict with each tied tensor once, under its first name (Qwen3's lm_head is its
     embedding; the reference decoder's table is the encoder's)."""
-    unique, seen = {}, set()
+    first: dict[tuple[int, tuple[int, ...]], tuple[str, torch.Tensor]] = {}
     for name, tensor in model.state_dict().items():
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        if key not in seen:
-            seen.add(key)
-            unique[name] = tensor
-    return unique
-
-
-def _weights(model: CausalLM) -> dict[str, torch.Tensor]:
-    """`unique_tensors` as standalone copies: DeepSpeed's ZeRO-1/2 parameters are views into one flat
-    buffer, which safetensors refuses to save; `load_model` restores the tied names on load."""
-    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in unique_tensors(model).items()}
+        first.setdefault((tensor.data_ptr(), tuple(tensor.shape)), (name, tensor))
+    return dict(first.values())
 
 
 def read_export_config(directory: str | Path | Location) -> ExportRecord:
-    """The exported model's config.json (local or in a bucket); a missing, foreign, damaged or
-    hand-edited one is a one-line error."""
+    """The exported model's config.json (local or in a bucket); a bad one is a one-line error."""
     where = Location.of(directory)
     path = where / CONFIG_FILE
     if not path.is_file():
@@ -157,30 +144,17 @@ def read_export_config(directory: str | Path | Location) -> ExportRecord:
 def check_documents_fit(
     model_dir: str | Path | Location, data_format: str, data_label: str, error: type[MhfError] = DataError
 ) -> None:
-    """Data for the exported model in `model_dir` (local or in a bucket) frames documents as its training
-    data did (a directory without config.json holds no exported model and is not judged here)."""
+    """Data for the exported model in `model_dir` frames documents as its training data did (a directory
+    without config.json holds no exported model and is not judged)."""
     where = Location.of(model_dir)
     if not (where / CONFIG_FILE).is_file():
         return
-    check_document_format(
-        data_format,
-        read_export_config(where).document_format,
-        data_label,
-        f"model {str(where)!r}",
-        error,
-    )
-
-
-def _not_the_exported_tokenizer(where: Location, why: str) -> ExportError:
-    return ExportError(
-        f"{str(where / TOKENIZER_FILE)!r} is not the tokenizer the model was exported with ({why}); restore "
-        "the exported tokenizer.json"
-    )
+    trained_on = read_export_config(where).document_format
+    check_document_format(data_format, trained_on, data_label, f"model {str(where)!r}", error)
 
 
 def load_exported(directory: str | Path | Location) -> ExportedModel:
-    """Build the model from config.json and load its weights; the signature table must match. A model in
-    a bucket is downloaded first (once: the copy is cached by the listing), a local one read in place."""
+    """Build the model from config.json and load its weights; the signature table must match."""
     from safetensors.torch import load_model
 
     from mhf_dist.models import build_model
@@ -217,22 +191,17 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
         ) from None
     model.eval()
     tokenizer = TextTokenizer.load(local / TOKENIZER_FILE)
-    difference = table.vocabulary_difference(tokenizer.vocabulary())
-    if difference is not None:
-        raise _not_the_exported_tokenizer(where, difference)
+    why = table.vocabulary_difference(tokenizer.vocabulary())
     recorded = description.tokenizer_sha256  # None: an export older than the record
-    if recorded is not None and recorded != tokenizer.sha256:
-        raise _not_the_exported_tokenizer(
-            where,
+    if why is None and recorded is not None and recorded != tokenizer.sha256:
+        why = (
             f"its sha256 {tokenizer.sha256[:12]}, config.json records {str(recorded)[:12]}: its merges, "
-            "normalizer or pre-tokenizer were edited",
+            "normalizer or pre-tokenizer were edited"
         )
-    return ExportedModel(
-        model,
-        config,
-        table,
-        tokenizer,
-        where.as_given(),
-        description.lineage,
-        description.document_format,
-    )
+    if why is not None:
+        raise ExportError(
+            f"{str(where / TOKENIZER_FILE)!r} is not the tokenizer the model was exported with ({why}); "
+            "restore the exported tokenizer.json"
+        )
+    lineage, document_format = description.lineage, description.document_format
+    return ExportedModel(model, config, table, tokenizer, where.as_given(), lineage, document_format)

@@ -9,18 +9,11 @@ Two layouts are understood:
 - plain transformers Qwen3 (what `Qwen3ForCausalLM.save_pretrained` writes), for the qwen3 families.
 Both are read and written as transformers and the Hub do it: `config.json` through `Qwen3Config` (the
 reference's extra keys ride along as attributes), weights as `model.safetensors` or, past
-`max_shard_size` (the Hub's 5GB by default), shards named by `model.safetensors.index.json`
-(`huggingface_hub.save_torch_state_dict` writes them; import reads either). Either end may be a
-bucket (`s3://`, `gs://`): import reads a remote checkpoint file by file, and a remote output is staged
-locally and uploaded with its `config.json` last (`Location.staged_directory`), so a reader never takes an
-unfinished upload for a checkpoint.
+`max_shard_size` (5GB by default), shards named by `model.safetensors.index.json`. Either end may be a
+bucket; a remote output is uploaded with its `config.json` last (`Location.staged_directory`).
 
 The vocabulary (model.vocab_size, the ids) is the tokenizer's; the signature table is the checkpoint's
-`hash_map`, every row, LSH coordinates (`num_lsh`, `lsh_only_embed`) included. Rows past the tokenizer's
-last id (the reference rounds V up to a multiple of 128 and leaves them all zeros) are kept as the
-table's reserved rows: no id and no generated token is one, but exact scoring's normaliser counts them,
-so an imported model's exact NLL is the authors' `use_conditional_prob` loss; export writes them back.
-The imported model's document format is its tokenizer's default (`bos` for the released models).
+`hash_map`, every row (see `_imported_table`), LSH coordinates included.
 """
 
 from __future__ import annotations
@@ -74,10 +67,8 @@ class LayoutError(MhfError):
     """A checkpoint directory that is not in a layout mhf-dist imports, or does not fit its config."""
 
 
-# --- import ------------------------------------------------------------------------------------------
 def import_hf(source: str | Path | Location, out: str | Path | Location) -> ExportedModel:
-    """A reference MHF or plain Qwen3 checkpoint directory -> an exported mhf-dist model at `out` (each
-    local or in a bucket)."""
+    """A reference MHF or plain Qwen3 checkpoint directory -> an exported mhf-dist model at `out`."""
     source, out = Location.of(source), Location.of(out)
     check_new_output(out, LayoutError, "another --out")
     hf_config = _read_hf_config(source)
@@ -88,10 +79,8 @@ def import_hf(source: str | Path | Location, out: str | Path | Location) -> Expo
     tokenizer_file = local_copy(source / TOKENIZER_FILE)
     tokenizer = TextTokenizer.load(tokenizer_file)
     weights = _read_weights(source)
-    if hasattr(hf_config, "num_hashes"):
-        model_cfg, table, state = _from_reference(hf_config, weights, tokenizer)
-    else:
-        model_cfg, table, state = _from_qwen3(hf_config, weights, tokenizer)
+    convert = _from_reference if hasattr(hf_config, "num_hashes") else _from_qwen3
+    model_cfg, table, state = convert(hf_config, weights, tokenizer)
     model = build_model(model_cfg, table)
     _load_strict(model, state, source)
     # Documents as the checkpoint was trained on them: its tokenizer's default special tokens (the
@@ -140,12 +129,10 @@ def _read_weights(source: Location) -> dict[str, torch.Tensor]:
 def _weight_files(source: Location) -> list[Location]:
     present = {name for name, _ in source.files()}  # one listing, not a request per shard
     index = source / INDEX_FILE
-    if INDEX_FILE not in present:
-        if WEIGHTS_FILE not in present:
-            raise LayoutError(
-                f"{str(source)!r} has no {WEIGHTS_FILE} (nor {INDEX_FILE}); only safetensors load"
-            )
+    if INDEX_FILE not in present and WEIGHTS_FILE in present:
         return [source / WEIGHTS_FILE]
+    if INDEX_FILE not in present:
+        raise LayoutError(f"{str(source)!r} has no {WEIGHTS_FILE} (nor {INDEX_FILE}); only safetensors load")
     weight_map = read_json(index, LayoutError, "fix or re-download the checkpoint")
     weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     if not isinstance(weight_map, dict) or not all(
@@ -185,10 +172,12 @@ def _backbone_section(hf: Qwen3Config) -> dict:
     }
 
 
-def _model_config(section: dict) -> ModelConfig:
-    """`section` as our model config; a value it refuses is a LayoutError naming it."""
+def _model_config(family: str, vocab_size: int, backbone: dict, **sections: dict) -> ModelConfig:
+    """Our model config of these sections; a value it refuses is a LayoutError naming it."""
     try:
-        return ModelConfig.model_validate(section)
+        return ModelConfig.model_validate(
+            {"family": family, "vocab_size": vocab_size, "backbone": backbone, **sections}
+        )
     except ValidationError as err:
         where, message = first_problem(err)
         raise LayoutError(
@@ -208,24 +197,21 @@ def _from_reference(
         )
     num_hashes, num_buckets = hf.num_hashes, hf.num_buckets
     num_lsh = getattr(hf, "num_lsh", 0) or 0
-    lsh_only_embed = bool(getattr(hf, "lsh_only_embed", False))
     model_cfg = _model_config(
-        {
-            "family": "mhf",
-            "vocab_size": tokenizer.vocab_size,
-            "backbone": _backbone_section(hf),
-            "hash": {
-                "spec": format_hash_spec(num_hashes, num_buckets),
-                "io": "reference",
-                "scheme": "reference",
-                "loss": "vocab" if getattr(hf, "use_conditional_prob", False) else "coordinates",
-                "num_lsh": num_lsh,
-                "lsh_only_embed": lsh_only_embed,
-                "bottleneck": hf.bottle_neck_dim,
-            },
-        }
+        "mhf",
+        tokenizer.vocab_size,
+        _backbone_section(hf),
+        hash={
+            "spec": format_hash_spec(num_hashes, num_buckets),
+            "io": "reference",
+            "scheme": "reference",
+            "loss": "vocab" if getattr(hf, "use_conditional_prob", False) else "coordinates",
+            "num_lsh": num_lsh,
+            "lsh_only_embed": bool(getattr(hf, "lsh_only_embed", False)),
+            "bottleneck": hf.bottle_neck_dim,
+        },
     )
-    table = _imported_table(weights.pop(HASH_MAP, None), tokenizer, num_hashes, num_buckets, hf, num_lsh)
+    table = _imported_table(weights.pop(HASH_MAP, None), tokenizer, hf, num_lsh)
     expected = (num_hashes * num_buckets, model_cfg.backbone.hidden_size)
     embed = weights.get("model.embed_tokens.weight")
     if embed is None or tuple(embed.shape) != expected:
@@ -240,24 +226,14 @@ def _from_reference(
 
 
 def _imported_table(
-    hash_map: torch.Tensor | None,
-    tokenizer: TextTokenizer,
-    num_hashes: int,
-    num_buckets: int,
-    hf: Qwen3Config,
-    num_lsh: int,
+    hash_map: torch.Tensor | None, tokenizer: TextTokenizer, hf: Qwen3Config, num_lsh: int
 ) -> SignatureTable:
-    """The checkpoint's `hash_map` as it is, every row: the tokenizer's ids, then the rows the authors
-    add by rounding V up to a multiple of 128, kept as reserved rows (their exact-V normaliser counts
-    them). Their added tokens' all-zero rows (the authors hash only the base vocabulary) stay too."""
-    vocab = tokenizer.vocab_size
-    if (
-        hash_map is None
-        or hash_map.dim() != 2
-        or hash_map.shape[1] != num_hashes
-        or hash_map.shape[0] < vocab
-    ):
-        shape = None if hash_map is None else tuple(hash_map.shape)
+    """The checkpoint's `hash_map`, every row: the tokenizer's ids, then the all-zero rows the authors add
+    by rounding V up to a multiple of 128, kept as reserved rows: exact scoring's normaliser counts them
+    (so exact NLL is the authors' `use_conditional_prob` loss), and export writes them back."""
+    vocab, num_hashes, num_buckets = tokenizer.vocab_size, hf.num_hashes, hf.num_buckets
+    shape = None if hash_map is None else tuple(hash_map.shape)
+    if shape is None or len(shape) != 2 or shape[1] != num_hashes or shape[0] < vocab:
         raise LayoutError(
             f"model.hash_map has shape {shape}; expected [>= {vocab} (the tokenizer's tokens), "
             f"{num_hashes}]; the tokenizer, the weights and config.json must be from the same model"
@@ -270,21 +246,14 @@ def _imported_table(
     pad_id = hf.pad_token_id
     pad_id = pad_id if isinstance(pad_id, int) and pad_id < vocab and not rows[pad_id].any() else NO_PAD
     scheme = ReferenceScheme(num_hashes, num_buckets, seed=0, num_lsh=num_lsh)
-    return SignatureTable(
-        tokenizer.vocabulary(),
-        rows.astype(scheme.dtype),
-        np.zeros(len(rows), np.uint32),  # the redraw count is not stored in the reference layout
-        scheme,
-        pad_id,
-    )
+    redraws = np.zeros(len(rows), np.uint32)  # not stored in the reference layout
+    return SignatureTable(tokenizer.vocabulary(), rows.astype(scheme.dtype), redraws, scheme, pad_id)
 
 
 def _from_qwen3(
     hf: Qwen3Config, weights: dict[str, torch.Tensor], tokenizer: TextTokenizer
 ) -> tuple[ModelConfig, SignatureTable, dict[str, torch.Tensor]]:
-    model_cfg = _model_config(
-        {"family": "qwen3", "vocab_size": tokenizer.vocab_size, "backbone": _backbone_section(hf)}
-    )
+    model_cfg = _model_config("qwen3", tokenizer.vocab_size, _backbone_section(hf))
     vocab = tokenizer.vocab_size
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         if name in weights:
@@ -320,18 +289,16 @@ def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source:
     model.load_state_dict(state, strict=False)
 
 
-# --- export ------------------------------------------------------------------------------------------
 def export_hf(
     model_dir: str | Path | Location, out: str | Path | Location, max_shard_size: int | str = "5GB"
 ) -> Path | Location:
     """An exported mhf-dist model -> the reference layout (mhf) or a plain transformers Qwen3 directory,
-    its weights in safetensors shards of at most `max_shard_size` (bytes, or a size such as "500MB";
-    one tensor larger than that is a shard of its own). Either directory may be in a bucket."""
+    in safetensors shards of at most `max_shard_size` (bytes or "500MB"; a larger tensor is its own)."""
     largest = byte_size(max_shard_size, LayoutError)
     out = Location.of(out)
     check_new_output(out, LayoutError, "another --out")
     exported = load_exported(model_dir)
-    config, weights = _layout_for(exported.config)(exported)
+    config, weights = _hf_checkpoint(exported)
     with out.staged_directory(CONFIG_FILE) as staging:
         config.save_pretrained(staging)
         save_torch_state_dict(weights, staging, max_shard_size=largest)
@@ -339,64 +306,48 @@ def export_hf(
     return out.as_given()
 
 
-HfLayout = Callable[[ExportedModel], tuple[Qwen3Config, dict[str, torch.Tensor]]]
-
-
-def _layout_for(cfg: ModelConfig) -> HfLayout:
-    """The function that lays a model of `cfg` out as a Hugging Face checkpoint: (config, weights)."""
-    if cfg.family == "mhf":
-        if cfg.hash.io != "reference" or cfg.backbone.kind != "qwen3":
-            raise LayoutError(
-                f"the reference layout holds the reference hash I/O over Qwen3; this model has io="
-                f"{cfg.hash.io} over {cfg.backbone.kind} (export-hf writes mhf models with "
-                "model.hash.io=reference and model.backbone.kind=qwen3)"
-            )
-        return _reference_layout
-    if cfg.family in ("qwen3", "qwen3_matched"):
-        return _qwen3_layout
-    raise LayoutError(
-        f"family {cfg.family} has no Hugging Face layout; export-hf writes mhf and qwen3 models"
-    )
-
-
-def _qwen3_layout(exported: ExportedModel) -> tuple[Qwen3Config, dict[str, torch.Tensor]]:
-    """transformers' own Qwen3ForCausalLM names; a tied lm_head is written once, as its embedding."""
-    return _hf_config(exported, exported.config.vocab_size), unique_tensors(exported.model.model)
-
-
-def _reference_layout(exported: ExportedModel) -> tuple[Qwen3Config, dict[str, torch.Tensor]]:
-    cfg, table = exported.config, exported.table
-    config = _hf_config(
-        exported,
-        table.num_rows,  # an imported checkpoint's reserved rows go back as they came
-        num_hashes=cfg.hash.num_hashes,
-        num_buckets=cfg.hash.num_buckets,
-        bottle_neck_dim=cfg.hash.bottleneck,
-        num_lsh=cfg.hash.num_lsh,
-        lsh_only_embed=cfg.hash.lsh_only_embed,
-        use_conditional_prob=cfg.hash.loss == "vocab",
-        fused_decoding=False,
-    )
-    weights = _renamed(unique_tensors(exported.model), _to_reference)
-    weights[HASH_MAP] = table.as_tensor()
-    return config, weights
-
-
-def _hf_config(exported: ExportedModel, vocab_size: int, **extra: object) -> Qwen3Config:
-    """The transformers Qwen3 config of the model's backbone, with `extra` keys (the reference's)."""
-    config = qwen3_config(exported.config.backbone, vocab_size)
-    eos_id, pad_id = exported.tokenizer.eos_id, exported.table.pad_id
+def _hf_checkpoint(exported: ExportedModel) -> tuple[Qwen3Config, dict[str, torch.Tensor]]:
+    """(config, weights) as a Hugging Face checkpoint: transformers' own Qwen3ForCausalLM names (a tied
+    lm_head written once, as its embedding) for the qwen3 families, the reference layout for mhf."""
+    cfg, table, eos_id = exported.config, exported.table, exported.tokenizer.eos_id
+    if cfg.family not in ("mhf", "qwen3", "qwen3_matched"):
+        raise LayoutError(
+            f"family {cfg.family} has no Hugging Face layout; export-hf writes mhf and qwen3 models"
+        )
+    reference = cfg.family == "mhf"
+    if reference and (cfg.hash.io != "reference" or cfg.backbone.kind != "qwen3"):
+        raise LayoutError(
+            f"the reference layout holds the reference hash I/O over Qwen3; this model has io="
+            f"{cfg.hash.io} over {cfg.backbone.kind} (export-hf writes mhf models with "
+            "model.hash.io=reference and model.backbone.kind=qwen3)"
+        )
+    # The reference's V is its table's: an imported checkpoint's reserved rows go back as they came.
+    config = qwen3_config(cfg.backbone, table.num_rows if reference else cfg.vocab_size)
     config.update(
         {
             "architectures": ["Qwen3ForCausalLM"],
             "dtype": "float32",  # the weights as written (an exported model loads in fp32)
             "use_cache": True,  # qwen3_config turns the KV cache off for training; generation wants it
             "eos_token_id": eos_id,
-            "pad_token_id": pad_id if pad_id != NO_PAD else eos_id,
-            **extra,
+            "pad_token_id": table.pad_id if table.pad_id != NO_PAD else eos_id,
         }
     )
-    return config
+    if not reference:
+        return config, unique_tensors(exported.model.model)
+    config.update(
+        {
+            "num_hashes": cfg.hash.num_hashes,
+            "num_buckets": cfg.hash.num_buckets,
+            "bottle_neck_dim": cfg.hash.bottleneck,
+            "num_lsh": cfg.hash.num_lsh,
+            "lsh_only_embed": cfg.hash.lsh_only_embed,
+            "use_conditional_prob": cfg.hash.loss == "vocab",
+            "fused_decoding": False,
+        }
+    )
+    weights = _renamed(unique_tensors(exported.model), _to_reference)
+    weights[HASH_MAP] = table.as_tensor()
+    return config, weights
 
 
 def _to_reference(name: str) -> str:
@@ -414,8 +365,5 @@ def _to_ours(name: str) -> str:
 
 
 def _renamed(weights: dict[str, torch.Tensor], rename: Callable[[str], str]) -> dict[str, torch.Tensor]:
-    renamed = {}
-    for name, tensor in weights.items():
-        tensor = tensor.detach().to("cpu")
-        renamed[rename(name)] = tensor.float() if tensor.is_floating_point() else tensor
-    return renamed
+    on_cpu = {rename(name): tensor.detach().to("cpu") for name, tensor in weights.items()}
+    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in on_cpu.items()}

@@ -1,27 +1,20 @@
 """`mhf plan`: per-GPU memory at ZeRO 0-3, a recommended stage and micro-batch, tokens/s and days.
 
-Model states (Adam), by train.precision:
-  bf16 mixed (bf16, auto; bytes per parameter as DeepSpeed's estimators count them: 2 bf16 weights, 2 bf16
-  grads + 4 fp32 grads, 4 fp32 master weights, 8 Adam moments): ZeRO 2 and 3 come from DeepSpeed's own
-  estimators (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`, no
-  offload); DeepSpeed has none for stages 0 and 1, so they use the same accounting with nothing
-  partitioned (0: 20 B/param) or only the fp32 states and optimizer partitioned (1: 4 + 16/N B/param).
-  bf16-pure (no fp32 copy; `train/engine.py` `precision_config`): 2 bf16 weights, 2 bf16 grads, 4 for
-  two bf16 Adam moments, and at ZeRO 1-3 the bf16 "master" partition (2) that DeepSpeed's
-  `bf16_master_weights_and_grads` keeps beside the weights. ZeRO-0: 8 B/param (AdamW steps the weights
-  themselves); ZeRO-1: 4 + 6/N (gradients whole, as above); ZeRO-2: 2 + 8/N; ZeRO-3: 10/N plus the
-  gathered largest layer's weights and grads (4 B per parameter, as DeepSpeed's ZeRO-3 estimator counts
-  it). tests/test_plan.py checks these against the live tensor bytes of bf16-pure engines.
-Activations: the tensors autograd keeps for the backward pass per token (with
-  `train.activation_checkpointing: layers`, each layer's input plus one layer recomputed), with fused
-  (flash/SDPA) attention so no T x T scores are kept. Per Qwen3 layer
-  4h + 6q + 5kv + 4I elements (h hidden, q/kv query/key-value widths, I the MLP width): two RMSNorm
-  inputs and outputs, Q/K norms, RoPE, attention inputs and output, the SwiGLU products. Output side:
-  qwen3 keeps fp32 log-probabilities over V (and its backward briefly holds V-wide gradients in fp32
-  and bf16); mhf keeps (2H-1) x B coordinate tensors and encoder/decoder widths instead, which do not
-  grow with V. tests/test_plan.py checks these counts against what autograd really saves.
-Throughput: tokens/s = MFU x peak FLOP/s x GPUs / (3 x forward FLOPs per token), the FLOPs `mhf count`
-  reports (attention included).
+Model states (Adam) in bytes per parameter, by train.precision (`MIXED_BYTES`, `PURE_BF16_BYTES`;
+tests/test_plan.py checks them against live engines):
+  bf16 mixed (bf16, auto): 2 bf16 weights, 2 bf16 + 4 fp32 grads, 4 fp32 master weights, 8 Adam moments.
+  ZeRO 2 and 3 are DeepSpeed's own estimators (no offload); it has none for 0 and 1, so they count the
+  same with nothing partitioned (0: 20) or the fp32 states and optimizer partitioned (1: 4 + 16/N).
+  bf16-pure (no fp32 copy; `train/engine.py`): 2 bf16 weights, 2 bf16 grads, 4 for two bf16 moments and,
+  at ZeRO 1-3, DeepSpeed's bf16 "master" partition (2). ZeRO-0: 8 (AdamW steps the weights themselves);
+  ZeRO-1: 4 + 6/N (gradients whole); ZeRO-2: 2 + 8/N; ZeRO-3: 10/N plus the gathered largest layer's
+  weights and grads (4, as DeepSpeed's ZeRO-3 estimator counts it).
+Activations: what autograd keeps for the backward per token (checkpointing: each layer's input plus one
+  layer recomputed), with fused attention (no T x T scores). Per Qwen3 layer 4h + 6q + 5kv + 4I elements
+  (h hidden, q/kv query/key-value widths, I the MLP width). Output side: qwen3 keeps fp32
+  log-probabilities over V (its backward briefly V-wide gradients in fp32 and bf16); mhf keeps (2H-1) x B
+  coordinate tensors and encoder/decoder widths, which do not grow with V. tests/test_plan.py checks these.
+Throughput: tokens/s = MFU x peak FLOP/s x GPUs / (3 x forward FLOPs per token, as `mhf count` reports).
 """
 
 from __future__ import annotations
@@ -44,7 +37,10 @@ ACCELERATOR_VARIABLE = "DS_ACCELERATOR"  # DeepSpeed's choice of device, read on
 MEMORY_RESERVE = 0.10
 MAX_MICRO_BATCH = 64
 FP32 = 4
-BF16 = 2
+# Model-state bytes per parameter by ZeRO stage (see the module's docstring): (held whole, of the
+# largest layer gathered, partitioned over the GPUs). Mixed ZeRO 2 and 3 are DeepSpeed's estimators.
+MIXED_BYTES = {0: (20, 0, 0), 1: (4, 0, 16)}
+PURE_BF16_BYTES = {0: (8, 0, 0), 1: (4, 0, 6), 2: (2, 0, 8), 3: (0, 4, 10)}
 
 
 @dataclass(frozen=True)
@@ -90,10 +86,8 @@ def check_positive(flag: str, value: float) -> None:
 
 @contextmanager
 def _deepspeed_told_no_device() -> Iterator[None]:
-    """DeepSpeed imported for its estimates, which need no device: told so, it does not look for one,
-    whose failure on a machine without GPUs is a warning printed on stdout, in the plan's table. A
-    DS_ACCELERATOR the user set is kept. DeepSpeed decides once per process: one that trains after
-    planning in the same process keeps the CPU accelerator unless it set the variable first."""
+    """DeepSpeed imported with DS_ACCELERATOR=cpu (unless the user set it): it warns on stdout, in the plan's
+    table, of a device it finds none of. It decides once per process: training after planning keeps cpu."""
     chosen = os.environ.get(ACCELERATOR_VARIABLE)
     if chosen is None:
         os.environ[ACCELERATOR_VARIABLE] = "cpu"
@@ -110,29 +104,16 @@ def _deepspeed_told_no_device() -> Iterator[None]:
 def model_state_bytes(
     params: int, largest_layer_params: int, stage: int, cluster: Cluster, pure_bf16: bool = False
 ) -> int:
-    """Per-GPU bytes of weights, gradients and optimizer states at a ZeRO stage (bf16 mixed precision,
-    or with `pure_bf16` train.precision=bf16-pure)."""
+    """Per-GPU bytes of weights, gradients and optimizer states at a ZeRO stage (see `MIXED_BYTES`)."""
     with _deepspeed_told_no_device():
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    gpus, per_node, nodes = cluster.gpus, cluster.gpus_per_node, cluster.nodes
-    if pure_bf16 and stage in ZERO_STAGES:
-        weights = grads = master = BF16
-        moments = 2 * BF16
-        if stage == 0:  # torch AdamW steps the bf16 weights themselves: no master copy
-            return (weights + grads + moments) * params
-        if stage == 1:  # gradients whole until the step, as at mixed ZeRO-1
-            return (weights + grads) * params + int((master + moments) * params / gpus)
-        if stage == 2:
-            return weights * params + int((grads + master + moments) * params / gpus)
-        return (weights + grads) * largest_layer_params + int(
-            (weights + grads + master + moments) * params / gpus
-        )
-    if stage == 0:
-        return 2 * params + 18 * params
-    if stage == 1:
-        return 2 * params + 2 * params + int(16 * params / gpus)
+    per_node, nodes = cluster.gpus_per_node, cluster.nodes
+    counts = PURE_BF16_BYTES if pure_bf16 else MIXED_BYTES
+    if stage in counts:
+        whole, gathered, partitioned = counts[stage]
+        return whole * params + gathered * largest_layer_params + int(partitioned * params / cluster.gpus)
     if stage == 2:
         return estimate_zero2_model_states_mem_needs(params, per_node, nodes, cpu_offload=False)[1]
     if stage == 3:
@@ -143,7 +124,8 @@ def model_state_bytes(
 
 
 def layer_activation_elements(backbone: BackboneConfig) -> int:
-    """Elements per token one Qwen3 decoder layer keeps for the backward pass."""
+    """Elements per token one Qwen3 decoder layer keeps for the backward pass: two RMSNorm inputs and
+    outputs, Q/K norms, RoPE, attention inputs and output, the SwiGLU products."""
     q = backbone.num_heads * backbone.head_dim
     kv = backbone.num_kv_heads * backbone.head_dim
     return 4 * backbone.hidden_size + 6 * q + 5 * kv + 4 * backbone.intermediate_size
@@ -154,8 +136,7 @@ def io_activation_bytes(model: ModelConfig, dtype_bytes: int) -> tuple[int, int]
     hidden = model.backbone.hidden_size
     edges = (3 * hidden + 1) * dtype_bytes  # embedding output, final norm input and output
     if model.family != "mhf":
-        vocab = model.vocab_size
-        return edges + FP32 * vocab, (FP32 + dtype_bytes) * vocab
+        return edges + FP32 * model.vocab_size, (FP32 + dtype_bytes) * model.vocab_size
     hashes, buckets = model.hash.num_hashes, model.hash.num_buckets
     if model.hash.io == "reference":
         # The H table rows, the gate's hidden and scores, the pooled vector; per cascade step the
@@ -181,11 +162,8 @@ def activation_bytes(
     model: ModelConfig, seq_len: int, micro_batch: int, dtype_bytes: int = 2, checkpointing: bool = False
 ) -> int:
     """Peak activation bytes of one micro-batch: everything kept, plus the output layer's backward.
-
-    With activation checkpointing each layer keeps only its input, and one layer's activations live
-    again while its backward recomputes them; the output side is counted as without (an upper bound for
-    `mhf`, whose cascade is recomputed too).
-    """
+    Checkpointing keeps each layer's input plus one recomputed layer; the output side is counted as
+    without (an upper bound for `mhf`, whose cascade is recomputed too)."""
     kept, transient = io_activation_bytes(model, dtype_bytes)
     layer = layer_activation_elements(model.backbone)
     layers = model.backbone.num_layers * (model.backbone.hidden_size if checkpointing else layer)
@@ -206,14 +184,9 @@ def largest_layer_params(model: ModelConfig) -> int:
 
     table = None
     if model.family == "mhf":  # the rows do not matter to a meta model: zeros, not a (LSH: slow) build
-        hashed = model.hash
-        rows = np.zeros((model.vocab_size, hashed.num_hashes), np.uint32)
-        table = SignatureTable(
-            [str(i) for i in range(model.vocab_size)],
-            rows,
-            np.zeros(model.vocab_size, np.uint32),
-            scheme_for_config(hashed),
-        )
+        ids = [str(i) for i in range(model.vocab_size)]
+        rows = np.zeros((len(ids), model.hash.num_hashes), np.uint32)
+        table = SignatureTable(ids, rows, np.zeros(len(ids), np.uint32), scheme_for_config(model.hash))
     with torch.device("meta"):
         built = build_model(model, table)
     return model_to_params(built)[1]
@@ -222,18 +195,13 @@ def largest_layer_params(model: ModelConfig) -> int:
 def recommend(
     state_bytes: dict[int, int], activation_per_sequence: int, usable: float, micro_batch: int | None
 ) -> tuple[int | None, int]:
-    """The stage and micro-batch to run: with a micro-batch given, the lowest stage it fits at; else the
-    largest power-of-two micro-batch stages 0-2 fit (they move as much data as plain data parallelism),
-    at the lowest stage that fits it; ZeRO-3 (1.5x the communication) only when 0-2 fit nothing."""
+    """The stage and micro-batch to run: the given micro-batch, else the largest power of two that fits,
+    at the lowest stage that fits it; ZeRO-3 (1.5x the communication of 0-2) only when 0-2 fit nothing."""
     sizes = [micro_batch] if micro_batch else [2**k for k in range(MAX_MICRO_BATCH.bit_length())][::-1]
-
-    def fits(stage: int, size: int) -> bool:
-        return state_bytes[stage] + size * activation_per_sequence <= usable
-
     for stages in ((0, 1, 2), (3,)):
         for size in sizes:
             for stage in stages:
-                if fits(stage, size):
+                if state_bytes[stage] + size * activation_per_sequence <= usable:
                     return stage, size
     return None, micro_batch or 1
 
@@ -301,24 +269,22 @@ def plan(
 
 
 def plan_rows(plans: list[Plan]) -> list[dict[str, object]]:
-    rows = []
-    for item in plans:
-        rows.append(
-            {
-                "family": item.family,
-                "V": item.vocab_size,
-                "params (M)": f"{item.params / 1e6:.1f}",
-                "precision": item.precision,
-                **{f"ZeRO-{stage} GB": f"{gb:.2f}" for stage, gb in item.state_gb.items()},
-                "act GB/seq": f"{item.activation_gb_per_sequence:.2f}",
-                "stage": "none fits" if item.stage is None else item.stage,
-                "micro-batch": item.micro_batch,
-                "GB/GPU": f"{item.per_gpu_gb:.1f}",
-                "tokens/s": "-" if item.tokens_per_s is None else round(item.tokens_per_s),
-                "days": "-" if item.days is None else f"{item.days:.2f}",
-            }
-        )
-    return rows
+    return [
+        {
+            "family": item.family,
+            "V": item.vocab_size,
+            "params (M)": f"{item.params / 1e6:.1f}",
+            "precision": item.precision,
+            **{f"ZeRO-{stage} GB": f"{gb:.2f}" for stage, gb in item.state_gb.items()},
+            "act GB/seq": f"{item.activation_gb_per_sequence:.2f}",
+            "stage": "none fits" if item.stage is None else item.stage,
+            "micro-batch": item.micro_batch,
+            "GB/GPU": f"{item.per_gpu_gb:.1f}",
+            "tokens/s": "-" if item.tokens_per_s is None else round(item.tokens_per_s),
+            "days": "-" if item.days is None else f"{item.days:.2f}",
+        }
+        for item in plans
+    ]
 
 
 def check_fits(plans: list[Plan], cluster: Cluster) -> None:

@@ -2,24 +2,20 @@
 
 Tracking URI: `MLFLOW_TRACKING_URI` when set (on a cluster, the tracking server: `http://HOST:5000`,
 cluster/README.md), else an embedded SQLite file `<storage>/mlflow.db` with artifacts in
-`<storage>/mlartifacts`. SQLite cannot live in a bucket: for storage in one (`s3://...`) the embedded file
-is `runs/mlflow.db` of the working directory. Either file is one machine's: a run whose workers span
-several machines needs a server (`train.ray_trainer.check_tracking_reaches_workers` says so). Commands
-that only read runs (`mhf compare`, `mhf eval --run-id`) create nothing: an embedded store that does not
-exist is an error (`reading_uri`), and a run id is looked up before the work (`check_run`).
+`<storage>/mlartifacts`; for storage in a bucket, where SQLite cannot live, `runs/mlflow.db` of the
+working directory. Either file is one machine's: workers on several machines need a server.
 
 One run per training job, created by the driver before training starts (so an unreachable server fails
-fast); rank 0 logs the metrics of each step exactly once, in a batch at every log step, so steps re-run
-after a worker failure are not logged twice.
+fast); rank 0 logs each step's metrics once, in a batch at every log step, so steps re-run after a
+worker failure are not logged twice.
 
 A command's own requests (`connect`) retry a bounded number of times, so an unreachable server is one
-line naming MLFLOW_TRACKING_URI within about 25 s; rank 0's logging during training keeps MLflow's own
-longer retries, so a tracking server restarted mid-run does not fail the run.
+line within about 25 s; rank 0's logging keeps MLflow's own longer retries, so a tracking server
+restarted mid-run does not fail the run.
 """
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import os
@@ -40,9 +36,7 @@ if TYPE_CHECKING:
     from mlflow.entities import Run
     from mlflow.tracking import MlflowClient
 
-EXPERIMENT = "mhf"
 MLFLOW_TABLES = {"alembic_version", "experiments", "runs"}  # what MLflow's SQLite schema has at least
-MAX_TAG_LENGTH = 8000  # MLflow's limit for a tag value (a run's description is one)
 CUT_NOTE = "\n\n(cut at MLflow's limit for a description: the whole table is the artifact compare.md)"
 URI_VARIABLE = "MLFLOW_TRACKING_URI"
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
@@ -59,8 +53,7 @@ class TrackingError(MhfError):
 
 
 def tracking_uri(storage: str | Path | Location) -> str:
-    """`MLFLOW_TRACKING_URI`, else the embedded SQLite store for `storage` (see the module's docstring),
-    its directory created for a command that writes runs."""
+    """`MLFLOW_TRACKING_URI`, else the embedded SQLite store for `storage`, its directory created."""
     uri = os.environ.get(URI_VARIABLE)
     if uri:
         return uri
@@ -70,8 +63,7 @@ def tracking_uri(storage: str | Path | Location) -> str:
 
 
 def reading_uri(storage: str | Path | Location) -> str:
-    """`tracking_uri` for a command that only reads runs: nothing is created, and an embedded store
-    that does not exist is an error (MLflow would create an empty one and find no runs in it)."""
+    """`tracking_uri` for a command that only reads runs: a missing embedded store is an error."""
     uri = os.environ.get(URI_VARIABLE) or f"sqlite:///{_embedded_store(storage)}"
     require_store(uri)
     return uri
@@ -83,26 +75,18 @@ def _embedded_store(storage: str | Path | Location) -> Path:
 
 
 def require_store(uri: str) -> None:
-    """Refuse to read an embedded SQLite store that does not exist: connecting would create it."""
+    """Refuse to read an embedded SQLite store that does not exist or has no MLflow tables (an empty file,
+    another program's database): MLflow would create them. It is opened read-only to look."""
     if not uri.startswith("sqlite:///"):
         return
     store = Path(uri.removeprefix("sqlite:///"))
-    if store.is_file():
-        _check_mlflow_tables(store)
-        return
-    if os.environ.get(URI_VARIABLE) == uri:
+    if not store.is_file():
+        if os.environ.get(URI_VARIABLE) == uri:
+            fix = f"fix {URI_VARIABLE} to the store a run wrote to, or unset it to read --storage's"
+            raise TrackingError(f"no MLflow store at {str(store)!r} ({URI_VARIABLE}); {fix}")
         raise TrackingError(
-            f"no MLflow store at {str(store)!r} ({URI_VARIABLE}); fix {URI_VARIABLE} to the store a run "
-            "wrote to, or unset it to read --storage's"
+            f"no MLflow store at {str(store)!r}; give the --storage a run wrote to, or set {URI_VARIABLE}"
         )
-    raise TrackingError(
-        f"no MLflow store at {str(store)!r}; give the --storage a run wrote to, or set {URI_VARIABLE}"
-    )
-
-
-def _check_mlflow_tables(store: Path) -> None:
-    """A reader must not write: MLflow given a SQLite file without its tables (an empty file, another
-    program's database) creates them in it. The file is opened read-only to look."""
     try:
         with closing(sqlite3.connect(f"{store.as_uri()}?mode=ro", uri=True)) as db:
             tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -142,9 +126,8 @@ def check_run(uri: str, run_id: str) -> None:
 
 
 def browse_hint(uri: str, experiment: str) -> str:
-    """How to open the runs of `experiment` in MLflow's UI: the address of its runs table in the
-    Model-training view (MLflow 3 opens an experiment on its GenAI traces otherwise), after the
-    `mlflow ui` command for an embedded store."""
+    """How to open `experiment`'s runs table in MLflow's UI (after `mlflow ui` for an embedded store), in
+    the Model-training view: MLflow 3 opens an experiment on its GenAI traces otherwise."""
     try:
         with tracking_errors(uri):
             found = connect(uri).get_experiment_by_name(experiment)
@@ -159,9 +142,8 @@ def browse_hint(uri: str, experiment: str) -> str:
 
 
 def connect(uri: str) -> MlflowClient:
-    """A client for a command's own requests: bounded retries (see the module's docstring). MLflow reads
-    its retry settings from the environment at each request, so they are set for the length of each of
-    this client's calls only: another client in the process (rank 0's logger) keeps MLflow's own."""
+    """A client for a command's own requests, with bounded retries: set in the environment, where MLflow
+    reads them at each request, for the length of each of its calls only (see `_bounded_requests`)."""
     from mlflow.tracking import MlflowClient
 
     return cast("MlflowClient", _BoundedClient(MlflowClient(tracking_uri=uri)))
@@ -174,9 +156,8 @@ _bounded_set: list[str] = []  # the variables they set (a user's own values win)
 
 @contextmanager
 def _bounded_requests() -> Iterator[None]:
-    """BOUNDED_RETRIES in the environment while any `connect` client's call runs. The environment is the
-    process's: a client of MLflow's own defaults whose request overlaps one in another thread gets the
-    bounds too, which costs it retries, never a value it set."""
+    """BOUNDED_RETRIES in the (process-wide) environment while any `connect` client's call runs: another
+    thread's request that overlaps one gets the bounds too, which costs it retries, never a value it set."""
     global _bounded_calls, _bounded_set
     with _bounded:
         if _bounded_calls == 0:
@@ -199,15 +180,8 @@ class _BoundedClient:
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self._client, name)
-        if not callable(attribute):
-            return attribute
-
-        @functools.wraps(attribute)
-        def bounded(*args: Any, **kwargs: Any) -> Any:
-            with _bounded_requests():
-                return attribute(*args, **kwargs)
-
-        return bounded
+        # A method runs under a fresh `_bounded_requests()` at each call (a contextmanager decorates).
+        return _bounded_requests()(attribute) if callable(attribute) else attribute
 
 
 @contextmanager
@@ -261,10 +235,9 @@ def start_run(uri: str, experiment: str, run_name: str, params: dict[str, Any], 
         found = client.get_experiment_by_name(experiment)
         if found is not None:
             experiment_id = found.experiment_id
-        else:
-            artifacts = None
-            if uri.startswith("sqlite:///"):
-                artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
+        else:  # an embedded store's artifacts beside it
+            store = Path(uri.removeprefix("sqlite:///"))
+            artifacts = (store.parent / "mlartifacts").as_uri() if uri.startswith("sqlite:///") else None
             experiment_id = client.create_experiment(experiment, artifact_location=artifacts)
         shown = {key: redact_text(str(value)) for key, value in tags.items()}
         run = client.create_run(experiment_id, run_name=run_name, tags=shown)
@@ -272,14 +245,9 @@ def start_run(uri: str, experiment: str, run_name: str, params: dict[str, Any], 
     return run.info.run_id
 
 
-def log_dataset(
-    uri: str, run_id: str, data_path: str, content_sha256: str, context: str = "training"
-) -> None:
-    """The prepared shards as the run's dataset input (the runs table's Dataset column): named after
-    their directory, the manifest's content hash as digest, their location (redacted) as source.
-
-    The entity is built directly: MLflow's source resolvers know neither every scheme `Location`
-    reads (`gcs://`, `az://`) nor shards as a dataset kind."""
+def log_dataset(uri: str, run_id: str, data_path: str, content_sha256: str) -> None:
+    """The prepared shards as the run's dataset input (the runs table's Dataset column). The entity is
+    built directly: MLflow's source resolvers know neither every scheme `Location` reads nor shards."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
@@ -291,7 +259,7 @@ def log_dataset(
         source_type=where.split("://", 1)[0] if remote else "local",
         source=json.dumps({"uri": where}),
     )
-    entry = DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
+    entry = DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, "training")])
     with tracking_errors(uri):
         connect(uri).log_inputs(run_id, datasets=[entry])
 
@@ -303,9 +271,7 @@ def log_params(uri: str, run_id: str, params: dict[str, Any]) -> None:
     # Credentials never reach MLflow: a URI's user info and query options, a Dataset source's secret args.
     items = [Param(key, str(redact_values(value))[:MAX_PARAM_VAL_LENGTH]) for key, value in params.items()]
     with tracking_errors(uri):
-        client = connect(uri)
-        for start in range(0, len(items), 100):
-            client.log_batch(run_id, params=items[start : start + 100])
+        connect(uri).log_batch(run_id, params=items)  # MLflow sends 100 a request
 
 
 def log_steps(uri: str, run_id: str, history: Iterable[dict[str, float]]) -> None:
@@ -331,8 +297,7 @@ def _log_batches(client: MlflowClient, run_id: str, history: Iterable[dict[str, 
         for key, value in entry.items()
         if key != "step" and isinstance(value, int | float)
     ]
-    for start in range(0, len(metrics), 1000):
-        client.log_batch(run_id, metrics=metrics[start : start + 1000])
+    client.log_batch(run_id, metrics=metrics)  # MLflow sends 1000 a request
 
 
 def log_artifact(uri: str, run_id: str, path: str | Path) -> None:
@@ -350,16 +315,16 @@ def log_files(uri: str, run_id: str, files: dict[str, bytes]) -> None:
 
 
 def show_report(uri: str, run_id: str, description: str, images: dict[str, bytes]) -> None:
-    """A report where MLflow's pages show it: `description` (Markdown) as the run's description, and
-    each PNG as an image under its key (the run's page and the runs table's chart view)."""
+    """`description` (Markdown) as the run's description, and each PNG as an image under its key."""
     from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH  # a run's description is a tag
     from PIL import Image
 
     with tracking_errors(uri):
         client = connect(uri)
         note = redact_text(description)
-        if len(note) > MAX_TAG_LENGTH:  # MLflow's limit: the whole report is the run's compare.md
-            note = note[: MAX_TAG_LENGTH - len(CUT_NOTE)] + CUT_NOTE
+        if len(note) > MAX_TAG_VAL_LENGTH:  # the whole report is the run's compare.md
+            note = note[: MAX_TAG_VAL_LENGTH - len(CUT_NOTE)] + CUT_NOTE
         client.set_tag(run_id, MLFLOW_RUN_NOTE, note)
         for key, data in images.items():
             client.log_image(run_id, Image.open(io.BytesIO(data)), key=key, step=0)
@@ -384,27 +349,20 @@ def end_run(uri: str, run_id: str, status: str) -> None:
 
 
 def end_stopped_children(uri: str, parent_run_id: str, stopped_at: float) -> None:
-    """Mark KILLED the child runs of `parent_run_id` that an interrupt at `stopped_at` (seconds since
-    the epoch) stopped: a sweep's trials still RUNNING (Tune stopped them without their clean-up), or
-    ended FAILED since then (a trial that saw the stop as its fit failing). A trial that failed before
-    keeps FAILED."""
+    """Mark KILLED the sweep trials an interrupt at `stopped_at` (epoch seconds) stopped: those still
+    RUNNING (Tune skipped their clean-up) or FAILED since then (they saw the stop as a failed fit)."""
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
     with tracking_errors(uri):
         client = connect(uri)
         experiment = client.get_run(parent_run_id).info.experiment_id
         query = f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}'"
-        stopped, token = [], None
-        while True:  # every page first: ending a run could move it between pages
-            page = client.search_runs([experiment], query, page_token=token)
-            stopped += [
-                run.info.run_id
-                for run in page
-                if run.info.status == "RUNNING"
-                or (run.info.status == "FAILED" and (run.info.end_time or 0) >= stopped_at * 1000)
-            ]
-            token = page.token
-            if not token:
-                break
-        for run_id in stopped:
-            client.set_terminated(run_id, status="KILLED")
+        page = client.search_runs([experiment], query)
+        runs = list(page)
+        while page.token:  # every page first: ending a run could move it between pages
+            page = client.search_runs([experiment], query, page_token=page.token)
+            runs += page
+        for run in runs:
+            failed_since = run.info.status == "FAILED" and (run.info.end_time or 0) >= stopped_at * 1000
+            if run.info.status == "RUNNING" or failed_since:
+                client.set_terminated(run.info.run_id, status="KILLED")
