@@ -1,10 +1,6 @@
-"""The kinds of value a command-line argument takes, each checked where argparse reads it.
-
-Every argument of `mhf` that takes a value has one of the `Kind`s below as its `type` (tests/test_contract.py
-fails for one that has not): it reads the text or refuses it with one line saying what the argument takes,
-before any work. Numbers are Python's, within pydantic's bounds. Paths are checked on the local disk (kind,
-existence, an output's nearest existing part writable); bucket URIs pass, for the command to check.
-`MhfParser` prints argparse's own errors (an unknown flag, a missing argument) as that same `error:` line.
+"""The kinds of value a command-line argument takes (every one has a `Kind` as its `type`, or
+tests/test_contract.py fails), each read where argparse reads it or refused in one `error:` line before any
+work, as `MhfParser` refuses argparse's own mistakes. Local paths are checked; bucket URIs pass as they are.
 """
 
 from __future__ import annotations
@@ -29,8 +25,8 @@ from mhf_dist.storage import is_uri, local_path, unwritable
 
 @dataclass(frozen=True, eq=False)
 class Kind:
-    """An argument type: `parse` reads the text or raises `ValueError`; `takes` says in a few words what
-    is allowed (for the error line). `bad` and `good`: texts the contract test feeds it, to refuse or take."""
+    """`parse` reads the text or raises `ValueError`; `takes`: what is allowed, for the error line; `bad`
+    and `good`: texts the contract test feeds it."""
 
     takes: str
     parse: Callable[[str], Any]
@@ -55,8 +51,7 @@ BOUNDS = ("ge", "gt", "le", "lt")
 
 
 def number(takes: str, kind: type = int, **bounds: float) -> Kind:
-    """A whole (`int`) or finite `float` number as Python reads it, within pydantic's `bounds` (ge, gt, le,
-    lt); its bad texts are the values just outside each bound, and what is no such number."""
+    """A whole or finite number within pydantic's `bounds`; bad texts: just outside each bound, not one."""
     adapter = TypeAdapter(Annotated[kind, Field(allow_inf_nan=False, **bounds)])
     step = 1 if kind is int else 0.5
     outside, inside = {"ge": -1, "gt": 0, "le": 1, "lt": 0}, {"ge": 0, "gt": step, "le": 0, "lt": -step}
@@ -67,7 +62,7 @@ def number(takes: str, kind: type = int, **bounds: float) -> Kind:
 
 
 def bounded_as(field: FieldInfo, takes: str) -> Kind:
-    """The number kind of a config key's flag, within the bounds the key's field sets: one rule for both."""
+    """A config key's flag's number kind, within the field's bounds: one rule for both."""
     bounds = {name: getattr(rule, name) for rule in field.metadata for name in BOUNDS if hasattr(rule, name)}
     return number(takes, field.annotation, **bounds)
 
@@ -81,9 +76,8 @@ def matching(takes: str, pattern: str) -> Kind:
 
 
 def _jobs_api(text: str) -> str:
-    """What Ray's job client takes: the dashboard's http(s) URL, a Ray Client `ray://` one, or `auto`
-    (on a cluster node); a URL with a host and, if any, a port in range. A bare HOST:PORT it would take
-    for a cluster's GCS address, and wait 30 s for."""
+    """An http(s):// or ray:// URL with a host, or `auto`: Ray's job client would take a bare HOST:PORT
+    for a GCS address and wait 30 s for it."""
     url = urllib.parse.urlparse(text := text.strip())  # its port raises ValueError outside 0-65535
     if text != "auto" and (url.scheme not in ("http", "https", "ray") or not url.hostname or url.port == 0):
         raise ValueError(text)
@@ -91,10 +85,8 @@ def _jobs_api(text: str) -> str:
 
 
 def _path(text: str, want: str) -> str:
-    """`text` as the local path it names, if it is what `want` says: an existing "file", "directory" or
-    "file or directory", or a "place" (a directory, or one that can be created: not under a file) or an
-    "output" (a place whose nearest existing part this user may write in); `~` expanded, `file://` dropped.
-    Bucket URIs pass as they are."""
+    """The local path `text` names, if it is an existing "file", "directory" or "file or directory", a
+    "place" (a directory, or one that can be created) or an "output" (a place this user may write in)."""
     if is_uri(_nonempty(text)):
         return text
     path = local_path(text)
@@ -117,8 +109,7 @@ def _path(text: str, want: str) -> str:
 
 
 def _corpus(text: str) -> str:
-    """A corpus name (`builtin`, `recall`), `hf:NAME`, `dataset:package.module:function`, a bucket URI or
-    glob (checked when read), else a path that exists."""
+    """A corpus name, `hf:NAME`, `dataset:module:function`, a glob (checked when read) or a path."""
     from mhf_dist.data.corpus import BUILTIN_NAME
     from mhf_dist.data.recall import CORPUS as RECALL
 
@@ -178,8 +169,7 @@ CORPUS = Kind(
 
 
 class Distinct(argparse.Action):
-    """The values of a repeatable flag (`action="append"`) or of one flag (`nargs="+"`), none given
-    twice: a value repeated would only do the same work again. `identity` is what must differ."""
+    """A repeatable flag's values, or one `nargs="+"` flag's, none twice (it would redo the same work)."""
 
     unit = "value"
     identity = staticmethod(lambda value: value)
@@ -198,22 +188,16 @@ class Distinct(argparse.Action):
 
 
 class DistinctKeys(Distinct):
-    """`KEY=VALUE` values (`--set`, `--env`), no KEY given twice: which of the two would be meant?"""
+    """`KEY=VALUE` values, no KEY twice: which of the two would be meant?"""
 
     unit = "key"
     identity = staticmethod(lambda value: value.partition("=")[0].strip())
 
 
 class MhfParser(argparse.ArgumentParser):
-    """argparse with its errors as one line: `error: mhf train: <what>; see mhf train --help`.
-    `commands` holds the sub-commands' parsers by name, once `add_commands` made them."""
+    """argparse with its errors as one line: `error: mhf train: <what>; see mhf train --help`."""
 
-    commands: dict[str, argparse.ArgumentParser]
-
-    def add_commands(self, **kwargs: Any) -> argparse._SubParsersAction:
-        action = self.add_subparsers(**kwargs)
-        self.commands = action.choices
-        return action
+    commands: dict[str, argparse.ArgumentParser]  # the sub-commands' parsers by name (cli.build_parser)
 
     def error(self, message: str) -> NoReturn:
         print(f"error: {self.prog}: {message}; see `{self.prog} --help`", file=sys.stderr)

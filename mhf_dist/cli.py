@@ -1,10 +1,9 @@
 """The `mhf` command: parses arguments, loads the config, calls the library.
 
-Each sub-command `mhf <command>` runs the function `cmd_<command>` (`-` written `_`), whose docstring is
-its help and whose `@command` declares its arguments: `arg(name, kind, help, **options)` is argparse's
-`add_argument(name, type=kind, help=help, **options)`. A flag that sets a config key (`--workers` sets
-`topology.workers`) has that key as its dest, defaults to None (the config's own value holds) and wins
-over a `--set` of the same key. Every user mistake surfaces as one line `error: ...` and exit status 2.
+`mhf <command>` runs `cmd_<command>` (`-` written `_`), whose docstring is its help and whose `@command`
+declares its arguments. A flag that sets a config key (`--workers`: `topology.workers`) has the key as its
+dest, defaults to None (the config's value holds) and wins over a `--set` of the key. Every user mistake
+is one line `error: ...` and exit status 2.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import yaml
 
 from mhf_dist import arguments as kinds
-from mhf_dist import interrupts
+from mhf_dist import errors, interrupts
 from mhf_dist.arguments import MhfParser
 from mhf_dist.config import (
     INIT_NEW_ROWS,
@@ -45,16 +44,14 @@ if TYPE_CHECKING:
     from mhf_dist.train.ray_trainer import TrainOptions, TrainResult
 
 Argument = tuple[str, dict[str, Any]]
-# name -> (its function's name, add_parser's options, the arguments), in the order `mhf --help` lists them
-# (this file's)
+# name -> (its function's name, add_parser's options, the arguments), in this file's order (`mhf --help`'s)
 COMMANDS: dict[str, tuple[str, dict[str, Any], tuple[Argument, ...]]] = {}
 EXPORTED_MODEL = "an exported model directory (a checkpoint's model/): path or URI"
 QWEN3_VOCAB = 151_936  # Qwen3's own tokenizer: `mhf plan`'s second vocabulary by default
 
 
 def command(*arguments: Argument, **options: Any) -> Callable[[Callable], Callable]:
-    """Declare the function below, `cmd_<command>`, as `mhf <command>` with `arguments` (and add_parser's
-    `options`); its docstring is the command's help."""
+    """Declare `cmd_<command>` below as `mhf <command>` with `arguments` (and add_parser's `options`)."""
 
     def declare(run: Callable) -> Callable:
         name = run.__name__.removeprefix("cmd_").replace("_", "-")
@@ -65,8 +62,7 @@ def command(*arguments: Argument, **options: Any) -> Callable[[Callable], Callab
 
 
 def arg(name: str, kind: kinds.Kind | None = None, help: str | None = None, **options: Any) -> Argument:
-    """A sub-command's `add_argument(name, type=kind, help=help, **options)`. Every argument that takes a
-    value has a kind (tests/test_contract.py); only a choice or a `switch` has none."""
+    """`add_argument(name, type=kind, help=help, **options)`: all but a choice or a `switch` have a kind."""
     if kind is not None:
         options["type"] = kind
     return name, {"help": help, **options}
@@ -77,8 +73,13 @@ def switch(name: str, help: str, **options: Any) -> Argument:
     return arg(name, help=help, action="store_true", **options)
 
 
+def with_default(name: str, kind: kinds.Kind, help: str, default: Any, **options: Any) -> Argument:
+    """An argument whose help ends by naming its default."""
+    return arg(name, kind, f"{help} (default: {default})", default=default, **options)
+
+
 def key_flag(flag: str, key: str, kind: kinds.Kind, help: str, **options: Any) -> Argument:
-    """A flag that sets the config key `key`: see the module's docstring."""
+    """A flag that sets the config key `key` (see the module's docstring)."""
     default = "" if options.get("required") else "; default: the config's"
     metavar = key.rsplit(".", 1)[-1].upper()
     return arg(flag, kind, f"{help} (sets {key}{default})", dest=key, metavar=metavar, **options)
@@ -98,9 +99,7 @@ def set_arg(help: str) -> Argument:
 
 def config_args(default: str = "tiny") -> tuple[Argument, ...]:
     return (
-        arg(
-            "--config", kinds.NAME_OR_PATH, f"preset name or YAML file (default: {default})", default=default
-        ),
+        with_default("--config", kinds.NAME_OR_PATH, "preset name or YAML file", default),
         set_arg("override one config key, e.g. --set train.steps=50"),
     )
 
@@ -133,8 +132,8 @@ def run_options(name: str) -> tuple[Argument, ...]:
     """What `mhf train` and `mhf cpt` share: the run's topology, name and tracking."""
     return (
         *TOPOLOGY_FLAGS.values(),
-        arg("--name", kinds.RUN_NAME, f"run name under the storage path (default: {name})", default=name),
-        arg("--experiment", kinds.TEXT, "MLflow experiment (default: mhf)", default="mhf"),
+        with_default("--name", kinds.RUN_NAME, "run name under the storage path", name),
+        with_default("--experiment", kinds.TEXT, "MLflow experiment", "mhf"),
         arg("--max-failures", kinds.RETRIES, "worker-group restarts from the last checkpoint", default=0),
         arg(
             "--peak-tflops",
@@ -163,12 +162,7 @@ def _config(args: argparse.Namespace) -> Config:
 
 @command(
     *config_args(),
-    arg(
-        "--workdir",
-        kinds.OUTPUT_DIRECTORY,
-        "where results are written (default: runs/demo)",
-        default="runs/demo",
-    ),
+    with_default("--workdir", kinds.OUTPUT_DIRECTORY, "where results are written", "runs/demo"),
     arg(
         "--seeds",
         kinds.SEED,
@@ -223,9 +217,9 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 
 @command(
-    arg("--experiment", kinds.TEXT, "MLflow experiment (default: mhf-sweeps)", default="mhf-sweeps"),
+    with_default("--experiment", kinds.TEXT, "MLflow experiment", "mhf-sweeps"),
     arg("--sweep", kinds.TEXT, "a sweep's parent run id: only its trials, results logged to it"),
-    arg("--metric", kinds.TEXT, "the metric compared (default: val_nll)", default="val_nll"),
+    with_default("--metric", kinds.TEXT, "the metric compared", "val_nll"),
     arg(
         "--group-by",
         kinds.TEXT,
@@ -290,7 +284,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     cfg = _config(args)
     generated = cfg.data.corpus == recall.CORPUS  # its rows are made again, in seconds
     kept = "" if generated else ": it goes on from the parts and shards already written"
-    with interrupts.advising(f"rerun the same command{kept}"):
+    with errors.advising(f"rerun the same command{kept}"):
         prepare(cfg, cfg.data.path, overwrite=args.overwrite, num_cpus=args.num_cpus, verbose=args.verbose)
 
 
@@ -425,11 +419,8 @@ def cmd_cpt(args: argparse.Namespace) -> None:
     arg("--limit", kinds.COUNT, "first N examples only (default: all)", default=0),
     arg("--seq-len", kinds.WINDOW, f"ppl and bpb of a text file: window length (default: {EVAL_WINDOW})"),
     arg("--layer", kinds.INTEGER, f"card660: hidden-state layer (default: {EVAL_LAYER})"),
-    arg(
-        "--batch-size",
-        kinds.COUNT,
-        "sequences per forward pass; the results do not depend on it (default: 16)",
-        default=16,
+    with_default(
+        "--batch-size", kinds.COUNT, "sequences per forward pass; the results do not depend on it", 16
     ),
     arg("--run-id", kinds.TEXT, "log the results to this MLflow run"),
     mlflow_storage("runs/train"),
@@ -516,7 +507,7 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
 @command(
     arg("--model", kinds.DIRECTORY, "an exported model directory: a path or s3:// gs://", required=True),
     arg("--prompt", kinds.TEXT, "the text to continue", required=True),
-    arg("--max-new-tokens", kinds.COUNT, "tokens to add (default: 64)", default=64),
+    with_default("--max-new-tokens", kinds.COUNT, "tokens to add", 64),
     arg("--temperature", kinds.NON_NEGATIVE, "0 is greedy (default)", default=0.0),
     arg("--top-k", kinds.NATURAL, "sample from the k likeliest; 0: all", default=0),
     arg("--top-p", kinds.PROBABILITY, "sample from the nucleus of this mass; 1: all", default=1.0),
@@ -570,8 +561,7 @@ def cmd_config(args: argparse.Namespace) -> None:
 def cmd_count(args: argparse.Namespace) -> None:
     """analytic parameters and FLOPs of every family for a config"""
     with interrupts.importing():  # torch, loaded by these
-        from mhf_dist.models import FAMILIES, forward_flops_per_token, param_count
-        from mhf_dist.models.registry import resolved_config
+        from mhf_dist.plan import family_counts
         from mhf_dist.signatures import scheme_for_config
         from mhf_dist.tables import markdown_table
 
@@ -584,28 +574,7 @@ def cmd_count(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"{short}): at B=2 every token but the padding one has one signature; use more buckets"
         )
-    mhf_total = param_count(cfg.model.model_copy(update={"family": "mhf"}))
-    qwen3_total = param_count(cfg.model.model_copy(update={"family": "qwen3"}))
-    rows, unmatched = [], []
-    for family in FAMILIES:
-        model_cfg = cfg.model.model_copy(update={"family": family})
-        try:
-            built = resolved_config(model_cfg).backbone
-        except ConfigError as err:  # a parameter match out of reach: the other families still count
-            unmatched.append(f"{family}: {err}")
-            continue
-        params = param_count(model_cfg)
-        rows.append(
-            {
-                "family": family if family != "mhf" or built.kind == "qwen3" else f"mhf over {built.kind}",
-                "layers": built.num_layers,
-                "mlp": built.intermediate_size,
-                "params": params,
-                "vs mhf": params - mhf_total,
-                "vs qwen3": params - qwen3_total,
-                "fwd GFLOP/token": forward_flops_per_token(model_cfg, cfg.train.seq_len) / 1e9,
-            }
-        )
+    rows, unmatched = family_counts(cfg)
     print(
         f"preset {cfg.preset or args.config}, V={cfg.model.vocab_size}, {cfg.model.hash.spec}, "
         f"seq_len {cfg.train.seq_len}"
@@ -633,7 +602,7 @@ def cmd_count(args: argparse.Namespace) -> None:
     ),
     arg("--gpus", kinds.COUNT, "GPUs per node", required=True),
     arg("--gpu-mem-gb", kinds.POSITIVE, "memory of one GPU in GiB", required=True),
-    arg("--nodes", kinds.COUNT, "nodes (default: 1)", default=1),
+    with_default("--nodes", kinds.COUNT, "nodes", 1),
     arg("--seq-len", kinds.WINDOW, "tokens per sequence (default: the config's)"),
     arg("--micro-batch", kinds.COUNT, "sequences per GPU per forward (default: recommended)"),
     arg(
@@ -643,12 +612,12 @@ def cmd_count(args: argparse.Namespace) -> None:
         action=kinds.Distinct,
     ),
     arg("--tokens", kinds.POSITIVE, "training tokens (default: the config's steps x batch x seq_len)"),
-    arg("--mfu", kinds.PROBABILITY, "model FLOPs utilisation (default: 0.4)", default=0.4),
+    with_default("--mfu", kinds.PROBABILITY, "model FLOPs utilisation", 0.4),
     arg("--peak-tflops", kinds.POSITIVE, "bf16 peak per GPU (default: 989, H100/H200)", default=989.0),
 )
 def cmd_plan(args: argparse.Namespace) -> None:
     """per-GPU memory at ZeRO 0-3, stage, micro-batch and days for a cluster"""
-    from mhf_dist.plan import Cluster, check_fits, plan, plan_rows
+    from mhf_dist.plan import Cluster, check_fits, plan, plan_legend, plan_rows
     from mhf_dist.tables import markdown_table
 
     cfg = _config(args)
@@ -668,30 +637,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
     )
     rows = plan_rows(plans)
     print(markdown_table(rows, list(rows[0])))
-    checkpointing = {"none": "no checkpointing", "layers": "layers checkpointed"}[
-        cfg.train.activation_checkpointing
-    ]
-    states = (
-        "bf16-pure: bf16 weights, grads and Adam moments, no fp32 copy"
-        if cfg.train.precision == "bf16-pure"
-        else "bf16 mixed precision: fp32 master weights and Adam states"
-    )
-    print(
-        f"GB: GiB per GPU. ZeRO-k GB: weights, grads and Adam states ({states}); act GB/seq: "
-        f"activations of one sequence, {checkpointing}; stage and micro-batch: what fits in 90% of a GPU "
-        "(train with --zero-stage S --set train.micro_batch_size=M)."
-    )
+    print(plan_legend(cfg))
     check_fits(plans, cluster)  # the table above shows what each needs; the error line is the last
 
 
 @command(
     arg("spec", kinds.FILE, "a job spec YAML, e.g. jobs/pretrain.job.yaml"),
-    arg(
-        "--address",
-        kinds.JOBS_API,
-        f"the cluster's dashboard (default: {DEFAULT_ADDRESS})",
-        default=DEFAULT_ADDRESS,
-    ),
+    with_default("--address", kinds.JOBS_API, "the cluster's dashboard", DEFAULT_ADDRESS),
     switch("--wait", "stream the job's logs and exit with its status (0: SUCCEEDED)"),
     arg(
         "--env",
@@ -712,7 +664,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     env = dict(split_assignment(item, "--env", "MHF_STORAGE=/shared/mhf") for item in args.env)
     address = f"--address {args.address}"
     # An interrupt's advice: rerunning could submit a second copy; the job goes on without its follower.
-    with interrupts.advising(f"the job may be submitted already: look with `ray job list {address}`"):
+    with errors.advising(f"the job may be submitted already: look with `ray job list {address}`"):
         client, job_id = submit_job(spec, args.address, args.extra, env, args.submission_id)
     print(f"submitted job {job_id} to {args.address}", flush=True)
     if not args.wait:
@@ -720,7 +672,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0
     follow = f"follow it with `ray job logs {address} --follow {job_id}`"
     stop = f"stop it with `ray job stop {address} {job_id}`"
-    with interrupts.advising(f"job {job_id} goes on; {follow}, {stop}"):
+    with errors.advising(f"job {job_id} goes on; {follow}, {stop}"):
         status = follow_job(client, job_id, lambda text: print(text, end="", flush=True))
     message = job_message(client, job_id)
     print(f"job {job_id} {status}" + (f": {message}" if message else ""), file=sys.stderr)
@@ -729,11 +681,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 @command(
     arg("action", choices=["start", "stop"]),
-    arg("--dir", kinds.PLACE, "state and node logs (default: runs/cluster)", default="runs/cluster"),
-    arg("--workers", kinds.COUNT, "worker nodes beside the head (default: 1)", default=1),
-    arg("--cpus-per-node", kinds.COUNT, "logical CPUs per node (default: 2)", default=2),
-    arg("--gpus-per-node", kinds.NATURAL, "GPUs per node (default: 0)", default=0),
-    arg("--dashboard-port", kinds.PORT, "Jobs API and dashboard port (default: 8265)", default=8265),
+    with_default("--dir", kinds.PLACE, "state and node logs", "runs/cluster"),
+    with_default("--workers", kinds.COUNT, "worker nodes beside the head", 1),
+    with_default("--cpus-per-node", kinds.COUNT, "logical CPUs per node", 2),
+    with_default("--gpus-per-node", kinds.NATURAL, "GPUs per node", 0),
+    with_default("--dashboard-port", kinds.PORT, "Jobs API and dashboard port", 8265),
 )
 def cmd_cluster(args: argparse.Namespace) -> None:
     """start or stop a local multi-node Ray cluster (head + workers on 127.0.0.1)"""
@@ -754,7 +706,8 @@ def cmd_cluster(args: argparse.Namespace) -> None:
 
 def build_parser() -> MhfParser:
     parser = MhfParser(prog="mhf", description="Train hash-based language models on Ray.")
-    commands = parser.add_commands(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True)
+    parser.commands = commands.choices
     for name, (_, options, arguments) in COMMANDS.items():
         sub = commands.add_parser(name, **options)
         for argument, settings in arguments:
@@ -799,11 +752,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (KeyboardInterrupt, Interrupted, Exception) as err:
             # An interrupt (SIGTERM's Interrupted, SIGINT's KeyboardInterrupt), or a library's clean-up
             # (Ray Data's, say) that failed while one unwound through it.
-            stop = interrupts.as_interrupted(err)
+            stop = errors.as_interrupted(err)
             if stop is None:
                 raise
             _print_logs_hint(sys.stderr)
-            print(f"interrupted: {interrupts.console_line(stop, argv)}", file=sys.stderr)
+            print(f"interrupted: {errors.console_line(stop, argv)}", file=sys.stderr)
             return stop.exit_code
 
 

@@ -16,8 +16,8 @@ from typing import Any
 from mhf_dist.compare import Comparison
 from mhf_dist.config import Config, Overrides, load_config, parse_overrides
 from mhf_dist.data.prepare import prepare
+from mhf_dist.errors import Resumable
 from mhf_dist.export import load_exported
-from mhf_dist.interrupts import Resumable
 from mhf_dist.models.generation import Sampling, generate
 from mhf_dist.models.registry import resolved_config
 from mhf_dist.sweep.runner import TRIALS_DIR, compare_sweep, run_sweep

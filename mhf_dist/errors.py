@@ -1,10 +1,15 @@
 """User-facing errors: each carries one line that names the problem and the fix.
 
-The CLI prints them as `error: <message>` and exits non-zero; library callers catch `MhfError`.
+The CLI prints them as `error: <message>` and exits non-zero; library callers catch `MhfError`. An
+interrupt (`Interrupted`) it prints as `interrupted: <message>`, exit 128 + the signal.
 """
 
 from __future__ import annotations
 
+import shlex
+import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,6 +48,52 @@ class Interrupted(BaseException):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class Resumable(Interrupted):
+    """Stopped work that the same command line, `flag` added ("": none), goes on with; the CLI prints
+    that command after `lead`."""
+
+    def __init__(self, message: str, exit_code: int, flag: str, lead: str = "go on with") -> None:
+        super().__init__(message, exit_code)
+        self.flag = flag
+        self.lead = lead
+
+
+def stopped(sig: int, what: str = "rerun the command to start again") -> Interrupted:
+    return Interrupted(f"{signal.Signals(sig).name}; {what}", 128 + sig)
+
+
+@contextmanager
+def advising(what: str) -> Iterator[None]:
+    """An interrupt of the block says `what` to do next in place of its own advice."""
+    try:
+        yield
+    except (KeyboardInterrupt, Interrupted) as err:
+        raise stopped(err.exit_code - 128 if isinstance(err, Interrupted) else signal.SIGINT, what) from None
+
+
+def as_interrupted(err: BaseException) -> Interrupted | None:
+    """`err` as the interrupt the CLI reports, also one that `err` was raised while handling (a library's
+    clean-up that failed as the interrupt unwound through it); None if it is no interrupt."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, Interrupted):
+            return cause
+        if isinstance(cause, KeyboardInterrupt):
+            return stopped(signal.SIGINT)
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def console_line(stop: Interrupted, argv: Sequence[str]) -> str:
+    """What the CLI prints after `interrupted: `; a `Resumable` names the whole command that goes on."""
+    if not isinstance(stop, Resumable):
+        return str(stop)
+    words = ["mhf", *argv, stop.flag] if stop.flag and stop.flag not in argv else ["mhf", *argv]
+    return f"{stop}; {stop.lead}: {shlex.join(words)}"
 
 
 def first_problem(err: ValidationError) -> tuple[str, str]:

@@ -1,115 +1,51 @@
-"""Stopping a command by SIGINT (Ctrl-C) or SIGTERM: one line `interrupted: ...`, exit 130 or 143. This
-module owns both signals, with one entry point per phase of a command:
+"""SIGINT (Ctrl-C) and SIGTERM stop a command with one line `interrupted: ...` (`errors.Interrupted`),
+exit 130 or 143. One entry point per phase: `started` (importing the command line: a signal ends the
+process at once), `importing` and `starting_ray` (held until torch's imports or ray.init return: an
+exception raised in their C++ callbacks aborts the process), `running` (SIGTERM unwinds as Ctrl-C does;
+Ray Train's and Tune's fits stop gracefully in `sigterm_as_sigint` and `tune_stops_gracefully`) and
+`finished`.
 
-- `started` (importing the command line): a signal ends the process at once, with the one line.
-- `importing` (a command's heavy imports): torch's C++ calls back into Python as it loads, and an
-  exception raised there aborts the process (pybind11's "terminate called after throwing ...
-  error_already_set"); numpy interrupted half-way fails its next import. The signals are held until
-  the imports have finished (`deferred`).
-- `starting_ray` (`ray.init`): an exception raised inside its C++ core worker crashes the process, and
-  ray.init puts its own SIGTERM handler (sys.exit) in place from its first line. Held the same way,
-  with the caller's SIGTERM handler kept.
-- `running`: SIGTERM unwinds the main thread as Ctrl-C does (`Interrupted`), so that staging is removed.
-  A fit of Ray Train or Tune stops its workers or trials itself: Ray Train on SIGINT
-  (`sigterm_as_sigint` sends SIGTERM down that path), Tune on SIGUSR1 (`tune_stops_gracefully`).
-- `finished` (the interpreter exits): a signal changes nothing.
-
-Holding is a Python handler that records the signal, not `signal.pthread_sigmask`: a process-directed
-signal goes to any thread that does not block it (torch, pyarrow and gRPC start threads of their own
-as they load), whose C handler then makes the main thread run the Python handler inside the import all
-the same; a child started while the signals are blocked inherits the mask (every Ray process started
-inside ray.init would ignore SIGTERM); and the kernel keeps one pending instance of a signal, so a
-second Ctrl-C could not end a start-up that hangs.
+Holding is a Python handler that records the signal, not `pthread_sigmask`: a thread of torch's, pyarrow's
+or gRPC's would take the signal anyway, a child started meanwhile (every Ray process) would inherit the
+mask, and the kernel keeps one pending signal, so a second Ctrl-C could not end a start-up that hangs.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import shlex
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from mhf_dist.errors import Interrupted
+from mhf_dist.errors import Interrupted, stopped
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# Tune's graceful stop: every fit in the main thread handles it (its SIGINT handler, which would take
-# SIGINT without saying it came, is switched off by this variable).
+# Tune stops gracefully on SIGUSR1; its SIGINT handler (which would not say SIGINT came) is switched off.
 TUNE_STOP_SIGNAL = signal.SIGUSR1
 TUNE_SIGINT_VARIABLE = "TUNE_DISABLE_SIGINT_HANDLER"
 
 
-class Resumable(Interrupted):
-    """Stopped work that the same command line goes on with, `flag` added to it (`--resume`; "": as it
-    was); the CLI prints that command after `lead`."""
-
-    def __init__(self, message: str, exit_code: int, flag: str, lead: str = "go on with") -> None:
-        super().__init__(message, exit_code)
-        self.flag = flag
-        self.lead = lead
-
-
-def stopped(sig: int, what: str = "rerun the command to start again") -> Interrupted:
-    """The `Interrupted` of signal `sig`: its name, then `what` to do next."""
-    return Interrupted(f"{signal.Signals(sig).name}; {what}", 128 + sig)
-
-
-@contextmanager
-def advising(what: str) -> Iterator[None]:
-    """An interrupt of the block says `what` to do next in place of its own advice."""
-    try:
-        yield
-    except (KeyboardInterrupt, Interrupted) as err:
-        raise stopped(err.exit_code - 128 if isinstance(err, Interrupted) else signal.SIGINT, what) from None
-
-
-def as_interrupted(err: BaseException) -> Interrupted | None:
-    """`err` as the CLI reports it: an `Interrupted` as it is, a KeyboardInterrupt as SIGINT's; or the
-    interrupt `err` was raised while handling (a library's clean-up that failed as the interrupt
-    unwound through it); None for anything else."""
-    seen: set[int] = set()
-    cause: BaseException | None = err
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, Interrupted):
-            return cause
-        if isinstance(cause, KeyboardInterrupt):
-            return stopped(signal.SIGINT)
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return None
-
-
-def console_line(stop: Interrupted, argv: Sequence[str]) -> str:
-    """What the CLI prints after `interrupted: `; a `Resumable` names the whole command that goes on."""
-    if not isinstance(stop, Resumable):
-        return str(stop)
-    words = ["mhf", *argv, stop.flag] if stop.flag and stop.flag not in argv else ["mhf", *argv]
-    return f"{stop}; {stop.lead}: {shlex.join(words)}"
-
-
 def answered(handler: Any) -> bool:
-    """Whether mhf may take a signal whose handler is `handler`: not one the process was started to
-    ignore (a shell's background job ignores SIGINT), nor one installed outside Python (None)."""
+    """Not a signal the process was started to ignore (a shell's background job), nor one handled
+    outside Python (None)."""
     return handler not in (signal.SIG_IGN, None)
 
 
 def _end(line: str, signum: int) -> None:
-    """End the process now with its one line: nothing is unwound (no exception crosses C++ code)."""
+    """Exit at once with the one line: no exception crosses C++ code."""
     sys.stderr.write(f"interrupted: {line}\n")
     sys.stderr.flush()
     os._exit(128 + signum)
 
 
-# Phase 1, importing the command line.
 def started(module: str, name: str) -> Callable[[], Any]:
-    """The console scripts' start: `module.name`, imported while a signal ends the process at once
-    (nothing has been done yet); C code's swallowed interrupts are sent again from now on."""
+    """The console scripts' start: `module.name`, imported while a signal ends the process at once."""
     delivered_again_when_swallowed()
 
     def ended(signum: int, frame: object) -> None:
@@ -120,10 +56,9 @@ def started(module: str, name: str) -> Callable[[], Any]:
 
 
 def delivered_again_when_swallowed() -> None:
-    """C code that cannot pass an exception on (a Cython module's start-up, an object's `__del__`)
-    hands it to `sys.unraisablehook`, which prints a traceback and goes on: a Ctrl-C or SIGTERM that
-    lands there would be lost. Such an interrupt is sent again as its signal, a moment later from a
-    timer thread: raising it here would only be swallowed again, inside the hook."""
+    """An interrupt that C code hands to `sys.unraisablehook` (a Cython module's start-up, a `__del__`)
+    would be printed and lost: it is sent again as its signal, from a timer thread, since raising it
+    inside the hook would be swallowed again."""
     shown = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -140,22 +75,19 @@ def delivered_again_when_swallowed() -> None:
 
 
 def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
+    return threading.current_thread() is threading.main_thread()  # the only one Python signals
 
 
-_holding = False  # whether a `deferred` block is running (in the main thread)
+_holding = False  # whether a `deferred` block is running
 
 
 @contextmanager
 def deferred(during: str) -> Iterator[None]:
-    """Hold SIGINT and SIGTERM until the block ends, then deliver the first that came to the handlers
-    that were in place before it, also when the block raised (its exception becomes the interrupt's
-    context). A second signal while the block still runs (a start-up that hangs) ends the process at
-    once, with the one line, which says it came `during` the block ("while starting Ray"). A block
-    inside another is held as part of it. A signal the process ignores (a background job of a shell
-    without job control ignores SIGINT) stays ignored, and so does one whose handler is not Python's."""
+    """Hold SIGINT and SIGTERM until the block ends (also by an exception), then deliver the first to the
+    handlers before it; a second ends the process at once, `during` the block. Nested blocks are one;
+    an ignored signal, or one handled outside Python, is left alone."""
     global _holding
-    if not _in_main_thread() or _holding:  # only the main thread receives signals in Python
+    if not _in_main_thread() or _holding:
         yield
         return
     held: list[int] = []
@@ -176,18 +108,15 @@ def deferred(during: str) -> Iterator[None]:
             signal.raise_signal(held[0])
 
 
-# Phase 2, a command's heavy imports (torch and what loads it, numpy).
-def importing() -> Any:
-    """Around a command's imports: a signal is held until they have finished (see the module's text)."""
+def importing() -> AbstractContextManager[None]:
+    """Around a command's heavy imports (torch, numpy: interrupted half-way, its next import fails)."""
     return deferred("while importing")
 
 
-# Phase 3, starting Ray.
 @contextmanager
 def starting_ray() -> Iterator[None]:
-    """Around ray.init: a signal is held until it returns. ray.init's SIGTERM handler (sys.exit, from
-    its first line) is never put in place: Ray has no switch for it, so its one registration point is
-    patched for the block; the caller's handler (the CLI's: one line, exit 143) stays."""
+    """Around ray.init. Its SIGTERM handler (sys.exit, from its first line; no switch turns it off) is
+    kept out by patching its one registration point: the caller's handler stays."""
     from ray._private import utils
 
     with deferred("while starting Ray"):
@@ -200,17 +129,16 @@ def starting_ray() -> Iterator[None]:
             signal.signal(signal.SIGTERM, handler)  # should a later Ray register elsewhere
 
 
-# Phase 4, running.
-def _terminated(signum: int, frame: object) -> None:
-    raise stopped(signal.SIGTERM)
-
-
 @contextmanager
 def running() -> Iterator[None]:
-    """Around a command: SIGTERM raises `Interrupted` in the main thread as Ctrl-C raises
-    KeyboardInterrupt, unless the process was started to ignore it (then it goes on ignoring it)."""
+    """Around a command: SIGTERM raises `Interrupted` as Ctrl-C raises KeyboardInterrupt (staging is
+    removed as it unwinds), unless the process was started to ignore it."""
+
+    def terminated(signum: int, frame: object) -> None:
+        raise stopped(signal.SIGTERM)
+
     previous = signal.getsignal(signal.SIGTERM)
-    with _handling({signal.SIGTERM: _terminated if answered(previous) else previous}):
+    with _handling({signal.SIGTERM: terminated if answered(previous) else previous}):
         yield
 
 
@@ -224,27 +152,24 @@ class Stop:
 
 @contextmanager
 def sigterm_as_sigint() -> Iterator[Stop]:
-    """SIGTERM in the block takes SIGINT's path, which Ray Train and Tune handle as a graceful stop;
-    `Stop.signal` says which one came. The handlers of both signals are put back after the block (Ray
-    Train leaves its own SIGINT handler behind)."""
+    """SIGTERM takes SIGINT's path, Ray Train's graceful stop. Both handlers are put back after the block
+    (Ray Train leaves its own behind); in a Tune trial's thread the sweep's driver owns the signals."""
     stop = Stop()
-    if not _in_main_thread():  # a Tune trial: the sweep's driver owns the signals
-        yield stop
-        return
 
     def on_sigterm(signum: int, frame: Any) -> None:
         stop.signal = signal.SIGTERM
         signal.raise_signal(signal.SIGINT)
 
-    with _handling({signal.SIGTERM: on_sigterm, signal.SIGINT: signal.getsignal(signal.SIGINT)}):
+    handlers = {signal.SIGTERM: on_sigterm, signal.SIGINT: signal.getsignal(signal.SIGINT)}
+    with _handling(handlers if _in_main_thread() else {}):
         yield stop
 
 
 @contextmanager
 def tune_stops_gracefully() -> Iterator[Stop]:
-    """SIGINT or SIGTERM in the block stops a Tune fit as Tune stops on its own signal (the trials
-    stopped, the experiment saved, the fit returns); `Stop.signal` says which came. A signal before
-    the fit has set up, or a second one (no waiting for the save), is a KeyboardInterrupt."""
+    """SIGINT or SIGTERM stops a Tune fit as its own signal does (trials stopped, experiment saved, the
+    fit returns). One before the fit has set up, or a second (no waiting for the save), is a
+    KeyboardInterrupt."""
     stop = Stop()
     if not _in_main_thread():
         yield stop
@@ -273,8 +198,8 @@ def tune_stops_gracefully() -> Iterator[Stop]:
 
 @contextmanager
 def _handling(handlers: dict[int, Any]) -> Iterator[None]:
-    """Each signal's handler in `handlers` in place for the block, the one before put back after it (a
-    handler installed outside Python, None, can be neither: it is left alone)."""
+    """Each handler in place for the block, the one before put back after it; None (installed outside
+    Python) can be neither."""
     previous: dict[int, Any] = {}
     try:  # installed inside: a signal between two installs still puts the first one back
         for sig, handler in handlers.items():
@@ -287,7 +212,6 @@ def _handling(handlers: dict[int, Any]) -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
-# Phase 5, finished.
 def finished() -> None:
     """The command is done and has said so: a signal while the interpreter exits changes nothing."""
     for sig in SIGNALS:

@@ -287,6 +287,55 @@ def plan_rows(plans: list[Plan]) -> list[dict[str, object]]:
     ]
 
 
+def plan_legend(cfg: Config) -> str:
+    """What `plan_rows`' columns hold, for `cfg`'s precision and activation checkpointing."""
+    checkpointing = {"none": "no checkpointing", "layers": "layers checkpointed"}[
+        cfg.train.activation_checkpointing
+    ]
+    states = (
+        "bf16-pure: bf16 weights, grads and Adam moments, no fp32 copy"
+        if cfg.train.precision == "bf16-pure"
+        else "bf16 mixed precision: fp32 master weights and Adam states"
+    )
+    return (
+        f"GB: GiB per GPU. ZeRO-k GB: weights, grads and Adam states ({states}); act GB/seq: "
+        f"activations of one sequence, {checkpointing}; stage and micro-batch: what fits in 90% of a GPU "
+        "(train with --zero-stage S --set train.micro_batch_size=M)."
+    )
+
+
+def family_counts(cfg: Config) -> tuple[list[dict[str, object]], list[str]]:
+    """`mhf count`'s rows: each family's layers, MLP width, parameters (also less mhf's and qwen3's) and
+    forward GFLOP per token; and a line for each family whose parameter match is out of reach."""
+    with importing():  # torch
+        from mhf_dist.models import FAMILIES, forward_flops_per_token, param_count
+        from mhf_dist.models.registry import resolved_config
+
+    mhf_total = param_count(cfg.model.model_copy(update={"family": "mhf"}))
+    qwen3_total = param_count(cfg.model.model_copy(update={"family": "qwen3"}))
+    rows, unmatched = [], []
+    for family in FAMILIES:
+        model_cfg = cfg.model.model_copy(update={"family": family})
+        try:
+            built = resolved_config(model_cfg).backbone
+        except ConfigError as err:  # a parameter match out of reach: the other families still count
+            unmatched.append(f"{family}: {err}")
+            continue
+        params = param_count(model_cfg)
+        rows.append(
+            {
+                "family": family if family != "mhf" or built.kind == "qwen3" else f"mhf over {built.kind}",
+                "layers": built.num_layers,
+                "mlp": built.intermediate_size,
+                "params": params,
+                "vs mhf": params - mhf_total,
+                "vs qwen3": params - qwen3_total,
+                "fwd GFLOP/token": forward_flops_per_token(model_cfg, cfg.train.seq_len) / 1e9,
+            }
+        )
+    return rows, unmatched
+
+
 def check_fits(plans: list[Plan], cluster: Cluster) -> None:
     """Nothing to run when no plan fits: one line with the least memory one needs and the ways out."""
     if not plans or any(item.stage is not None for item in plans):

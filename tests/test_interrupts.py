@@ -14,8 +14,8 @@ from mhf_dist import cli, local_cluster
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
-from mhf_dist.errors import Interrupted
-from mhf_dist.interrupts import Resumable, console_line, deferred, stopped
+from mhf_dist.errors import Interrupted, Resumable, console_line, stopped
+from mhf_dist.interrupts import deferred
 from mhf_dist.tracking import tracking_errors
 
 BYTES = ["data.tokenizer=bytes", "model.vocab_size=259", "model.hash.spec=H2B64", "train.seq_len=32"]

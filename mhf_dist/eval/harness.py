@@ -38,7 +38,7 @@ from lm_eval.models.utils import (
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
 from mhf_dist import interrupts
-from mhf_dist.errors import Interrupted, MhfError
+from mhf_dist.errors import Interrupted, MhfError, as_interrupted
 from mhf_dist.eval.scoring import ScoringError, score_continuations
 from mhf_dist.eval.tasks import check_positions
 from mhf_dist.export import load_exported
@@ -202,7 +202,7 @@ def cli() -> None:
             _evaluate_in_one_line()
         # An interrupt, or a library's clean-up that failed as one unwound through it (as `mhf` says it).
         except (KeyboardInterrupt, Interrupted, Exception) as err:
-            stop = interrupts.as_interrupted(err)
+            stop = as_interrupted(err)
             if stop is None:
                 raise
             print(f"interrupted: {stop}", file=sys.stderr)

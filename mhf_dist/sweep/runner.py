@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 from mhf_dist.config import Config, load_config
 from mhf_dist.console import ConsoleRelay, WorkerLines
 from mhf_dist.data.shards import read_manifest
-from mhf_dist.errors import MhfError
+from mhf_dist.errors import MhfError, Resumable
 from mhf_dist.files import write_json_atomic
-from mhf_dist.interrupts import Resumable, tune_stops_gracefully
+from mhf_dist.interrupts import tune_stops_gracefully
 from mhf_dist.ray_utils import ensure_ray, logs_dir, workers_print_to_console
 from mhf_dist.readers import read_json
 from mhf_dist.storage import Location
