@@ -1,22 +1,18 @@
 """The console of a command that runs Ray: mhf's own lines; everything else in the logs unless --verbose.
 
-Unless `--verbose`, Ray does not forward its workers' output to the driver (`ensure_ray`): Ray's
-core-worker messages and DeepSpeed's notices stay in Ray's log files, and `quiet_driver` keeps the
-driver's libraries (Ray, Tune, MLflow) to their warnings. The lines mhf wants on the console (rank 0's
-progress lines) travel instead through a `ray.util.queue.Queue` that a thread of the driver prints from,
-each prefixed with its run's label in a sweep (`[mhf-seed0] step 20/200 | ...`).
+Workers' output stays in Ray's log files (`ensure_ray`); the lines mhf wants shown travel through a
+`ray.util.queue.Queue` that a driver thread prints, labelled by run in a sweep (`[mhf-seed0] step 20/200`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 POLL_S = 0.5  # how long the driver's thread waits for a line before it looks whether to stop
@@ -39,7 +35,7 @@ def clock(seconds: float) -> str:
 
 
 def quiet_driver(verbose: bool) -> None:
-    """Keep the driver's libraries to their warnings and errors, or with `verbose` to their own levels."""
+    """The driver's libraries (Ray, Tune, MLflow) kept to their warnings; with `verbose`, to their levels."""
     for name, level in QUIET_LOGGERS.items():
         logging.getLogger(name).setLevel(logging.NOTSET if verbose else level)
     os.environ[TUNE_OUTPUT_VARIABLE] = "1" if verbose else "0"
@@ -47,14 +43,13 @@ def quiet_driver(verbose: bool) -> None:
 
 @dataclass(frozen=True)
 class WorkerLines:
-    """What a worker (or a Tune trial) says a console line with: printed where it runs, which is its Ray
-    log file, and queued for the driver's console."""
+    """A worker's (or Tune trial's) console line: printed to its Ray log file and queued for the driver."""
 
     queue: Any  # ray.util.queue.Queue
     label: str = ""  # the run's name in a sweep; empty for a single run
 
     def labelled(self, label: str) -> WorkerLines:
-        return dataclasses.replace(self, label=label)
+        return replace(self, label=label)
 
     def __call__(self, line: str) -> None:
         from ray.exceptions import RayError
@@ -65,16 +60,14 @@ class WorkerLines:
 
 
 def whole_line(line: str) -> None:
-    """`print`, in one write: from the relay's thread, a line the main thread prints at the same moment
-    cannot land between the text and its newline (print writes them apart)."""
+    """`print` in one write, so a line the main thread prints meanwhile cannot split text and newline."""
     sys.stdout.write(f"{line}\n")
     sys.stdout.flush()
 
 
 class ConsoleRelay:
-    """A queue of console lines from Ray workers (`lines` is their end), printed with `log` on the
-    driver while the relay is entered; leaving it prints the lines still queued. The queue's actor is
-    not detached: a relay never entered ends with its driver."""
+    """Console lines from Ray workers (`lines` is their end), printed with `log` while entered and until the
+    queue is empty when left. Its actor is not detached: an unused relay ends with the driver."""
 
     def __init__(self, log: Callable[[str], None] | None = None) -> None:
         from ray.util.queue import Queue

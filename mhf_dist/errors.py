@@ -1,8 +1,5 @@
-"""User-facing errors: each carries one line that names the problem and the fix.
-
-The CLI prints them as `error: <message>` and exits non-zero; library callers catch `MhfError`. An
-interrupt (`Interrupted`) it prints as `interrupted: <message>`, exit 128 + the signal.
-"""
+"""User-facing errors, each one line naming the problem and the fix (the CLI prints `error: <message>`;
+an `Interrupted` it prints as `interrupted: <message>`, exit 128 + the signal)."""
 
 from __future__ import annotations
 
@@ -41,9 +38,8 @@ class ModelOutputError(MhfError):
 
 
 class Interrupted(BaseException):
-    """A run stopped by SIGINT or SIGTERM; its one line says where it stopped and how to go on. Not an
-    `Exception`, for the reason KeyboardInterrupt is not one: code that catches `Exception` (ours around a
-    library that raises bare ones, a library's own) must not take a SIGTERM for its error and go on."""
+    """A run stopped by SIGINT or SIGTERM; its line says how to go on. Not an `Exception`, like
+    KeyboardInterrupt: code that catches `Exception` must not take a SIGTERM for its error and go on."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
@@ -97,15 +93,13 @@ def console_line(stop: Interrupted, argv: Sequence[str]) -> str:
 
 
 def first_problem(err: ValidationError) -> tuple[str, str]:
-    """Where pydantic's validation first failed (dotted keys; "" for a check of the whole model) and its
-    message, without pydantic's "Value error, " prefix: one problem, as a one-line error names it."""
+    """Where pydantic's validation first failed (dotted keys; "" for the whole model) and its message."""
     problem = err.errors()[0]
     where = ".".join(str(part) for part in problem["loc"])
     return where, " ".join(problem["msg"].removeprefix("Value error, ").split())
 
 
 def problem_line(err: ValidationError) -> str:
-    """`first_problem` as the words of a one-line error: "key: message", or the message of a whole-model
-    check (which names its keys itself)."""
+    """`first_problem` as "key: message", or a whole-model check's message (which names its keys)."""
     where, message = first_problem(err)
     return f"{where}: {message}" if where else message

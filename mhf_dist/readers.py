@@ -1,9 +1,5 @@
-"""Reading the files a user hands in, one reader per kind (local or in a bucket).
-
-Each turns a missing, damaged, empty or non-UTF-8 file into one line of the caller's `MhfError` that
-names the file, where in it the problem is (a line, a byte offset) and the caller's `fix`, never a
-`JSONDecodeError`, `UnicodeDecodeError` or `YAMLError` traceback.
-"""
+"""Readers of the files a user hands in (local or in a bucket): a missing, damaged, empty or non-UTF-8 file
+is one line of the caller's `MhfError` naming the file, where in it, and the caller's `fix`."""
 
 from __future__ import annotations
 
@@ -19,9 +15,6 @@ from mhf_dist.errors import MhfError
 from mhf_dist.storage import Location
 
 PathLike = str | Path | Location
-MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
 JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "true or false",
               int: "a whole number", float: "a number", type(None): "null"}  # fmt: skip
 
@@ -49,15 +42,10 @@ def read_text(path: PathLike, error: type[MhfError], fix: str) -> str:
 
 
 class RepeatedKeyError(ValueError):
-    """A key given twice in one JSON object: valid JSON, but `json` keeps the last one silently."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
+    """A key given twice in one JSON object (its `args[0]`): valid JSON, but `json` keeps the last one."""
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """`json.loads`' object_pairs_hook: an object whose keys are all different, else RepeatedKeyError."""
     unique: dict[str, Any] = {}
     for key, value in pairs:
         if key in unique:
@@ -67,8 +55,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def read_json(path: PathLike, error: type[MhfError], fix: str) -> Any:
-    """The parsed file; an empty file, invalid JSON or a key given twice in one object is `error` naming
-    the file, the line and `fix`."""
+    """The parsed file; an empty file, invalid JSON or a key given twice is `error` naming the line."""
     where = Location.of(path)
     text = read_text(where, error, fix)
     if not text.strip():
@@ -78,14 +65,13 @@ def read_json(path: PathLike, error: type[MhfError], fix: str) -> Any:
     except json.JSONDecodeError as err:
         raise error(f"{str(where)!r} is damaged (invalid JSON at line {err.lineno}); {fix}") from None
     except RepeatedKeyError as err:
-        raise error(f"{str(where)!r} gives the key {err.key!r} twice in one object; {fix}") from None
+        raise error(f"{str(where)!r} gives the key {err.args[0]!r} twice in one object; {fix}") from None
 
 
 def read_jsonl(
     path: PathLike, error: type[MhfError], fix: str, fields: Mapping[str, type] | None = None
 ) -> list[dict[str, Any]]:
-    """One JSON object per line (blank lines skipped), each holding `fields` of their types; the first
-    line that fails is `error` naming `file:line`. An empty file gives no rows."""
+    """One JSON object per line (blank ones skipped) holding `fields`; else `error` at `file:line`."""
     return [row for _, row in read_jsonl_located(path, error, fix, fields)]
 
 
@@ -105,7 +91,7 @@ def read_jsonl_located(
         except json.JSONDecodeError as err:
             raise error(f"{at}: not valid JSON ({err.msg}, column {err.colno}); {fix}") from None
         except RepeatedKeyError as err:
-            raise error(f"{at}: the key {err.key!r} is given twice; keep one of the two") from None
+            raise error(f"{at}: the key {err.args[0]!r} is given twice; keep one of the two") from None
         if not isinstance(row, dict):
             raise error(f"{at}: {json_kind(row)}, not a JSON object; {fix}")
         for name, kind in fields.items():
@@ -119,10 +105,8 @@ def read_jsonl_located(
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's core schema in place of PyYAML's YAML 1.1 rules (`010` is 10,
-    not octal 8; `1e-3` a number; `yes`, `1:30` and `2024-01-01` text), so that a value means the same
-    in a config file, a sweep's `set:` and `--set`; and a key given twice in one mapping is an error:
-    PyYAML keeps the last one silently, so a setting written twice would be half ignored."""
+    """PyYAML's safe loader by YAML 1.2's core schema (`010` is 10; `yes`, `1:30`, `2024-01-01` text), so a
+    value means the same in a file and in `--set`; a key given twice (PyYAML keeps the last) is refused."""
 
 
 _UniqueKeyLoader.yaml_implicit_resolvers = {}
@@ -163,7 +147,9 @@ class DuplicateKeyError(yaml.constructor.ConstructorError):
 def _mapping_of_unique_keys(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
     seen: set[Any] = set()
     for key_node, _ in node.value:
-        if key_node.tag == MERGE_TAG:  # `<<: *anchor` merges another mapping (its keys may be overridden)
+        if (
+            key_node.tag == "tag:yaml.org,2002:merge"
+        ):  # `<<: *anchor` merges another mapping (its keys may be overridden)
             continue
         key = loader.construct_object(key_node, deep=True)
         try:
@@ -182,14 +168,12 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def load_yaml(text: str) -> Any:
-    """`yaml.safe_load(text)` by YAML 1.2's core schema, refusing a key given twice in a mapping (a
-    `yaml.YAMLError`)."""
+    """`yaml.safe_load(text)` by YAML 1.2's core schema; a key given twice is a `yaml.YAMLError`."""
     return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 def read_yaml(path: PathLike, error: type[MhfError], fix: str) -> Any:
-    """`load_yaml` of the file (an empty one is None); invalid YAML, or a key given twice, is `error`
-    naming the line and column."""
+    """`load_yaml` of the file (an empty one is None); invalid YAML is `error` naming the line and column."""
     where = Location.of(path)
     try:
         return load_yaml(read_text(where, error, fix))

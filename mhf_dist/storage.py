@@ -1,28 +1,13 @@
 """Where mhf-dist reads and writes: a local path or an object-store URI (`s3://`, `gs://`), through one
-`pyarrow.fs` filesystem either way.
+`pyarrow.fs` filesystem either way (`Location.of`).
 
-`Location.of("s3://bucket/runs")` or `Location.of("runs")` gives the filesystem and the path inside it;
-everything that stores data (corpora, prepared shards, checkpoints, exported models, reports) goes
-through a `Location`, so the local disk is one backend among others.
+Endpoint and credentials come from the standard environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...,
+the instance role; for GCS the default credentials and `STORAGE_EMULATOR_HOST`) or a URI's query options.
+Requests time out and retry a bounded number of times, so an unreachable endpoint fails within seconds.
 
-Endpoint and credentials come from the standard environment: `AWS_ENDPOINT_URL` (or
-`AWS_ENDPOINT_URL_S3`), `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/`AWS_SESSION_TOKEN`, `AWS_REGION`,
-the instance role; for GCS the application default credentials (and `STORAGE_EMULATOR_HOST`). A URI's
-own query options (`s3://bucket/x?endpoint_override=...`) are honoured too. Requests time out and retry
-a bounded number of times, so an unreachable endpoint is an error within seconds, not a hang.
-`redact` removes what could be a secret (user info, query options) before a location is shown.
-
-Every write that others may read is published whole: `Location.write_bytes`, `Location.staged_file` and
-`Location.staged_directory` write to a private staging path, then publish it in one step. On a local disk
-that step is a rename (`_publish`; a directory that replaces another: `publish_directory`). Object stores
-have no rename: a file is one upload, whole or not at all; a directory is staged in a local temporary one,
-its files are uploaded, and its marker file (its manifest or config) last, so a reader that trusts a
-directory only once its marker is there never sees half of one. A prepared dataset is
-replaced by a new version folder and a switch of its manifest (`data.prepare.output`).
-
-What only the local disk has is asked of a `Location` here, never of the caller: links (`files(links=True)`,
-`real`, `is_symlink`, `file_above`), a directory read in place (`on_disk`), staging beside the data
-(`staging`), what Ray's storage options take (`ray_storage`).
+A write that others may read is published whole: staged privately, then renamed into place on a local
+disk; an object store has no rename, so a directory's files are uploaded with its marker file last and a
+reader that waits for the marker never sees half of one.
 """
 
 from __future__ import annotations
@@ -39,7 +24,6 @@ import socket
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -56,12 +40,12 @@ TIMEOUT_VARIABLE = "MHF_STORAGE_TIMEOUT_S"
 MAX_ATTEMPTS = 3  # per request: an unreachable endpoint fails in seconds
 CACHE_VARIABLE = "MHF_CACHE"  # where remote models are copied to before loading (default ~/.cache/mhf-dist)
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+_URI = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+")
 WILDCARD = re.compile(r"[*?\[]")
 
 
 class StorageError(MhfError):
-    """A location that cannot be reached, does not exist, or refuses the credentials; `problem` says
-    which, where the store said (`store_problem`)."""
+    """A location that cannot be reached, does not exist or refuses the credentials (`problem`)."""
 
     def __init__(self, message: str, problem: str | None = None) -> None:
         super().__init__(message)
@@ -91,7 +75,7 @@ def redact(location: str | Path) -> str:
 
 def redact_text(text: str) -> str:
     """Every URI inside `text` redacted (for error messages a library wrote)."""
-    return re.sub(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+", lambda match: redact(match.group(0)), text)
+    return _URI.sub(lambda match: redact(match.group(0)), text)
 
 
 # A name is secret when one of its words (split at `_`, `-`, `.` and case changes) is one of these, or
@@ -130,7 +114,7 @@ def secrets_in(value: Any) -> set[str]:
             flag = isinstance(before, str) and before.startswith("-") and secret_name(before)
             found |= _strings(item) if flag else secrets_in(item)
     elif isinstance(value, str):
-        for match in re.finditer(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+", value):
+        for match in _URI.finditer(value):
             with contextlib.suppress(ValueError):
                 found.add(urlsplit(match.group(0)).password or "")
         found |= {next(group for group in match.groups() if group) for match in _IN_TEXT.finditer(value)}
@@ -139,9 +123,9 @@ def secrets_in(value: Any) -> set[str]:
 
 def _strings(value: Any) -> set[str]:
     if isinstance(value, dict):
-        return set().union(*(_strings(item) for item in value.values()))
+        value = list(value.values())
     if isinstance(value, list | tuple):
-        return set().union(*(_strings(item) for item in value))
+        return set().union(*map(_strings, value))
     return {str(value)} if value is not None else set()
 
 
@@ -153,8 +137,7 @@ def masked(text: str, secrets: set[str]) -> str:
 
 
 def redact_values(value: Any) -> Any:
-    """Values as they may be shown or recorded (a Dataset source's args, MLflow params): every secret
-    `secrets_in` finds masked, every URI redacted."""
+    """Values to show or record (a Dataset source's args, MLflow params): secrets masked, URIs redacted."""
     secrets = secrets_in(value)
 
     def walk(item: Any) -> Any:
@@ -168,9 +151,8 @@ def redact_values(value: Any) -> Any:
 
 
 def reachable(url: str, timeout: float = 3.0) -> bool:
-    """Whether anything accepts a TCP connection at the URL's host and port within `timeout` seconds:
-    a cheap first look before a client that retries for half a minute (Ray Client, the Hugging Face
-    hub) is asked."""
+    """Whether the URL's host and port accept a TCP connection within `timeout` seconds: a cheap look
+    before a client that retries for half a minute (Ray Client, the Hugging Face hub) is asked."""
     parts = urlsplit(url)
     default = {"https": 443, "http": 80, "ray": 10001}.get(parts.scheme, 0)  # Ray Client's own default
     try:
@@ -187,27 +169,21 @@ def _endpoint() -> str | None:
 def request_timeout() -> float:
     """Seconds a request to an object store may go unanswered: MHF_STORAGE_TIMEOUT_S, else 20."""
     text = os.environ.get(TIMEOUT_VARIABLE) or str(REQUEST_TIMEOUT_S)
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = 0.0
-    if not 0 < seconds < float("inf"):
-        raise StorageError(f"{TIMEOUT_VARIABLE}={text!r}: give a number of seconds above 0, e.g. 20")
-    return seconds
+    with contextlib.suppress(ValueError):
+        if 0 < float(text) < float("inf"):
+            return float(text)
+    raise StorageError(f"{TIMEOUT_VARIABLE}={text!r}: give a number of seconds above 0, e.g. 20")
 
 
 @functools.lru_cache(maxsize=16)
 def _s3(endpoint: str | None, region: str | None) -> pafs.FileSystem:
-    options: dict[str, Any] = {
-        "connect_timeout": CONNECT_TIMEOUT_S,
-        "request_timeout": request_timeout(),
-        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=MAX_ATTEMPTS),
-    }
-    if endpoint:
-        options["endpoint_override"] = endpoint
-    if region:
-        options["region"] = region
-    return pafs.S3FileSystem(**options)
+    return pafs.S3FileSystem(
+        connect_timeout=CONNECT_TIMEOUT_S,
+        request_timeout=request_timeout(),
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=MAX_ATTEMPTS),
+        endpoint_override=endpoint or None,  # None: pyarrow's default, as if left out
+        region=region or None,
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -262,9 +238,8 @@ def filesystem(location: str | Path) -> tuple[pafs.FileSystem, str]:
 
 
 def unwritable(path: Path) -> Path | None:
-    """The nearest existing part of `path` (itself, or the folder it would be made in) when nothing can
-    be made there: a file, or a folder that refuses a new entry, tried by making one and removing it
-    (`os.access` says yes to root everywhere, `/proc` included). None when `path` can be written."""
+    """The nearest existing part of `path` when nothing can be made there (tried by making an entry:
+    `os.access` says yes to root everywhere, `/proc` included); None when `path` can be written."""
     existing = next(parent for parent in (path, *path.parents) if parent.exists())
     try:
         os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".mhf-probe-"))
@@ -275,8 +250,7 @@ def unwritable(path: Path) -> Path | None:
 
 @dataclass(frozen=True)
 class Location:
-    """A file or directory on some filesystem: `uri` as the user wrote it (re-resolved in other processes),
-    `fs` and `path` inside it."""
+    """A file or directory: `uri` as the user wrote it (re-resolved in other processes), `fs` and `path`."""
 
     uri: str
     fs: pafs.FileSystem
@@ -328,8 +302,7 @@ class Location:
         return not self.remote and self.local.is_symlink()
 
     def file_above(self) -> Path | None:
-        """A file on the local disk where a folder above this location would have to be (an object store's
-        keys are no folders: never)."""
+        """A local file where a folder above this location would have to be (never in an object store)."""
         above = [] if self.remote else self.local.parents
         return next((parent for parent in above if parent.is_file()), None)
 
@@ -338,8 +311,7 @@ class Location:
         return {"storage_path": self.path, "storage_filesystem": self.fs if self.remote else None}
 
     def check_bucket(self) -> None:
-        """A remote location's bucket exists: a missing bucket otherwise reads as an empty listing, and a
-        write into it fails only at its upload, after the work."""
+        """A remote location's bucket exists (a missing one reads as empty, fails a write late)."""
         if not self.remote:
             return
         bucket = self.path.split("/", 1)[0]
@@ -348,8 +320,7 @@ class Location:
             raise StorageError(f"the bucket of {str(self)!r} does not exist; create it or fix the URI")
 
     def check_writable(self, error: type[MhfError], fix: str) -> None:
-        """Before any work: this can be made (or replaced) here: in an existing bucket, or locally where its
-        folder, or the nearest existing one above it, takes new entries."""
+        """Before any work: its bucket exists, or its local folder takes new entries."""
         if self.remote:
             self.check_bucket()
         elif (closed := unwritable(self.local.parent)) is not None:
@@ -387,12 +358,10 @@ class Location:
         with storage_errors(self), self.fs.open_output_stream(self.path, compression=None) as stream:
             stream.write(data)
 
-    @contextmanager
+    @contextlib.contextmanager
     def staged_file(self, suffix: str = ".tmp") -> Iterator[Path]:
-        """Yields a new local file to write; on success it replaces this file in one step, on any error (or
-        interrupt) it is removed and this file is left as it was. `suffix` keeps the extension that writers
-        such as matplotlib choose a format by. Local: a sibling renamed over the file; for an object store
-        the staging file is a temporary one, uploaded in one request on success."""
+        """A local file to write that replaces this one in one step on success, removed on any error.
+        `suffix` keeps the extension that writers such as matplotlib choose a format by."""
         if self.remote:
             with tempfile.TemporaryDirectory(prefix="mhf-staged-") as tmp:
                 staging = Path(tmp) / f"file{suffix}"
@@ -412,11 +381,10 @@ class Location:
         finally:
             staging.unlink(missing_ok=True)
 
-    @contextmanager
+    @contextlib.contextmanager
     def staged_directory(self, marker: str | None = None) -> Iterator[Path]:
-        """Yields an empty local staging directory for this one, which must not exist; on success it
-        becomes this directory, on any error it is removed. Local: a sibling renamed into place; for an
-        object store a temporary directory whose files are uploaded with `marker` last."""
+        """An empty local directory that becomes this one (which must not exist) on success, uploaded with
+        `marker` last to an object store, and is removed on any error."""
         if self.remote:
             with tempfile.TemporaryDirectory(prefix="mhf-staged-") as tmp:
                 yield Path(tmp)
@@ -440,8 +408,7 @@ class Location:
             shutil.rmtree(staging, ignore_errors=True)
 
     def staging(self, prefix: str) -> tempfile.TemporaryDirectory[str]:
-        """A local temporary directory for files on their way here: inside this directory on the local
-        disk, where `clear_staging` finds what a killed process left; for an object store under TMPDIR."""
+        """A temp directory for files on their way here: inside it if local (`clear_staging`), else TMPDIR."""
         return tempfile.TemporaryDirectory(dir=None if self.remote else self.path, prefix=prefix)
 
     def clear_staging(self, prefix: str) -> None:
@@ -453,20 +420,27 @@ class Location:
         self.write_bytes(text.encode("utf-8"))
 
     def files(self, links: bool = False) -> list[tuple[str, int]]:
-        """(path relative to this directory, size) of every file below it, sorted; none if it is missing.
-        With `links`, a local directory's links to directories are followed, each directory entered once
-        (a link to a parent is no loop)."""
+        """(relative path, size) of every file below this directory, sorted. With `links`, a local directory's
+        links to directories are followed, each directory entered once (a link to a parent is no loop)."""
         if not self.is_dir():
             return []
         if links and not self.remote:
-            return _local_tree(self.local)
+            entered: set[tuple[int, int]] = set()
+            found = []
+            for folder, folders, names in os.walk(self.path, followlinks=True):
+                identity = os.stat(folder)
+                if (identity.st_dev, identity.st_ino) in entered:
+                    folders.clear()
+                    continue
+                entered.add((identity.st_dev, identity.st_ino))
+                paths = [Path(folder) / name for name in names]
+                found += [(str(p.relative_to(self.path)), p.stat().st_size) for p in paths if p.is_file()]
+            return sorted(found)
         with storage_errors(self):
             infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=True))
         base = self.path.rstrip("/") + "/"
-        found = [
-            (info.path.removeprefix(base), info.size) for info in infos if info.type == pafs.FileType.File
-        ]
-        return sorted(found)
+        files = (info for info in infos if info.type == pafs.FileType.File)
+        return sorted((info.path.removeprefix(base), info.size) for info in files)
 
     def children(self) -> list[Location]:
         """The entries directly inside this directory, sorted by name."""
@@ -493,33 +467,22 @@ class Location:
 
     def upload(self, local: Path, last: str | None = None) -> None:
         """Copy the local directory `local` here, its file `last` (a marker) after all the others."""
-        names = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
-        ordered = [name for name in names if name != last] + ([last] if last in names else [])
+        names = [str(p.relative_to(local)) for p in local.rglob("*") if p.is_file()]
         with storage_errors(self):
-            for name in ordered:
-                pafs.copy_files(
-                    str(local / name),
-                    f"{self.path}/{name}",
-                    pafs.LocalFileSystem(),
-                    self.fs,
-                    use_threads=False,
-                )
+            for name in sorted(names, key=lambda name: (name == last, name)):  # `last` at the end
+                target = f"{self.path}/{name}"
+                pafs.copy_files(str(local / name), target, pafs.LocalFileSystem(), self.fs, use_threads=False)
 
     def download(self, local: Path) -> Path:
         """Copy this directory (or file) to the local path `local`; returns it."""
         with storage_errors(self):
-            if self.is_file():
-                local.parent.mkdir(parents=True, exist_ok=True)
-                pafs.copy_files(self.path, str(local), self.fs, pafs.LocalFileSystem())
-            else:
-                local.mkdir(parents=True, exist_ok=True)
-                pafs.copy_files(self.path, str(local), self.fs, pafs.LocalFileSystem())
+            (local.parent if self.is_file() else local).mkdir(parents=True, exist_ok=True)
+            pafs.copy_files(self.path, str(local), self.fs, pafs.LocalFileSystem())
         return local
 
-    @contextmanager
+    @contextlib.contextmanager
     def on_disk(self, wanted: Callable[[str], bool] = lambda name: True) -> Iterator[Path]:
-        """This directory as a local one: itself on the local disk, else a temporary copy of its files that
-        `wanted` accepts (by their path inside it), deleted afterwards."""
+        """This directory on the local disk, else a temporary copy of the files `wanted` accepts (by name)."""
         if not self.remote:
             yield self.local
             return
@@ -531,8 +494,7 @@ class Location:
 
 
 def matches(spec: str) -> list[tuple[Location, int]]:
-    """The files the glob `spec` matches, with their sizes. Local: `glob.glob` (recursive `**`); in a bucket:
-    the listing below the glob's first wildcard, matched by fnmatch."""
+    """The files (with sizes) the glob `spec` matches, `**` recursive; in a bucket, fnmatch on a listing."""
     if not is_uri(spec):
         paths = sorted(Path(p).absolute() for p in glob.glob(spec, recursive=True) if Path(p).is_file())
         return [(Location.of(path), path.stat().st_size) for path in paths]
@@ -547,26 +509,9 @@ def matches(spec: str) -> list[tuple[Location, int]]:
     ]
 
 
-def _local_tree(root: Path) -> list[tuple[str, int]]:
-    entered: set[tuple[int, int]] = set()
-    found = []
-    for folder, folders, names in os.walk(root, followlinks=True):
-        identity = os.stat(folder)
-        if (identity.st_dev, identity.st_ino) in entered:
-            folders.clear()
-            continue
-        entered.add((identity.st_dev, identity.st_ino))
-        for name in names:
-            path = Path(folder) / name
-            if path.is_file():
-                found.append((str(path.relative_to(root)), path.stat().st_size))
-    return sorted(found)
-
-
 def publish_directory(staging: Path, path: Path, replace: bool = False) -> None:
-    """Make the complete local directory `staging` visible as `path` by a rename; with `replace`, an
-    existing directory `path` is swapped out and deleted only once the new one is in place (put back
-    if that fails). A file or a link at `path` is never replaced."""
+    """Rename the complete `staging` to `path`; with `replace`, an existing directory there is deleted only
+    once the new one is in place (put back if that fails). A file or a link is never replaced."""
     if not (replace and path.exists()):
         _publish(staging, path)
         return
@@ -587,18 +532,15 @@ def _staging_name(path: Path, suffix: str) -> Path:
 
 
 def _publish(staging: Path, path: Path) -> None:
-    """Make the fully written `staging` visible as `path` in one step (local disk: a rename; a file
-    replaces a file, a directory must not exist yet)."""
+    """Rename `staging` to `path`: a file replaces a file, a directory must not exist yet."""
     if staging.is_dir() and path.exists():
         raise FileExistsError(f"{path} appeared while it was being written")
     os.replace(staging, path)
 
 
 def local_copy(location: str | Path | Location, marker: str | None = None) -> Path:
-    """A local path holding `location`: itself on the local disk, else a cached copy keyed by the URI and
-    the version of every object in it (name, size, ETag), so an unchanged remote model is downloaded
-    once and a replaced object (even of the same size, in the same second) again. With `marker`, a
-    remote directory without that file is refused as incomplete."""
+    """A local path holding `location`: itself, or a copy cached by the URI and every object's name, size
+    and ETag (a replaced object is downloaded again). A remote directory without `marker` is refused."""
     where = Location.of(location)
     if not where.remote:
         return where.local
@@ -635,14 +577,12 @@ def _version(where: Location) -> str:
     return str(where.info().mtime_ns)
 
 
-@contextmanager
+@contextlib.contextmanager
 def storage_errors(location: Location | str) -> Iterator[None]:
     """An OSError from the filesystem becomes one line naming the problem and the fix."""
     try:
         yield
-    except StorageError:
-        raise
-    except FileNotFoundError:
+    except (StorageError, FileNotFoundError):
         raise
     except OSError as err:
         raise StorageError(describe_failure(str(location), err), store_problem(str(location), err)) from None
@@ -666,8 +606,7 @@ _NO_BUCKET_TO_CREATE = "To create buckets, enable the allow_bucket_creation opti
 
 
 def store_problem(location: str, err: BaseException) -> str | None:
-    """What a failed request to the store of `location` ran into (UNREACHABLE, NO_BUCKET, REFUSED), by
-    its error's type or the store's error code in it; None for anything else."""
+    """What a failed request to `location` ran into (UNREACHABLE, NO_BUCKET, REFUSED), or None."""
     # GCS's 401 and 403; a local file's (a cache, a copy's target) names its file
     if is_uri(location) and isinstance(err, PermissionError) and err.filename is None:
         return REFUSED
