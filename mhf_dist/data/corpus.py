@@ -1,19 +1,13 @@
 """Corpus readers: a corpus is a sorted list of files, each read as a stream of bounded batches of
 documents {"text", "replaced"}, in a fixed order.
 
-Where (`data.corpus`): `builtin`; a file, a directory (every corpus file below it) or a glob, on the
-local disk or in a bucket (`s3://`, `gs://`: a directory is a prefix; a glob lists the prefix before its
-first wildcard and keeps the names that match it by `fnmatch` rules, where `*` also matches `/`; `?`
-would start the URI's query there); or `hf:NAME`, a Hugging Face dataset (needs the network and
-`pip install mhf-dist[hf]`), read from the `.arrow` files of its local cache.
-
-What, by suffix: `.txt`/`.raw` (documents separated by blank lines), `.jsonl`/`.json` (JSON lines, the
-document in field `text_field`), each optionally compressed (`.gz`, `.zst`, `.bz2`); `.parquet` with any
-codec (column `text_field`); Arrow IPC `.arrow`, stream format (Hugging Face datasets' files) or file
-format, optionally compressed as a whole (`.arrow.zst`). Every reader streams: a batch holds at most
-about `BATCH_BYTES` of text (or one longer document), so a file of any size is never loaded whole.
-`replaced` counts invalid UTF-8 sequences replaced by U+FFFD in a document (text files only: the other
-kinds hold UTF-8 strings by construction).
+Where (`data.corpus`): `builtin`; a file, a directory or a glob, local or in a bucket (a glob lists the
+prefix before its first wildcard and keeps what `fnmatch` matches: `*` also matches `/`; `?` would start
+the URI's query); or `hf:NAME`, a Hugging Face dataset read from the `.arrow` files of its local cache.
+What, by suffix (`KINDS`): text (documents between blank lines), JSON lines, parquet or Arrow IPC (stream
+or file format); all but parquet optionally compressed as a whole (`COMPRESSIONS`).
+Every reader streams batches of about `BATCH_BYTES` of text, so no file is loaded whole. `replaced`
+counts invalid UTF-8 sequences replaced by U+FFFD (text files only: the other kinds hold UTF-8 strings).
 """
 
 from __future__ import annotations
@@ -71,8 +65,7 @@ _ARROW_FILE_MAGIC = b"ARROW1\0\0"  # the file format: this, then the stream form
 
 @dataclass(frozen=True)
 class CorpusFile:
-    """One file of a corpus: `uri` (a local absolute path or the URI as given), its size in bytes, its
-    kind (text, json, parquet, arrow or builtin) and whole-file compression (a pyarrow codec name)."""
+    """One file of a corpus: its URI (or local absolute path), size, kind and whole-file compression."""
 
     uri: str
     size: int
@@ -81,10 +74,7 @@ class CorpusFile:
 
 
 def builtin_documents() -> list[str]:
-    """The Python documentation topics shipped in the standard library (`pydoc_data.topics`).
-
-    About 80 English documents, 0.47M characters, in a fixed (sorted-by-topic) order.
-    """
+    """The Python documentation topics of the standard library: ~80 English documents, sorted by topic."""
     topics = pydoc_data.topics.topics
     return [topics[name].strip() for name in sorted(topics) if topics[name].strip()]
 
@@ -125,7 +115,10 @@ def corpus_files(spec: str, log: Callable[[str], None] | None = None) -> list[Co
     else:
         found = matches(spec) if WILDCARD.search(where.path) else []
         if not found:
-            raise _nothing_at(where)
+            where.check_bucket()  # a missing bucket is a StorageError
+            raise DataError(
+                f"corpus {str(where)!r} matches no file; pass 'builtin', a directory, a file or a glob"
+            )
     files, reached = [], set()
     for location, size in found:
         kind = file_kind(location.name)
@@ -142,17 +135,9 @@ def corpus_files(spec: str, log: Callable[[str], None] | None = None) -> list[Co
     return files
 
 
-def _nothing_at(where: Location) -> DataError:
-    """No file at `where` (unless its bucket is missing: that is a StorageError)."""
-    where.check_bucket()
-    return DataError(f"corpus {str(where)!r} matches no file; pass 'builtin', a directory, a file or a glob")
-
-
 @dataclass
 class Skipped:
-    """The records of corpus files that are no documents: `missing` their text (no text field, or null)
-    and `empty` (text of no characters); `first_missing` is where the first missing one is
-    (`record_place`: a file's `path:line` or `path: row N`)."""
+    """Records that are no documents: `missing` their text (no field, or null), or `empty`."""
 
     missing: int = 0
     empty: int = 0
@@ -208,11 +193,8 @@ def corpus_texts(spec: str, text_field: str = "text") -> list[str]:
 
 
 def split_text_file(raw: bytes) -> tuple[list[str], list[int]]:
-    """Raw text -> its documents (blank-line separated) and the invalid UTF-8 sequences replaced in each.
-
-    In text that is not valid UTF-8, every U+FFFD after decoding counts as replaced (one written in the
-    text on purpose cannot be told apart from a decoding error there).
-    """
+    """Raw text -> its documents (blank-line separated) and the invalid UTF-8 sequences replaced in each
+    (in text that is not valid UTF-8, every U+FFFD counts: one written on purpose looks the same)."""
     try:
         text, invalid = raw.decode("utf-8"), False
     except UnicodeDecodeError:
@@ -229,8 +211,7 @@ def split_documents(text: str) -> list[str]:
 
 @dataclass
 class Records:
-    """Where a reader is in one file: records read so far (rows, or non-blank JSON lines), and the tally
-    of those that are no documents."""
+    """Where a reader is in one file: records read so far, and the tally of those that are no documents."""
 
     file: CorpusFile
     skipped: Skipped
@@ -238,8 +219,7 @@ class Records:
 
 
 def _documents(texts: pa.Array, records: Records, replaced: list[int] | None = None) -> pa.Table:
-    """A batch of documents: the next records of the file, less those without text or with empty text
-    (counted in `records.skipped`)."""
+    """The next records of the file as documents, less those without text (counted in `records.skipped`)."""
     texts = pc.cast(texts, pa.string())
     counts = pa.array(replaced if replaced is not None else [0] * len(texts), pa.int64())
     present = pc.is_valid(texts)
@@ -277,8 +257,7 @@ def _lines(stream: Any) -> Iterator[bytes]:
 
 
 def bounded_ranges(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
-    """Consecutive [start, stop) ranges of the items whose sizes sum to at most `limit` (an item larger
-    than `limit` is a range alone)."""
+    """Consecutive [start, stop) ranges of items whose sizes sum to at most `limit` (or one larger item)."""
     ranges, start, total = [], 0, 0
     for index, size in enumerate(sizes):
         if total and total + size > limit:
@@ -312,7 +291,9 @@ def _text_documents(
         while True:
             chunk = stream.read(BATCH_BYTES)
             data = carry + chunk
-            cut = _last_blank_line_end(data, max(0, carry.rfind(b"\n"))) if chunk else len(data)
+            # The end of the last blank line; one that begins in `carry` begins at its last newline.
+            blank_lines = _BLANK_LINE_BYTES.finditer(data, max(0, carry.rfind(b"\n")))
+            cut = max((match.end() for match in blank_lines), default=0) if chunk else len(data)
             if cut:
                 documents, replaced = split_text_file(data[:cut])
                 if documents:
@@ -320,15 +301,6 @@ def _text_documents(
             carry = data[cut:]
             if not chunk:
                 return
-
-
-def _last_blank_line_end(data: bytes, start: int) -> int:
-    """The end of the last blank line in data[start:] (0: none). A blank line that begins before
-    `start` in `data` is one that begins at its last newline, which `start` is."""
-    end = 0
-    for match in _BLANK_LINE_BYTES.finditer(data, start):
-        end = match.end()
-    return end
 
 
 def _json_documents(
@@ -412,8 +384,7 @@ _JSON_TYPE_CHANGE = re.compile(r"changed from string to (\w+) in row (\d+)")
 
 
 class TextTypeError(Exception):
-    """The text field of a corpus holds something else than text: where (`place`, when one record shows
-    it), and what."""
+    """The text field holds something else than text: what, and where (`place`) when one record shows it."""
 
     def __init__(self, field: str, kind: str, place: str | None = None) -> None:
         super().__init__(field, kind, place)

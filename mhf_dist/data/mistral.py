@@ -125,16 +125,8 @@ def convert(source: str | Path) -> Tokenizer:
         piece.piece = hub_name(index, piece.piece)
         piece.type = 3
     extracted = extractor.extract(BPE)  # vocabulary in id order and the merges, from the renamed pieces
-    tokenizer = Tokenizer(
-        BPE(
-            vocab=extracted["vocab"],
-            merges=extracted["merges"],
-            unk_token="<unk>",
-            fuse_unk=True,
-            byte_fallback=True,
-            dropout=None,
-        )
-    )
+    model = BPE(extracted["vocab"], extracted["merges"], unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    tokenizer = Tokenizer(model)
     # LlamaConverter with legacy=True: `▁` before the text, every space a `▁`, no pre-tokenizer.
     tokenizer.normalizer = normalizers.Sequence(
         [normalizers.Prepend(prepend="▁"), normalizers.Replace(pattern=" ", content="▁")]

@@ -8,24 +8,18 @@ Three settings name the sources (`sources`):
   upsampling): the source that runs out first is used whole and sets the total, so a heavy weight on a
   small source shrinks the whole mixture rather than replaying that source. Validation: every source's
   held-out documents (`shards.is_validation`), all of them.
-- `data.replay` (`mhf cpt --replay`): data.corpus whole (train and validation, as always) plus a
-  replayed share `fraction` of the training tokens from replay.corpus, keyed by data.replay.seed. The
-  replayed corpus adds training documents only: those the split rule holds out are never used (they may
-  be the parent's own held-out text), so the validation split stays data.corpus alone. A replay corpus
-  with too little text is used whole (a warning says so).
+- `data.replay` (`mhf cpt --replay`): data.corpus whole plus a replayed share `fraction` of the training
+  tokens from replay.corpus, keyed by data.replay.seed. Its held-out documents are never used (they may
+  be the parent's own held-out text), so the validation split stays data.corpus alone.
 
 A keyed source's training document is in iff its key is below the source's threshold, which the driver
-computes from every candidate's key and token count (`choose_threshold`: whole documents in key order,
-the cut closest to the target). Tokens are those of the documents with their boundary tokens, before
-packing. Membership depends only on the text, the seed and the counts, never on how the work was cut
-into tasks, so the shards are the same on any cluster. In the token stream the sources follow one
-another in their order, each in corpus order; the reader's shuffle (`data.shuffle`) mixes the rows, and
-each row's `source_tokens` (shards.py) says how many of its tokens came from each source.
+computes from every candidate's key and token count (`choose_threshold`): membership depends only on
+the text, the seed and the counts, never on how the work was cut into tasks, so the shards are the
+same on any cluster. In the token stream the sources follow one another in their order.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,8 +39,7 @@ ALL_SELECTED = 2**32  # above every 32-bit key
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """Where a Dataset source's `ray.data.Dataset` comes from (`prepare.staging`): a callable
-    "package.module:function" called with `args`, or (`callable` None) the Dataset `given` in Python."""
+    """A Dataset source's "package.module:function" called with `args`, or (`callable` None) one `given`."""
 
     callable: str | None
     args: dict[str, Any] = field(default_factory=dict)
@@ -119,20 +112,12 @@ def sources(data: DataConfig, datasets: Mapping[str, Any] | None = None) -> list
     described, spec = _origin("corpus", data.corpus, None, {}, {})
     if not replays(data):
         return [Source("corpus", described, data.text_field, 1.0, dataset=spec)]
-    fraction = data.replay.fraction
-    replayed, replay_spec = _origin("replay", data.replay.corpus, None, {}, {})
+    replay = data.replay
+    replayed, replay_spec = _origin("replay", replay.corpus, None, {}, {})
     return [
-        Source("corpus", described, data.text_field, 1 - fraction, dataset=spec),
-        Source(
-            "replay",
-            replayed,
-            data.text_field,
-            fraction,
-            data.replay.seed,
-            keyed=True,
-            validation=False,
-            dataset=replay_spec,
-        ),
+        Source("corpus", described, data.text_field, 1 - replay.fraction, dataset=spec),
+        # keyed, and no validation documents: its held-out ones are never used
+        Source("replay", replayed, data.text_field, replay.fraction, replay.seed, True, False, replay_spec),
     ]
 
 
@@ -159,11 +144,6 @@ def _origin(
     return corpus, None
 
 
-def without_dataset(source: Source) -> Source:
-    """The source as a Ray worker needs it once its Dataset is staged (the Dataset stays in the driver)."""
-    return dataclasses.replace(source, dataset=None)
-
-
 def replays(data: DataConfig) -> bool:
     return data.replay.corpus is not None and data.replay.fraction > 0
 
@@ -188,12 +168,8 @@ def choose_threshold(keys: np.ndarray, tokens: np.ndarray, target: float) -> int
 def thresholds(
     mixed: list[Source], whole_tokens: list[int], candidates: list[Candidates | None]
 ) -> list[int | None]:
-    """Each keyed source's key threshold (None for a source used whole).
-
-    The total is set by a source used whole (data.corpus beside a replay), else by the keyed source that
-    runs out first (its available tokens over its weight); each keyed source's target is its weight of
-    that total.
-    """
+    """Each keyed source's key threshold (None for a source used whole). The total is set by a source
+    used whole, else by the keyed source that runs out first; each keyed target is its weight of it."""
     available = [
         int(pool.tokens.sum()) if pool is not None else tokens
         for pool, tokens in zip(candidates, whole_tokens, strict=True)
@@ -219,10 +195,8 @@ def source_records(
     staged: list[int | None] | None = None,
     skipped: list[Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """The manifest's `sources`: what each source gave (`taken`: documents, tokens and validation
-    counts per source); a Dataset source's record says what it was staged from (its args redacted) and
-    how many documents were staged (`staged`); `skipped` (`corpus.Skipped`): its records that were no
-    documents, left out."""
+    """The manifest's `sources`: what each source gave (`taken`), what a Dataset source was staged from
+    and how many documents (`staged`), and the records left out (`skipped`)."""
     total = sum(counts["tokens"] for counts in taken)
     records = []
     none = [None] * len(mixed)
@@ -263,28 +237,3 @@ def describe(mixed: list[Source], records: list[dict[str, Any]], limits: list[in
     return (
         f"mixture of the training tokens (seed {mixed[0].seed}; no upsampling: {whole}): {', '.join(parts)}"
     )
-
-
-def replay_record(
-    data: DataConfig, records: list[dict[str, Any]], threshold: int, candidates: Candidates
-) -> dict[str, Any]:
-    """The manifest's train-split `mixture` record of a replay (`shards.Mixture`)."""
-    main, replay = records
-    total = main["tokens"] + replay["tokens"]
-    return {
-        "requested_fraction": data.replay.fraction,
-        "realised_fraction": replay["tokens"] / total if total else 0.0,
-        "threshold": threshold,
-        "sources": [
-            {"corpus": main["corpus"], "documents": main["documents"], "tokens": main["tokens"]},
-            {
-                "corpus": replay["corpus"],
-                "seed": data.replay.seed,
-                "documents": replay["documents"],
-                "tokens": replay["tokens"],
-                "candidate_documents": len(candidates.keys),
-                "candidate_tokens": int(candidates.tokens.sum()),
-            },
-        ],
-        "tokens": "train-split document tokens with their boundary tokens, before packing",
-    }

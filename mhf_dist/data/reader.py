@@ -1,12 +1,9 @@
 """Reading prepared rows by index: each worker reads only its own rows, and a resume costs nothing.
 
-**Layout.** `mhf prepare` writes every parquet row group as exactly one row (`shards.write_shard`), so
-a row is parquet's unit of random access: reading row i decodes row i and nothing else, while the
-shards stay ordinary parquet files with their signature column (Ray Data, pyarrow and DuckDB read them
-as they are). The footer grows by about 200 bytes per row, 1% of a 1b-preset row (seq 2048: 8 KB of
-ids plus the signatures); a memory-mapped array beside the parquet would read faster but store every
-token twice. The manifest names the layout (`rows_per_group: 1`); shards of an older layout are refused
-(`read_manifest`).
+**Layout.** Every parquet row group is exactly one row (`shards.write_shard`), so reading row i decodes
+row i and nothing else, while the shards stay ordinary parquet files (Ray Data, pyarrow and DuckDB read
+them as they are). The footer grows by about 200 bytes per row, 1% of a 1b-preset row; a memory-mapped
+array beside the parquet would read faster but store every token twice.
 
 **Order.** The global batch of step s is a pure function of (seed, epoch, s), never of the worker
 count: `BatchPlan` draws each epoch's order of the row indices and cuts it into batches of
@@ -18,15 +15,12 @@ then keeps at most one window of shards open, and any batch is computed directly
 The last `rows % batch_size` rows of an epoch's order are left for that epoch.
 
 **From a bucket.** A remote `data.path` is not read row by row over the network (a request per row,
-tens of milliseconds each; a step of the 100m preset needs 64 rows from up to 64 shards): each shard
-is downloaded whole into a bounded local cache (`shard_cache.ShardCache`: by default 2 windows of the
-default `data.shuffle_window`, 128 shards, 2.4 GB per rank at the 100m preset's 2,048-row shards), and
-`step_batches` downloads the shards of the coming steps before they are read (`ShardPrefetch`: the plan
-is a pure function of the step). A step's read then makes no request, and a resumed reader downloads
-only what the steps from its resume point need. The cost is bandwidth: a rank's rows of a window are
-spread over all its shards, so each rank downloads about every shard once an epoch, W times the
-corpus an epoch over W ranks (the bytes of a global batch per step and rank), where reading by row
-fetches each byte once. Local paths are read in place, with no copy.
+tens of milliseconds each): each shard is downloaded whole into a bounded local cache
+(`shard_cache.ShardCache`: by default 2 windows of `data.shuffle_window` shards), and `step_batches`
+downloads the shards of the coming steps before they are read (`ShardPrefetch`: the plan is a pure
+function of the step), so a step's read makes no request. The cost is bandwidth: a rank's rows of a
+window are spread over all its shards, so each rank downloads about every shard once an epoch. Local
+paths are read in place.
 """
 
 from __future__ import annotations
@@ -54,13 +48,8 @@ CACHE_SHARDS = 2 * DataConfig.model_fields["shuffle_window"].default  # the wind
 
 class RowReader:
     """Rows of one split by global index: `read(rows)` decodes exactly those rows, in the order given.
-
-    Each shard is checked against the manifest (`check_shard`) when it is first opened, so a worker
-    reads the footers of the shards it uses, once; `check_all` checks every shard up front (the driver
-    does, before any worker starts). `rows_decoded` counts the rows read so far. From a bucket, rows are
-    read from whole shards downloaded into `cache` (at most `cache_shards` on disk); `close()` deletes
-    them.
-    """
+    Each shard is checked against the manifest when it is first opened (`check_all`: every one now);
+    from a bucket, rows are read from whole shards downloaded into `cache`."""
 
     def __init__(
         self,
@@ -106,8 +95,7 @@ class RowReader:
         return np.diff(self.offsets)
 
     def read(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """`tokens` [n, T+1] int64 and, if asked for, `signatures` [n, T+1, H] and `source_tokens`
-        [n, sources] of the given rows."""
+        """`tokens` [n, T+1] and, if asked for, `signatures` [n, T+1, H] and `source_tokens` [n, sources]."""
         rows = np.asarray(rows, dtype=np.int64)
         if len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows):
             raise IndexError(f"row index out of range 0..{self.num_rows - 1}")
@@ -250,12 +238,8 @@ def training_plan(reader: RowReader, cfg: Config) -> BatchPlan:
 class ShardPrefetch:
     """Downloads ahead the shards of the steps after the one a rank is reading from a bucket: as many
     coming steps (at most an epoch of them) as the cache can hold the shards of, in the order the steps
-    need them, none dropped before its steps are read.
-
-    With the cache 2 windows large, the next window's shards are fetched while the current window is
-    read, so the step at a window boundary, which needs up to a whole new window of shards, finds them
-    on disk.
-    """
+    need them, none dropped before its steps are read. With the cache 2 windows large, the step at a
+    window boundary finds the whole next window on disk."""
 
     def __init__(self, reader: RowReader, plan: BatchPlan, rank: int, world_size: int) -> None:
         if reader.cache is None:
@@ -266,8 +250,7 @@ class ShardPrefetch:
         self.needed: dict[int, int] = {}  # shard -> how many coming steps read it
 
     def reading(self, step: int) -> list[Future[pq.ParquetFile]]:
-        """The rank reads `step` next (steps come in order): forget the steps before it, look further
-        ahead, and start the downloads this adds."""
+        """The rank reads `step` next: forget the steps before it, and start the downloads ahead."""
         while self.coming and self.coming[0][0] < step:
             for shard in self.coming.popleft()[1]:
                 self.needed[shard] -= 1

@@ -1,18 +1,13 @@
 """Shards of a bucket on the local disk: each downloaded whole (a few large ranged GETs) into a temporary
 file, read there by index, and dropped again past a bound.
 
-The training reader reads single rows (`mhf_dist.data.reader`): on the local disk that is a few reads
-per row, on an object store one request per row, and an S3 server answers requests far slower than a
-disk (tens of milliseconds each; a step of the 100m preset needs 64 rows from up to 64 shards). A whole
-shard costs about one request's latency plus its transfer, so a worker downloads the shards its
-coming steps need (`ShardPrefetch` in the reader says which, ahead of time) and reads its rows from
-the copies. Every copy is checked against the manifest (`check_shard`) before it is read.
-
-Disk use is bounded by the shard count `capacity`, never the corpus: past it the least recently used
-shard that no coming step needs is dropped before another is downloaded. Each download goes to a
-private directory (`tempfile.mkdtemp`, under TMPDIR); once checked, the copy is opened and its name and
-directory deleted at once, so its space is freed when the cache drops it or the process ends, however
-it ends: a killed worker (Ray kills its actors) leaves at most the downloads it was making.
+An object store answers a request far slower than a disk (tens of milliseconds), and a whole shard
+costs about one request's latency plus its transfer, so a worker downloads the shards its coming steps
+need (`ShardPrefetch` in the reader says which) and reads its rows from the copies, each checked
+against the manifest first. Disk use is bounded by the shard count `capacity`, never the corpus: past
+it the least recently used shard that no coming step needs is dropped. Each download goes to a private
+directory (`tempfile.mkdtemp`); once checked, the copy is opened and its name deleted at once, so its
+space is freed when the cache drops it or the process ends, however it ends (a killed worker too).
 """
 
 from __future__ import annotations
@@ -38,13 +33,8 @@ COPY_CHUNK = 8 << 20  # bytes per ranged GET of a download: 3 for a 100m-preset 
 
 
 class ShardCache:
-    """At most `capacity` of `shards` (the entries of one split in `directory`) on the local disk.
-
-    `fetch` asks for downloads, made in the background `threads` at a time in the order asked; `local`
-    gives a shard's open copy (waiting for its download, or asking for it); `keep` names the shards
-    that must not be dropped (those of the steps being read and fetched ahead). `fetched` lists the
-    downloads made, in order: a shard dropped and needed again is downloaded again.
-    """
+    """At most `capacity` of `shards` (the entries of one split in `directory`) on the local disk,
+    downloaded in the background `threads` at a time; `fetched` lists the downloads made, in order."""
 
     def __init__(
         self, directory: Location, shards: list[ShardEntry], capacity: int, threads: int = FETCH_THREADS
@@ -153,8 +143,7 @@ class ShardCache:
                 del self._on_disk[shard]
 
     def _copy(self, entry: ShardEntry) -> pq.ParquetFile:
-        """Download `entry` whole, check it and open it; a missing or damaged shard is named as in the
-        bucket."""
+        """Download `entry` whole, check it and open it; a bad shard is named as in the bucket."""
         source, staging = self.directory / entry.file, Path(tempfile.mkdtemp(prefix="mhf-shard-"))
         target = staging / entry.file
         target.parent.mkdir(exist_ok=True)  # a version folder (`shards.VERSION_FOLDER`)

@@ -1,25 +1,17 @@
 """Prepared shards on disk: parquet files of packed rows with their signatures, and the manifest.
 
 A prepared directory holds `manifest.json` (written last: its presence means the directory is
-complete), `tokenizer.json` (the text whose sha256 the manifest records: every run checks it,
-`check_tokenizer`), `signatures.safetensors` and `{split}-{index:05d}.parquet` shards with the
-columns `input_ids` (fixed-size list of seq_len+1 int32) and `signatures` (fixed-size list of
-(seq_len+1)*H unsigned ints, row-major [T+1, H], in the smallest type that holds B), one row per row
-group (`rows_per_group` in the manifest; `mhf_dist.data.reader` reads rows by index through it).
-Shards of text from more than one source (`data.sources`, `data.replay`) have a third column,
-`source_tokens`: a fixed-size list of int32, one count per source in the order of the manifest's
-`sources`, the tokens of that row (all seq_len+1 of them) that came from each source; the counts of a
-row sum to seq_len+1. A dataset of one source has no such column: every token is from `sources[0]`.
+complete), `tokenizer.json` (its sha256 checked by every run), `signatures.safetensors` and
+`{split}-{index:05d}.parquet` shards with the columns `input_ids` (fixed-size list of seq_len+1 int32)
+and `signatures` ((seq_len+1)*H unsigned ints, row-major [T+1, H], in the table's smallest dtype), one
+row per row group (`mhf_dist.data.reader` reads rows by index through it). Shards of more than one
+source have a third column, `source_tokens`: per row, the count of its seq_len+1 tokens that came from
+each of the manifest's `sources`, in their order.
 
-In a bucket the files sit in a version folder beside the manifest (`v-<12 hex>/`, `VERSION_FOLDER`) and
-the manifest names them by their path from it: an object store has no rename, so `mhf prepare
---overwrite` writes the new version beside the old one and switches by replacing the manifest, one PUT
-(`mhf_dist.data.prepare.output.publish`). Readers open every file through the manifest's names.
-
-`Manifest` is the manifest's typed form: `read_manifest` validates the file against it (strict: a
-missing, extra or mistyped field, or shard digests that no longer hash to `content_sha256`, is a
-one-line error), `write_manifest` writes it. Fields added after version 2 was first written have the
-defaults that manifests written before them mean.
+In a bucket the files sit in a version folder beside the manifest (`VERSION_FOLDER`): an object store
+has no rename, so `mhf prepare --overwrite` writes the new version beside the old one and switches by
+replacing the manifest, one PUT (`prepare.output.publish`). Readers open files by the manifest's names.
+Fields added after version 2 was first written default to what manifests written before them mean.
 """
 
 from __future__ import annotations
@@ -246,23 +238,16 @@ def tokenizer_info(tokenizer: TextTokenizer, document_format: str) -> TokenizerI
 
 def signatures_info(table: SignatureTable) -> SignaturesInfo:
     """What the manifest records of the signature table its shards were looked up in."""
+    same = ("spec", "num_hashes", "num_buckets", "seed", "fingerprint", "num_lsh", "duplicate_signatures")
+    recorded = {name: getattr(table, name) for name in same}
     return SignaturesInfo(
-        file=SIGNATURES_FILE,
-        spec=table.spec,
-        num_hashes=table.num_hashes,
-        num_buckets=table.num_buckets,
-        seed=table.seed,
-        scheme=table.scheme.name,
-        fingerprint=table.fingerprint,
-        dtype=str(table.rows.dtype),
-        num_lsh=table.num_lsh,
-        duplicate_signatures=table.duplicate_signatures,
+        file=SIGNATURES_FILE, scheme=table.scheme.name, dtype=str(table.rows.dtype), **recorded
     )
 
 
 def save_tokenizer(tokenizer: TextTokenizer, path: str | Path | Location) -> None:
-    """tokenizer.json as exactly the text `TextTokenizer.sha256` hashes: the file's bytes then check
-    against the manifest whatever version of `tokenizers` reads them (`check_tokenizer`). Written whole."""
+    """tokenizer.json as exactly the text `TextTokenizer.sha256` hashes, so that its bytes check against
+    the manifest whatever version of `tokenizers` reads them."""
     Location.of(path).write_bytes(tokenizer.tokenizer.to_str().encode())
 
 
@@ -273,11 +258,7 @@ def write_shard(
     name: str,
     source_tokens: np.ndarray | None = None,
 ) -> ShardEntry:
-    """Write packed rows [n, T+1] with their signatures (and, from several sources, each row's tokens per
-    source, [n, sources]) as `directory/name` (local or in a bucket); returns its manifest entry.
-
-    One row per row group: the training reader decodes single rows (`mhf_dist.data.reader` says why).
-    """
+    """Write packed rows [n, T+1], their signatures and tokens per source; returns the manifest entry."""
     width = rows.shape[1]
     signatures = table.lookup(rows)  # [n, T+1, H], the table's own small dtype
     columns = {
@@ -326,8 +307,7 @@ def write_manifest(directory: Path | Location, manifest: Manifest) -> None:
 
 
 def read_manifest(path: str | Path | Location) -> Manifest:
-    """The manifest of a prepared directory (local or in a bucket); a missing, foreign, old, damaged or
-    hand-edited one is a one-line error."""
+    """The manifest of a prepared directory; a missing, foreign, old or damaged one is a one-line error."""
     directory = Location.of(path)
     path = str(directory)
     manifest_path = directory / MANIFEST
@@ -401,13 +381,8 @@ def split_shards(path: str | Path, manifest: Manifest, split: str) -> list[Shard
 
 def check_shard(directory: Path | Location, shard: ShardEntry) -> pq.FileMetaData:
     """A shard must exist, have a readable parquet footer, the manifest's row count and one row per row
-    group; returns the footer (so the reader opening the shard need not read it again).
-
-    The footer is a few KB at the end of the file, so this costs one small read per shard whatever the
-    data size, and it catches what happens to files in practice (deleted, truncated by a full disk or an
-    interrupted copy, swapped for another run's shard). The manifest's sha256 of each shard catches any
-    change at all but reads every byte; `verify_shards` does that on demand.
-    """
+    group; returns the footer. One small read per shard catches what happens to files in practice
+    (deleted, truncated, swapped for another run's); `verify_shards` reads every byte, on demand."""
     directory = Location.of(directory)
     path = directory / shard.file
     fix = _reprepare(directory)
@@ -428,9 +403,8 @@ def check_shard(directory: Path | Location, shard: ShardEntry) -> pq.FileMetaDat
 
 
 def check_tokenizer(path: str | Path | Location, manifest: Manifest) -> None:
-    """The prepared directory's tokenizer.json is the one its manifest records (one small file read;
-    every run checks it before it starts, since a model is exported with it). A file written by an
-    earlier mhf-dist (saved pretty) is compared by the tokenizer it parses to."""
+    """The prepared directory's tokenizer.json is the one its manifest records (every run checks it: a
+    model is exported with it). One an earlier mhf-dist saved pretty is compared by what it parses to."""
     directory = Location.of(path)
     where = directory / manifest.tokenizer.file
     mismatch = DataError(f"{where} does not match the manifest's sha256; {_reprepare(directory)}")
@@ -448,10 +422,7 @@ def check_tokenizer(path: str | Path | Location, manifest: Manifest) -> None:
 
 
 def verify_shards(path: str | Path | Location) -> int:
-    """Every file the manifest lists against it, reading all of them: each shard's sha256 and columns
-    (rows of seq_len+1 tokens, H signatures a token in the table's dtype, a count per source), the
-    tokenizer's sha256 and what the manifest says of it, the signature table's fingerprint and settings.
-    Returns the number of shards."""
+    """Check every file the manifest lists against it, reading all of them; returns the shard count."""
     directory = Location.of(path)
     manifest = read_manifest(directory)
     check_tokenizer(directory, manifest)
@@ -477,7 +448,8 @@ def verify_shards(path: str | Path | Location) -> int:
             f"({difference}); {_reprepare(directory)}"
         )
     folder = directory / manifest.folder if manifest.folder else directory
-    listed = {PurePosixPath(shard.file).name for info in manifest.splits.values() for shard in info.shards}
+    shards = [shard for split in SPLITS for shard in manifest.splits[split].shards]
+    listed = {PurePosixPath(shard.file).name for shard in shards}
     stray = next(
         (e for e in folder.children() if SHARD_FILE.fullmatch(e.name) and e.name not in listed), None
     )
@@ -486,18 +458,15 @@ def verify_shards(path: str | Path | Location) -> int:
             f"{str(folder)!r} holds {stray.name}, a shard its manifest does not list; remove it, or "
             f"{_reprepare(directory)}"
         )
-    count = 0
-    for split in SPLITS:
-        for shard in manifest.splits[split].shards:
-            metadata = check_shard(directory, shard)
-            if file_sha256(directory / shard.file) != shard.sha256:
-                raise DataError(
-                    f"shard {directory / shard.file} differs from the one prepared (sha256 mismatch); "
-                    f"{_reprepare(directory)}"
-                )
-            _check_columns(directory, shard.file, metadata.schema.to_arrow_schema(), manifest)
-            count += 1
-    return count
+    for shard in shards:
+        metadata = check_shard(directory, shard)
+        if file_sha256(directory / shard.file) != shard.sha256:
+            raise DataError(
+                f"shard {directory / shard.file} differs from the one prepared (sha256 mismatch); "
+                f"{_reprepare(directory)}"
+            )
+        _check_columns(directory, shard.file, metadata.schema.to_arrow_schema(), manifest)
+    return len(shards)
 
 
 def _check_recorded(

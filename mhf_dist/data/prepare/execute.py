@@ -3,16 +3,13 @@ at most one a CPU; a task takes one unit, or several consecutive small ones (`ru
 output has a fixed name of its own (its index), so nothing depends on which task ran it, on Ray Data's
 blocks or on the number of CPUs.
 
-Tasks, not an actor pool: an actor is a new process of its own (0.7-0.9 s to start here, 1.6-2.2 s
-with Ray Data's machinery imported), paid again by every phase of every prepare, where tasks run in
-Ray's workers that stay warm across phases and runs (0.03 s). What an actor would hold, the callable
-caches per worker process (a parsed tokenizer) or receives from the object store without a copy (a
-signature table).
+Tasks, not an actor pool: an actor is a new process (0.7-2.2 s to start), paid again by every phase of
+every prepare, where tasks run in Ray's workers that stay warm across phases and runs (0.03 s). What an
+actor would hold, the callable caches per worker process (a parsed tokenizer) or receives from the
+object store without a copy (a signature table).
 
-The console shows one progress line of ours per phase (units done / total, tok/s, eta), every
-PROGRESS_EVERY_S and at the end; Ray Data's progress bars and its log lines go to Ray's session log
-(`ray-data.log`) unless `verbose`. A unit that fails stops the run (`max_errored_blocks = 0`) with its
-one-line error.
+The console shows one progress line of ours per phase; Ray Data's progress bars and log lines go to
+Ray's session log unless `verbose`. A unit that fails stops the run with its one-line error.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ from mhf_dist.errors import MhfError
 
 U = TypeVar("U", bound=Indexed)  # a unit of work
 Out = TypeVar("Out", bound=BaseModel)  # what it gives
-Kept = TypeVar("Kept")  # what the driver keeps of that
 PROGRESS_EVERY_S = 10.0
 RAY_DATA_LOGGER = "ray.data"
 
@@ -79,17 +75,18 @@ def run_units(
     verbose: bool,
     sizes: Sequence[int],
     task_size: int,
-    keep: Callable[[Out], Kept],
-) -> list[Done[Kept]]:
+    keep: Callable[[Out], Any] = lambda output: output,
+) -> list[Done[Any]]:
     """`work` on every unit, at most `cpus` tasks at a time; what each gave (`keep` of its output, as it
     arrives), in unit order. A task takes consecutive units up to `task_size` of their `sizes` (a Ray
     Data task costs about 13 ms beyond its work here: 2,000 no-op units took 26 s one a task, 0.7 s 32
     a task), so only units smaller than that share one. `phase` names the work in the progress line."""
     import ray.data
+    from ray.exceptions import RayTaskError
 
     if not units:
         return []
-    results: list[Done[Kept] | None] = [None] * len(units)
+    results: list[Done[Any] | None] = [None] * len(units)
     tasks = [
         {"units": [unit.model_dump_json() for unit in units[first:end]]}
         for first, end in bounded_ranges(sizes, task_size)
@@ -98,13 +95,18 @@ def run_units(
     pool = ray.data.TaskPoolStrategy(size=min(cpus, len(tasks)))
     dataset = dataset.map_batches(work, batch_size=1, compute=pool, num_cpus=1)
     progress = Progress(phase, len(units), log)
-    with ray_data_settings(verbose, dataset), raised_as_ours():
-        for row in dataset.iter_rows():
-            output = keep(work.output.model_validate_json(row["output"]))
-            done = Done(output, int(row["tokens"]), bool(row["resumed"]))
-            results[int(row["index"])] = done
-            progress.advance(done.tokens, done.resumed)
-    progress.finish()
+    try:
+        with ray_data_settings(verbose, dataset):
+            for row in dataset.iter_rows():
+                output = keep(work.output.model_validate_json(row["output"]))
+                done = Done(output, int(row["tokens"]), bool(row["resumed"]))
+                results[int(row["index"])] = done
+                progress.advance(done.tokens, done.resumed)
+    except RayTaskError as err:  # ours (a bad corpus file, a store out of reach): as itself, in one line
+        if isinstance(err.cause, MhfError):  # (Ray Data appends its retry advice to the message)
+            raise type(err.cause)(str(err.cause).splitlines()[0]) from None
+        raise
+    log(progress.line())
     missing = [index for index, done in enumerate(results) if done is None]
     if missing:  # Ray Data lost a unit's output: never seen; a rerun resumes
         raise RuntimeError(f"{phase}: no output for unit {missing[0]} (of {len(missing)} missing)")
@@ -127,9 +129,6 @@ class Progress:
         if time.monotonic() - self.last >= PROGRESS_EVERY_S and self.done < self.total:
             self.last = time.monotonic()
             self.log(self.line())
-
-    def finish(self) -> None:
-        self.log(self.line())
 
     def line(self) -> str:
         elapsed = max(time.monotonic() - self.start, 1e-9)
@@ -179,17 +178,3 @@ def ray_data_settings(verbose: bool, *datasets: Any, preserve_order: bool = Fals
             context.execution_options.preserve_order = order
         for handler, level in zip(console, levels, strict=True):
             handler.setLevel(level)
-
-
-@contextmanager
-def raised_as_ours() -> Iterator[None]:
-    """An MhfError raised by a unit (a bad corpus file, a store that cannot be reached) is raised here
-    as itself, in one line (Ray Data appends its retry advice to the message)."""
-    from ray.exceptions import RayTaskError
-
-    try:
-        yield
-    except RayTaskError as err:
-        if isinstance(err.cause, MhfError):
-            raise type(err.cause)(str(err.cause).splitlines()[0]) from None
-        raise

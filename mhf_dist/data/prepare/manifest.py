@@ -17,6 +17,7 @@ from mhf_dist.data.shards import (
     VERSION,
     Manifest,
     Mixture,
+    MixtureSource,
     PreparedWith,
     ShardEntry,
     SourceInfo,
@@ -100,21 +101,37 @@ def split_infos(
 def _replay_mixture(data: DataConfig, sources: list[Source], selection: Selection) -> Mixture | None:
     if not mixture.replays(data):
         return None
-    records = mixture.source_records(sources, selection.totals)
+    main, replay = mixture.source_records(sources, selection.totals)
     threshold, pool = selection.limits[1], selection.pools[1]
     assert threshold is not None and pool is not None
-    return Mixture.model_validate(mixture.replay_record(data, records, threshold, pool))
-
-
-# --- console lines ---------------------------------------------------------------------------------
+    total = main["tokens"] + replay["tokens"]
+    return Mixture(
+        requested_fraction=data.replay.fraction,
+        realised_fraction=replay["tokens"] / total if total else 0.0,
+        threshold=threshold,
+        sources=[
+            MixtureSource(corpus=main["corpus"], documents=main["documents"], tokens=main["tokens"]),
+            MixtureSource(
+                corpus=replay["corpus"],
+                seed=data.replay.seed,
+                documents=replay["documents"],
+                tokens=replay["tokens"],
+                candidate_documents=len(pool.keys),
+                candidate_tokens=int(pool.tokens.sum()),
+            ),
+        ],
+        tokens="train-split document tokens with their boundary tokens, before packing",
+    )
 
 
 def log_tables(
     log: Callable[[str], None], tokenizer: TextTokenizer, table: SignatureTable, document_format: str
 ) -> None:
+    token = tokenizer.tokenizer.id_to_token
+    framing = f"{token(tokenizer.bos_id)} first, no EOS" if document_format == "bos" else None
     log(
         f"tokenizer: {tokenizer.vocab_size} tokens (sha256 {tokenizer.sha256[:12]}), {document_format} "
-        f"documents ({_describe_format(tokenizer, document_format)}); signatures "
+        f"documents ({framing or f'{token(tokenizer.eos_id)} after each'}); signatures "
         f"{table.spec} seed {table.seed} ({table.scheme} scheme), fingerprint {table.fingerprint[:12]}"
     )
     if table.duplicate_signatures:  # the authors' rule allows them (H=1, shared prefixes, all-LSH)
@@ -123,12 +140,6 @@ def log_tables(
             "scoring gives them equal scores (the authors' redraw rule, as in their tables; "
             "model.hash.scheme=murmur32 is collision-free)"
         )
-
-
-def _describe_format(tokenizer: TextTokenizer, document_format: str) -> str:
-    if document_format == "bos":
-        return f"{tokenizer.tokenizer.id_to_token(tokenizer.bos_id)} first, no EOS"
-    return f"{tokenizer.tokenizer.id_to_token(tokenizer.eos_id)} after each"
 
 
 def log_splits(log: Callable[[str], None], cfg: Config, splits: dict[str, SplitInfo]) -> None:

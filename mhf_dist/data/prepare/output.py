@@ -1,13 +1,10 @@
 """Which output prepare may write, its work area, and publishing: the rules of ownership.
 
 The work area is `.NAME.partial/` beside a local output, renamed to NAME at the end. In a bucket, which
-has no rename, it is a new version folder in the output prefix (`v-<12 hex>/`, or the unfinished one a
-run left there, to resume), and the manifest is the switch: one PUT of `manifest.json` naming the new
-version's files replaces the old version at once, and only then is the old one deleted. A reader always
-finds one complete version. At the end the progress folder is removed after the manifest is written: an
-interrupted run never leaves a manifest over incomplete shards. A prefix holding anything prepare does
-not write is not ours to replace (`check_output`): `--overwrite` refuses it, in one line, and touches
-nothing.
+has no rename, it is a new version folder in the output prefix (or the unfinished one a run left there,
+to resume), and the manifest is the switch: one PUT naming the new version's files replaces the old
+version at once, and only then is the old one deleted, so a reader always finds one complete version.
+A prefix holding anything prepare does not write is not ours to replace (`check_output`).
 """
 
 from __future__ import annotations
@@ -75,8 +72,8 @@ def check_output(out: Location, overwrite: bool, flag: str = "--out") -> None:
 
 def _foreign(out: Location, entries: list[Location]) -> str | None:
     """Why the non-empty directory `out` is not shards of ours (to replace, or in a bucket to resume),
-    or None when it is: every file in it one this command writes, under the names and in the folders it
-    writes them, and a manifest of ours, or (damaged) one beside a signature table of ours."""
+    or None when every file in it is one this command writes, with a manifest of ours (or a damaged one
+    beside a signature table of ours)."""
     files = [path for path, _ in out.files()]
     stranger = next((path for path in files if not WRITTEN_HERE.fullmatch(path)), None)
     if stranger is None:  # an empty folder, or a link to one
@@ -138,8 +135,7 @@ def _named_versions(out: Location) -> set[str]:
 
 
 def open_work(work: Location, key: InputsKey, log: Callable[[str], None]) -> None:
-    """Resume `work` if its key is `key`, else start it afresh, keeping only the staged snapshots
-    (checked by their own records). A remote `work` is ours: check_output."""
+    """Resume `work` if its key is `key`, else start it afresh, keeping only the staged snapshots."""
     key_file = work / PROGRESS / KEY_FILE
     if key_file.is_file():
         if read_record(key_file, InputsKey) == key:
@@ -158,12 +154,9 @@ def open_work(work: Location, key: InputsKey, log: Callable[[str], None]) -> Non
 
 
 def publish(work: Location, out: Location, manifest: Manifest) -> Manifest:
-    """The progress folder and anything else the manifest does not name (a write an interrupted run
-    left half done) removed, the manifest written, then the key. A local output is then renamed into
-    place (unless a file was put there meanwhile); in a bucket the manifest, naming the files in the
-    version folder, is the switch, after which the version it replaced is deleted, with an older layout's
-    files and versions no run can resume (another run's unfinished version, and a folder holding a file
-    prepare does not write, stay). Returns the manifest as published."""
+    """Remove what the manifest does not name, write it, and then either rename a local output into
+    place or, in a bucket, delete the version it replaced (another run's unfinished version, and a
+    folder holding a file prepare does not write, stay). Returns the manifest as published."""
     for folder in (PARTS, SHARDS, STAGED):
         (work / PROGRESS / folder).remove()
     named = {*manifest.file_names(), PROGRESS}

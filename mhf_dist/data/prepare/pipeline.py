@@ -2,53 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mhf_dist.config import Config
-from mhf_dist.data import mixture, recall
+from mhf_dist.data import mixture, recall, shards
 from mhf_dist.data.corpus import CorpusFile, Skipped, corpus_files, read_documents
 from mhf_dist.data.mixture import Source
 from mhf_dist.data.packing import row_count
-from mhf_dist.data.prepare import plan
+from mhf_dist.data.prepare import manifest, output, plan, vocabulary
 from mhf_dist.data.prepare.execute import Done, run_units
-from mhf_dist.data.prepare.manifest import (
-    build_manifest,
-    log_sources,
-    log_splits,
-    log_tables,
-    recorded_data,
-    split_infos,
-)
-from mhf_dist.data.prepare.output import (
-    check_output,
-    discard,
-    open_work,
-    publish,
-    work_directory,
-)
 from mhf_dist.data.prepare.plan import PartCounts, Selection
 from mhf_dist.data.prepare.recall import prepare_recall
 from mhf_dist.data.prepare.records import PROGRESS_VERSION, InputsKey, Part, StagedSnapshot
 from mhf_dist.data.prepare.shard import WriteShards
 from mhf_dist.data.prepare.tokenize import TokenizeParts
-from mhf_dist.data.prepare.vocabulary import (
-    check_model_documents,
-    learned_tokenizer,
-    named_tokenizer,
-    no_text,
-    signature_table,
-)
-from mhf_dist.data.shards import (
-    MANIFEST,
-    SIGNATURES_FILE,
-    SPLITS,
-    TOKENIZER_FILE,
-    Manifest,
-    SplitInfo,
-    save_tokenizer,
-)
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError, MhfError
 from mhf_dist.ray_utils import ensure_ray
@@ -61,7 +31,7 @@ if TYPE_CHECKING:
 
 def prepare_if_missing(cfg: Config, log: Callable[[str], None] = print, verbose: bool = False) -> None:
     """Prepare `data.path` from `data.corpus` unless it already holds a complete dataset (jobs rerun)."""
-    if (Location.of(cfg.data.path) / MANIFEST).is_file():
+    if (Location.of(cfg.data.path) / shards.MANIFEST).is_file():
         log(f"prepared shards found in {redact(cfg.data.path)}; not preparing again")
         return
     prepare(cfg, cfg.data.path, log=log, verbose=verbose, flag="data.path")
@@ -76,15 +46,14 @@ def prepare(
     verbose: bool = False,
     flag: str = "--out",
     datasets: Mapping[str, ray.data.Dataset] | None = None,
-) -> Manifest:
-    """Prepare the config's corpus (or its sources) into shards at `out` (local or a bucket); returns
-    the manifest. A partial run of the same inputs and settings is resumed. `datasets`: ray.data.Dataset
-    sources by name (`mixture.sources`). `verbose`: Ray's own lines on the console too. `flag`: what the
-    user gave `out` as (`--out`, `--workdir`), for the advice of a refused output."""
+) -> shards.Manifest:
+    """Prepare the config's sources into shards at `out`, resuming a partial run of the same inputs;
+    returns the manifest. `datasets`: ray.data.Dataset sources by name. `flag`: what the user gave `out`
+    as (`--out`, `--workdir`), for the advice of a refused output."""
     out = Location.of(out)
     if num_cpus is not None and num_cpus < 1:
         raise DataError(f"--num-cpus {num_cpus}: Ray needs at least one CPU")
-    check_output(out, overwrite, flag)
+    output.check_output(out, overwrite, flag)
     if cfg.data.corpus == recall.CORPUS:
         if datasets:
             raise DataError("data.corpus=recall generates its rows and takes no datasets; drop one of them")
@@ -95,62 +64,49 @@ def prepare(
     for source, source_files in zip(sources, files, strict=True):
         if source_files:  # a missing field is an error before any work
             next(read_documents(source_files[0], source.text_field), None)
-    tokenizer = None if cfg.data.tokenizer == "bpe" else named_tokenizer(cfg)
+    tokenizer = None if cfg.data.tokenizer == "bpe" else vocabulary.named_tokenizer(cfg)
     checked = _vocabulary(cfg, tokenizer) if tokenizer else None  # before any staging, too
-    work = work_directory(out)
+    work = output.work_directory(out)
     snapshots: list[StagedSnapshot | None] = [None] * len(sources)
     if any(source.dataset for source in sources):
-        snapshots, files = _staged(sources, files, work, log, num_cpus, verbose)
-    open_work(work, _inputs_key(cfg, files, snapshots, tokenizer), log)
-    tokenizer = tokenizer or learned_tokenizer(cfg, work, sources, files)
-    save_tokenizer(tokenizer, work / TOKENIZER_FILE)  # first: a rerun reuses a learned BPE
+        from mhf_dist.data.prepare import staging  # imports Ray Data: 1 s
+
+        staging.check_functions(sources)
+        ensure_ray(num_cpus, verbose)
+        try:
+            snapshots = staging.stage_sources(sources, work, log, verbose)
+        except MhfError:  # a Dataset that cannot be used leaves no work area it alone made
+            if not work.files():
+                work.remove()
+            raise
+        files = [
+            staging.staged_files(work, snapshot) if snapshot else found
+            for snapshot, found in zip(snapshots, files, strict=True)
+        ]
+    output.open_work(work, _inputs_key(cfg, files, snapshots, tokenizer), log)
+    tokenizer = tokenizer or vocabulary.learned_tokenizer(cfg, work, sources, files)
+    shards.save_tokenizer(tokenizer, work / shards.TOKENIZER_FILE)  # first: a rerun reuses a learned BPE
     document_format, table = checked or _vocabulary(cfg, tokenizer)
-    log_tables(log, tokenizer, table, document_format)
+    manifest.log_tables(log, tokenizer, table, document_format)
 
     ensure_ray(num_cpus, verbose)
     splits, records = _write_shards(
         cfg, sources, files, snapshots, tokenizer, table, work, document_format, num_cpus, log, verbose
     )
-    save_table(table, (work / SIGNATURES_FILE).uri)
-    manifest = publish(work, out, build_manifest(cfg, tokenizer, table, splits, document_format, records))
-    log_splits(log, cfg, splits)
-    log(f"wrote {out} (content sha256 {manifest.content_sha256[:12]})")
-    return manifest
+    save_table(table, (work / shards.SIGNATURES_FILE).uri)
+    built = manifest.build_manifest(cfg, tokenizer, table, splits, document_format, records)
+    published = output.publish(work, out, built)
+    manifest.log_splits(log, cfg, splits)
+    log(f"wrote {out} (content sha256 {published.content_sha256[:12]})")
+    return published
 
 
 def _vocabulary(cfg: Config, tokenizer: TextTokenizer) -> tuple[str, SignatureTable]:
     """The document format and the signature table, checked against `data.signatures`' model."""
     document_format = tokenizer.resolve_format(cfg.data.document_format)
-    table = signature_table(cfg, tokenizer)
-    check_model_documents(cfg, document_format)
+    table = vocabulary.signature_table(cfg, tokenizer)
+    vocabulary.check_model_documents(cfg, document_format)
     return document_format, table
-
-
-def _staged(
-    sources: list[Source],
-    files: list[list[CorpusFile]],
-    work: Location,
-    log: Callable[[str], None],
-    num_cpus: int | None,
-    verbose: bool,
-) -> tuple[list[StagedSnapshot | None], list[list[CorpusFile]]]:
-    """The Dataset sources staged (their snapshots), and every source's files. A Dataset that cannot
-    be used leaves no work area it alone made (complete snapshots of the others stay, for the rerun)."""
-    from mhf_dist.data.prepare.staging import check_functions, stage_sources, staged_files  # Ray Data: 1 s
-
-    check_functions(sources)
-    ensure_ray(num_cpus, verbose)
-    try:
-        snapshots = stage_sources(sources, work, log, verbose)
-    except MhfError:
-        if not work.files():
-            work.remove()
-        raise
-    staged = [
-        staged_files(work, snapshot) if snapshot else found
-        for snapshot, found in zip(snapshots, files, strict=True)
-    ]
-    return snapshots, staged
 
 
 def _inputs_key(
@@ -166,7 +122,7 @@ def _inputs_key(
         staged=[snapshot.snapshot if snapshot else None for snapshot in snapshots],
         # missing_text decides no shard (records without text are never tokenized): a rerun with `skip`
         # after a refusal goes on from the tokenized parts
-        data={key: value for key, value in recorded_data(cfg.data).items() if key != "missing_text"},
+        data={key: value for key, value in manifest.recorded_data(cfg.data).items() if key != "missing_text"},
         seq_len=cfg.train.seq_len,
         model_hash=cfg.model.hash.model_dump(),
         vocab_size=cfg.model.vocab_size,
@@ -186,19 +142,18 @@ def _write_shards(
     num_cpus: int | None,
     log: Callable[[str], None],
     verbose: bool,
-) -> tuple[dict[str, SplitInfo], list[dict[str, Any]]]:
-    """Both phases on Ray Data: tokenize the parts, then (from their counts) pack, sign and write the
-    shards; the split records and the sources' records."""
+) -> tuple[dict[str, shards.SplitInfo], list[dict[str, Any]]]:
+    """Both phases on Ray Data (tokenize the parts; pack, sign and write the shards); their records."""
     import ray
 
     cpus = num_cpus or max(1, int(ray.cluster_resources().get("CPU", 1)))
     parts = plan.plan_parts(files, [source.text_field for source in sources])
     tokenize = TokenizeParts(
         tokenizer.tokenizer.to_str(),
-        tokenizer.boundaries(document_format),
+        *tokenizer.boundaries(document_format),
         cfg.data.val_percent,
-        [mixture.without_dataset(source) for source in sources],
-        work.uri,
+        [dataclasses.replace(source, dataset=None) for source in sources],  # a Dataset stays here
+        work,
     )
     sizes = [part.bytes for part in parts]
     tokenized = run_units(
@@ -211,35 +166,20 @@ def _write_shards(
     _check_text(work, sources, parts, counts)
     _check_rows(cfg, work, selection)
     jobs = plan.shard_jobs(cfg, parts, selection)
-    write = WriteShards(
-        table,
-        cfg.train.seq_len,
-        cfg.data.packing,
-        selection.limits,
-        len(sources) if len(sources) > 1 else 0,
-        work.uri,
-    )
+    write = WriteShards(table, cfg.train.seq_len, cfg.data.packing, selection.limits, len(sources), work)
     sizes = [job.tokens for job in jobs]
     written = run_units(
-        "pack, sign and write shards",
-        jobs,
-        write,
-        cpus,
-        log,
-        verbose,
-        sizes,
-        plan.SHARD_TASK_TOKENS,
-        lambda e: e,
+        "pack, sign and write shards", jobs, write, cpus, log, verbose, sizes, plan.SHARD_TASK_TOKENS
     )
     _log_resumed(log, "shards", written)
     entries = [(job.split, done.output) for job, done in zip(jobs, written, strict=True)]
-    splits = split_infos(cfg, sources, selection, entries)
+    splits = manifest.split_infos(cfg, sources, selection, entries)
     staged = [snapshot.documents if snapshot else None for snapshot in snapshots]
     records = mixture.source_records(sources, selection.totals, staged, selection.skipped)
     for record, source, source_files in zip(records, sources, files, strict=True):
         if source.dataset is None:  # the files read, each once (a staged Dataset's are its own)
             record["files"] = [{"path": redact(file.uri), "bytes": file.size} for file in source_files]
-    log_sources(log, cfg, sources, records, selection, splits)
+    manifest.log_sources(log, cfg, sources, records, selection, splits)
     return splits, records
 
 
@@ -247,12 +187,12 @@ def _check_text(work: Location, sources: list[Source], parts: list[Part], counts
     """Every source holds at least one document."""
     for index, source in enumerate(sources):
         documents = sum(
-            sum(c.documents[split] for split in SPLITS)
+            sum(c.documents[split] for split in shards.SPLITS)
             for c, part in zip(counts, parts, strict=True)
             if part.source == index
         )
         if documents == 0:
-            raise discard(work, no_text(source))
+            raise output.discard(work, vocabulary.no_text(source))
 
 
 def _check_records(
@@ -281,7 +221,7 @@ def _check_records(
 def _check_rows(cfg: Config, work: Location, selection: Selection) -> None:
     train, seq_len = sum(counts["tokens"] for counts in selection.totals), cfg.train.seq_len
     if row_count(train, seq_len, cfg.data.packing) == 0:
-        raise discard(
+        raise output.discard(
             work,
             DataError(
                 f"the training split has {train} tokens, fewer than one row of seq_len+1={seq_len + 1}; "

@@ -1,6 +1,5 @@
 """What prepare writes in its work area to resume from, and the units of work it hands to Ray Data, as
-typed records, each read back by one function (`read_record`): a damaged or hand-edited one reads as
-missing, so its unit is done again (a key, so the run starts over).
+typed records; a damaged or hand-edited one reads as missing (`read_record`), so its unit is redone.
 
 Work area layout (`output.work_directory`):
     progress/key.json                    InputsKey: the inputs and settings that decide the shards
@@ -33,9 +32,6 @@ class Record(BaseModel):
 R = TypeVar("R", bound=Record)
 
 
-# --- the units the driver plans and Ray Data executes --------------------------------------------------
-
-
 class Unit(Record):
     """One corpus file, whole, or parquet row groups [first, end) of it."""
 
@@ -62,8 +58,7 @@ class Part(Indexed):
 
 
 class Piece(Record):
-    """Stream positions [first, end) of one record batch of a tokenized part (its training documents cut
-    at their source's key threshold, for a keyed source)."""
+    """Stream positions [first, end) of one record batch of a tokenized part (as its source selects)."""
 
     part: int
     batch: int
@@ -82,9 +77,6 @@ class ShardJob(Indexed):
     @property
     def tokens(self) -> int:
         return sum(piece.end - piece.first for piece in self.pieces)
-
-
-# --- what the work area keeps --------------------------------------------------------------------------
 
 
 class InputsKey(Record):
@@ -111,8 +103,7 @@ class Candidates(Record):
 
 
 class PartRecord(Record):
-    """A tokenized part's counts: tokens of each record batch, documents and replaced sequences, per
-    split; a keyed source's candidates; the bytes of its file (checked on resume)."""
+    """A tokenized part's counts per split and a keyed source's candidates; its file's bytes (for resume)."""
 
     part: int
     bytes: int

@@ -6,6 +6,7 @@ from Ray's object store without a copy (numpy arrays)."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow.compute as pc
@@ -20,24 +21,18 @@ from mhf_dist.signatures import SignatureTable
 from mhf_dist.storage import Location, storage_errors
 
 
+@dataclass
 class WriteShards(UnitWork[ShardJob, ShardEntry]):
     """A shard job in, the shard's manifest entry out. A keyed source's training documents count only
-    below its threshold in `limits`; with more than one source (`sources` > 1) each row's tokens per
-    source are written too."""
+    below its threshold in `limits`; with more than one source (`sources`: their count) each row's
+    tokens per source are written too."""
 
-    def __init__(
-        self,
-        table: SignatureTable,
-        seq_len: int,
-        packing: Packing,
-        limits: list[int | None],
-        sources: int,
-        work_uri: str,
-    ) -> None:
-        self.table = table
-        self.seq_len, self.packing = seq_len, packing
-        self.limits, self.sources = limits, sources
-        self.work = Location.of(work_uri)
+    table: SignatureTable
+    seq_len: int
+    packing: Packing
+    limits: list[int | None]
+    sources: int
+    work: Location
 
     unit, output = ShardJob, ShardEntry
 

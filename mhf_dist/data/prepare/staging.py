@@ -1,17 +1,16 @@
 """Any `ray.data.Dataset` as a source: staged once into numbered parquet files in the work area, then
 read like any file source, with every guarantee a file source has.
 
-A source names its Dataset by a callable, `dataset: "package.module:function"` with `args` passed as
-keyword arguments (in `data.sources`, or `--corpus dataset:package.module:function`), or hands it over
-in Python (`prepare(cfg, datasets={"name": ds})`). Staging writes the source's `text_field` column, in
-the Dataset's order (`preserve_order`), through a Ray Data datasink whose write task i writes
-`progress/staged/NAME/{i:06d}.parquet`; write tasks are numbered in the order of their input, so the
-files in name order hold the documents in the Dataset's order. Their count follows Ray Data's blocks,
-which only moves where the parts are cut, never the token stream, so the shards do not depend on it.
+A source names its Dataset by a callable, `dataset: "package.module:function"` with keyword `args`, or
+hands it over in Python (`prepare(cfg, datasets={"name": ds})`). Staging writes the `text_field` column
+in the Dataset's order (`preserve_order`) through a datasink whose write task i writes
+`progress/staged/NAME/{i:06d}.parquet`: write tasks are numbered in the order of their input, so the
+files in name order hold the Dataset's order. Their count follows Ray Data's blocks, which moves only
+where the parts are cut, never the token stream, so the shards do not depend on it.
 
 The snapshot's record (`StagedSnapshot`) is written after its files: a rerun reuses a complete one
-staged from the same callable, args and field, and stages an incomplete one again. A Dataset given in
-Python has no identity to check a snapshot against, so it is staged again on every run.
+staged from the same callable, args and field. A Dataset given in Python has no identity to check a
+snapshot against, so it is staged again on every run.
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ STAGED_FILE_BYTES = 16 << 20  # (in memory) blocks a staged file gathers at leas
 def stage_sources(
     sources: list[Source], work: Location, log: Callable[[str], None], verbose: bool
 ) -> list[StagedSnapshot | None]:
-    """Each Dataset source's snapshot in `work` (reused when complete and of the same callable and
-    args, else staged now); None for a file source."""
+    """Each Dataset source's snapshot in `work` (reused, or staged now); None for a file source."""
     kept = [_reusable(work, source) if source.dataset else None for source in sources]
     for source, snapshot in zip(sources, kept, strict=True):
         if snapshot is not None:
@@ -66,8 +64,12 @@ def stage_sources(
             if source.dataset and snapshot is None
         }
         for source in sources:
-            if source.name in opened:
-                _check_field(source, opened[source.name])
+            if source.name in opened:  # what Ray Data knows without reading, or from the first block
+                with _reading(source):
+                    schema = opened[source.name].schema()
+                if schema is not None:  # None: an empty Dataset, found when it is staged
+                    kinds = dict(zip(schema.names, schema.types, strict=True))
+                    text_column_check(source.name, source.text_field, kinds)
     return [
         stage(source, opened[source.name], work, log, verbose) if source.name in opened else snapshot
         for source, snapshot in zip(sources, kept, strict=True)
@@ -75,8 +77,7 @@ def stage_sources(
 
 
 def _reusable(work: Location, source: Source) -> StagedSnapshot | None:
-    """The source's complete snapshot in `work` if it was staged from the same callable, args and field
-    (a Dataset given in Python: never)."""
+    """The source's complete snapshot in `work` if it was staged from the same callable, args and field."""
     assert source.dataset is not None
     if source.dataset.callable is None:
         return None
@@ -106,7 +107,8 @@ def stage(
     start = time.monotonic()
     sink = StagedParquet(folder.uri, source.text_field, source.name)
     try:
-        _write(dataset, sink, source, verbose)
+        with ray_data_settings(verbose, dataset, preserve_order=True), _reading(source):
+            dataset.write_datasink(sink)
         if not sink.written:
             raise DataError(
                 f"dataset source {source.name!r} ({source.corpus}) is empty; give it at least one document"
@@ -137,22 +139,6 @@ def stage(
         f"{len(files)} files) in {clock(time.monotonic() - start)}"
     )
     return snapshot
-
-
-def _write(dataset: ray.data.Dataset, sink: StagedParquet, source: Source, verbose: bool) -> None:
-    """The Dataset through the datasink in its own order."""
-    with ray_data_settings(verbose, dataset, preserve_order=True), _reading(source):
-        dataset.write_datasink(sink)
-
-
-def _check_field(source: Source, dataset: ray.data.Dataset) -> None:
-    """The text field is in the Dataset's schema and holds text: what Ray Data knows without reading, or
-    learns from the first block (an empty Dataset is found when it is staged)."""
-    with _reading(source):
-        schema = dataset.schema()
-    if schema is not None:
-        kinds = dict(zip(schema.names, schema.types, strict=True))
-        text_column_check(source.name, source.text_field, kinds)
 
 
 @contextmanager
@@ -235,8 +221,7 @@ def _import(name: str, target: str) -> Callable[..., Any]:
 
 
 class StagedParquet(Datasink):
-    """Write task i writes the text column of its blocks, in order, to `{i:06d}.parquet` in `uri`;
-    `written` (file -> documents) once the write is complete."""
+    """Write task i writes the text column of its blocks to `{i:06d}.parquet`; `written`: file -> rows."""
 
     def __init__(self, uri: str, text_field: str, source: str) -> None:
         self.uri, self.text_field, self.source = uri, text_field, source
@@ -285,10 +270,9 @@ class StagedParquet(Datasink):
 
 
 def _identity(source: Source, salt: str | None) -> tuple[str, str | None, str]:
-    """What a snapshot must have been staged from to be reused: (callable, args digest, text field); a
-    Dataset given in Python has no args digest and is never reused. The digest is of the args as given
-    (a URI's query or user can change what is read), salted and slow (scrypt), as a password verifier
-    is: the work area may be a shared bucket, and the args may hold a secret."""
+    """What a snapshot must have been staged from to be reused: (callable, args digest, text field). The
+    digest is of the args as given, salted and slow (scrypt) as a password verifier is: the work area
+    may be a shared bucket, and the args may hold a secret."""
     spec = source.dataset
     assert spec is not None
     if spec.callable is None or salt is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -41,28 +42,18 @@ def part_file(work: Location, part: int) -> Location:
     return work / PROGRESS / PARTS / f"{part:05d}.arrow"
 
 
+@dataclass
 class TokenizeParts(UnitWork[Part, PartRecord]):
     """A part in, its record out."""
 
+    tokenizer_json: str
+    before: list[int]  # the boundary tokens of each document
+    after: list[int]
+    val_percent: float
+    sources: list[Source]
+    work: Location
+
     unit, output = Part, PartRecord
-
-    def __init__(
-        self,
-        tokenizer_json: str,
-        boundaries: tuple[list[int], list[int]],
-        val_percent: float,
-        sources: list[Source],
-        work_uri: str,
-    ) -> None:
-        self.tokenizer_json = tokenizer_json
-        self.before, self.after = boundaries
-        self.val_percent = val_percent
-        self.sources = sources
-        self.work = Location.of(work_uri)
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return parsed_tokenizer(self.tokenizer_json)
 
     def run(self, part: Part) -> Done[PartRecord]:
         """The part's record (from an earlier run when its record and file check out)."""
@@ -82,9 +73,7 @@ class TokenizeParts(UnitWork[Part, PartRecord]):
         ):
             for unit in part.units:
                 for documents in read_documents(unit.file, source.text_field, unit.row_groups, skipped):
-                    batch, replaced = tokenize_documents(
-                        documents, self.tokenizer, self.before, self.after, source, self.val_percent
-                    )
+                    batch, replaced = self.tokenize(documents, source)
                     lengths = pc.list_value_length(batch.column("ids")).to_numpy().tolist()
                     for start, stop in bounded_ranges(lengths, CHUNK_TOKENS):
                         writer.write_batch(batch.slice(start, stop - start))
@@ -93,38 +82,34 @@ class TokenizeParts(UnitWork[Part, PartRecord]):
         write_record(record_file, record)
         return Done(record, record.tokens, resumed=False)
 
+    def tokenize(self, documents: pa.Table, source: Source) -> tuple[pa.RecordBatch, np.ndarray]:
+        """One batch of documents -> (split, key, token ids between the boundary tokens) per document, and
+        each document's replaced count. A source without validation drops its held-out documents."""
+        texts = documents["text"].to_pylist()
+        replaced = documents["replaced"].to_numpy()
+        validation = np.array([is_validation(text, self.val_percent) for text in texts], dtype=bool)
+        if not source.validation:
+            texts = [text for text, held_out in zip(texts, validation, strict=True) if not held_out]
+            replaced, validation = replaced[~validation], validation[~validation]
+        keys = (
+            [mixture.content_key(text, source.seed) for text in texts] if source.keyed else [0] * len(texts)
+        )
+        encodings = parsed_tokenizer(self.tokenizer_json).encode_batch(texts, add_special_tokens=False)
+        before, after = self.before, self.after
+        lengths = np.fromiter((len(encoding.ids) for encoding in encodings), np.int64, len(encodings))
+        offsets = np.concatenate([[0], np.cumsum(lengths + len(before) + len(after))]).astype(np.int32)
+        tokens = itertools.chain.from_iterable(itertools.chain(before, e.ids, after) for e in encodings)
+        flat = np.fromiter(tokens, np.int32, offsets[-1])
+        ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+        columns = [pa.array(validation.astype(np.int8)), pa.array(keys, pa.int64()), ids]
+        return pa.RecordBatch.from_arrays(columns, schema=PART_SCHEMA), replaced
+
 
 @functools.lru_cache(maxsize=2)
 def parsed_tokenizer(tokenizer_json: str) -> Tokenizer:
     """Parsed once per worker process."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core a task; Ray Data runs them in parallel
     return Tokenizer.from_str(tokenizer_json)
-
-
-def tokenize_documents(
-    documents: pa.Table,
-    tokenizer: Tokenizer,
-    before: list[int],
-    after: list[int],
-    source: Source,
-    val_percent: float,
-) -> tuple[pa.RecordBatch, np.ndarray]:
-    """One batch of documents -> (split, key, token ids between the boundary tokens) per document, and
-    each document's replaced count. A source without validation drops its held-out documents."""
-    texts = documents["text"].to_pylist()
-    replaced = documents["replaced"].to_numpy()
-    validation = np.array([is_validation(text, val_percent) for text in texts], dtype=bool)
-    if not source.validation:
-        texts = [text for text, held_out in zip(texts, validation, strict=True) if not held_out]
-        replaced, validation = replaced[~validation], validation[~validation]
-    keys = [mixture.content_key(text, source.seed) for text in texts] if source.keyed else [0] * len(texts)
-    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
-    lengths = np.fromiter((len(encoding.ids) for encoding in encodings), np.int64, len(encodings))
-    offsets = np.concatenate([[0], np.cumsum(lengths + len(before) + len(after))]).astype(np.int32)
-    tokens = itertools.chain.from_iterable(itertools.chain(before, e.ids, after) for e in encodings)
-    ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.fromiter(tokens, np.int32, offsets[-1])))
-    columns = [pa.array(validation.astype(np.int8)), pa.array(keys, pa.int64()), ids]
-    return pa.RecordBatch.from_arrays(columns, schema=PART_SCHEMA), replaced
 
 
 class PartCounter:

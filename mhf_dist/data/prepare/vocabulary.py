@@ -33,8 +33,7 @@ def _check_vocab_size(cfg: Config, tokenizer: TextTokenizer) -> TextTokenizer:
 def learned_tokenizer(
     cfg: Config, work: Location, sources: list[Source], files: list[list[CorpusFile]]
 ) -> TextTokenizer:
-    """The BPE learned from every source's training documents (read in this process, streaming), or the
-    one the run this one resumes learned."""
+    """The BPE learned from every source's training documents, or the one a resumed run learned."""
     saved = work / TOKENIZER_FILE
     if saved.is_file():
         return TextTokenizer.load(local_copy(saved))
