@@ -92,9 +92,8 @@ def file_kind(name: str) -> tuple[str, str | None] | None:
 
 
 def corpus_files(spec: str, log: Callable[[str], None] | None = None) -> list[CorpusFile]:
-    """The sorted files that `spec` names, each once: a file a link (or a glob's second way) reaches again
-    is left out, and `log` says how many; a link that loops is followed no further. A one-line error for
-    none or an unknown kind, and a `StorageError` for a bucket that is missing or cannot be reached."""
+    """The sorted files that `spec` names, each once (`log` says how many a link reached again); a
+    one-line error for none or an unknown kind, a `StorageError` for a bucket missing or out of reach."""
     if spec == BUILTIN_NAME:
         return [CorpusFile(BUILTIN_NAME, sum(map(len, builtin_documents())), "builtin")]  # size: for the key
     if spec.startswith("hf:"):
@@ -237,8 +236,7 @@ def _documents(texts: pa.Array, records: Records, replaced: list[int] | None = N
 
 
 def record_place(file: CorpusFile, index: int) -> str:
-    """Where record `index` of a file is, as a person finds it: `path:line` in a JSON lines file (blank
-    lines are no records), `path: row N` (from 1) elsewhere."""
+    """Where record `index` of a file is: `path:line` in a JSON lines file, `path: row N` elsewhere."""
     where = Location.of(file.uri)
     if file.kind != "json":
         return f"{where}: row {index + 1}"
@@ -275,8 +273,7 @@ def _bounded(texts: pa.Array, records: Records) -> Iterator[pa.Table]:
 
 
 def _input_stream(where: Location, compression: str | None) -> Any:
-    """The file's bytes, decompressed by the codec its name says (pyarrow's default, "detect", would
-    guess too, but only for names it knows)."""
+    """The file's bytes, decompressed by the codec its name says (pyarrow's "detect" knows fewer names)."""
     return where.fs.open_input_stream(where.path, compression=compression)
 
 
@@ -309,15 +306,12 @@ def _json_documents(
     options = pajson.ParseOptions(
         explicit_schema=pa.schema([pa.field(field, pa.string())]), unexpected_field_behavior="ignore"
     )
+    blocks = pajson.ReadOptions(block_size=JSON_BLOCK_BYTES)
     with _input_stream(where, compression) as stream:
         reader = None
         for index in itertools.count():
             try:  # pyarrow parses the first block as it opens the file, every other one as it reads it
-                reader = reader or pajson.open_json(
-                    stream,
-                    read_options=pajson.ReadOptions(block_size=JSON_BLOCK_BYTES),
-                    parse_options=options,
-                )
+                reader = reader or pajson.open_json(stream, read_options=blocks, parse_options=options)
                 batch = reader.read_next_batch()
             except StopIteration:
                 return
@@ -383,12 +377,13 @@ def _arrow_stream(where: Location, compression: str | None) -> Any:
 _JSON_TYPE_CHANGE = re.compile(r"changed from string to (\w+) in row (\d+)")
 
 
+@dataclass(eq=False)
 class TextTypeError(Exception):
     """The text field holds something else than text: what, and where (`place`) when one record shows it."""
 
-    def __init__(self, field: str, kind: str, place: str | None = None) -> None:
-        super().__init__(field, kind, place)
-        self.field, self.kind, self.place = field, kind, place
+    field: str
+    kind: str
+    place: str | None = None
 
     def line(self, where: Location | str) -> str:
         at = self.place or f"corpus {str(where)!r}"

@@ -7,15 +7,13 @@ Mistral-7B-v0.3 fast tokenizer (LlamaTokenizerFast, legacy SentencePiece BPE: by
 the text and for every space, no pre-tokenizer, the `<s> $A` template), and cached as tokenizer.json.
 
 Two facts the conversion has to get right:
-- transformers' own `SentencePieceExtractor` reads the vocabulary and the merges from the protobuf; its
-  `LlamaConverter` cannot run on a BPE model in transformers 5 (it hands the piece scores to `extract` as
-  the model type), so the normalizer, decoder and template are set here, as `LlamaConverter` sets them
-  for `legacy=True`.
-- mistral-common renamed 24 of the reserved control pieces after v0.3 was released (ids 10-13 are
-  `[IMG]`, `[PREFIX]`, `[MIDDLE]`, `[SUFFIX]`, ids 751-770 `[REFERENCE_DOC_19]` .. `[REFERENCE_DOC_0]`). The
-  Mistral-7B-v0.3 tokenizer on the Hub, and so the authors' tokenizer, still calls id i (10 <= i <= 770)
-  `[control_{i-2}]`, and a token's string is its hashing key: the conversion restores those names (the
-  model's v2 file in the same package has them, with every other piece identical).
+- transformers' `LlamaConverter` cannot run on a BPE model in transformers 5, so only its
+  `SentencePieceExtractor` is used, and the normalizer, decoder and template are set here as
+  `LlamaConverter` sets them for `legacy=True`.
+- mistral-common renamed 24 of the reserved control pieces after v0.3 was released (ids 10-13, 751-770).
+  The Mistral-7B-v0.3 tokenizer on the Hub, and so the authors' tokenizer, still calls id i
+  (10 <= i <= 770) `[control_{i-2}]`, and a token's string is its hashing key: the conversion restores
+  those names.
 """
 
 from __future__ import annotations
@@ -64,19 +62,14 @@ def source_model() -> Path:
     return Path(str(path))
 
 
-def cache_dir() -> Path:
-    """$MHF_CACHE_DIR, else $XDG_CACHE_HOME/mhf-dist, else ~/.cache/mhf-dist."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mhf-dist"
-
-
 def tokenizer_json() -> str:
     """The converted tokenizer.json text: read from the cache, or converted once and cached."""
     source = source_model()
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    cached = cache_dir() / "tokenizers" / f"{NAME}-{digest}-c{CONVERTER_VERSION}.json"
+    # $MHF_CACHE_DIR, else $XDG_CACHE_HOME/mhf-dist, else ~/.cache/mhf-dist
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    cache = Path(os.environ.get(CACHE_ENV) or Path(xdg or Path.home() / ".cache") / "mhf-dist")
+    cached = cache / "tokenizers" / f"{NAME}-{digest}-c{CONVERTER_VERSION}.json"
     checksum = cached.with_suffix(".sha256")  # written after the file: a cache is used only if they agree
     try:
         text = cached.read_text(encoding="utf-8")

@@ -4,10 +4,8 @@ Three settings name the sources (`sources`):
 - `data.corpus`: one source, used whole.
 - `data.sources: [{name, corpus | dataset, weight}]`: the weights (normalised to sum 1) are shares of the
   training tokens. Each source's training documents are taken in the order of a stable content key,
-  MurmurHash3(text, data.mixture_seed), until its share is reached. Nothing is repeated (no
-  upsampling): the source that runs out first is used whole and sets the total, so a heavy weight on a
-  small source shrinks the whole mixture rather than replaying that source. Validation: every source's
-  held-out documents (`shards.is_validation`), all of them.
+  MurmurHash3(text, data.mixture_seed), until its share is reached. Nothing is repeated: the source
+  that runs out first is used whole and sets the total. Validation: every source's held-out documents.
 - `data.replay` (`mhf cpt --replay`): data.corpus whole plus a replayed share `fraction` of the training
   tokens from replay.corpus, keyed by data.replay.seed. Its held-out documents are never used (they may
   be the parent's own held-out text), so the validation split stays data.corpus alone.
@@ -48,9 +46,8 @@ class DatasetSpec:
 
 @dataclass(frozen=True)
 class Source:
-    """One source of training text. `keyed`: its training documents are chosen by key (else all are
-    used); `validation`: its held-out documents are part of the validation split. `dataset`: a Dataset
-    source (then `corpus` only describes it)."""
+    """One source of training text. `keyed`: its training documents are chosen by key; `validation`: its
+    held-out documents are used; `dataset`: a Dataset source (then `corpus` only describes it)."""
 
     name: str
     corpus: str
@@ -71,8 +68,7 @@ class Candidates:
 
 
 def with_datasets(data: DataConfig, datasets: Mapping[str, Any]) -> DataConfig:
-    """The data settings with Datasets given in Python: with no `data.sources`, one Dataset is the corpus
-    (a source of its name, weight 1, in place of the default corpus); checked like any config."""
+    """With no `data.sources`, the one Dataset given in Python is the corpus (a source of its name)."""
     if not datasets or data.sources:
         return data
     if len(datasets) > 1 or data.corpus != DataConfig.model_fields["corpus"].default:
@@ -88,8 +84,7 @@ def with_datasets(data: DataConfig, datasets: Mapping[str, Any]) -> DataConfig:
 
 
 def sources(data: DataConfig, datasets: Mapping[str, Any] | None = None) -> list[Source]:
-    """The sources `data` names, in stream order; `datasets`: Datasets given in Python by the name of a
-    `data.sources` entry that names neither a corpus nor a dataset (`with_datasets`)."""
+    """The sources `data` names, in stream order, with Datasets given in Python by source name."""
     datasets = dict(datasets or {})
     unknown = sorted(set(datasets) - {source.name for source in data.sources})
     if unknown:

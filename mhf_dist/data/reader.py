@@ -6,13 +6,11 @@ them as they are). The footer grows by about 200 bytes per row, 1% of a 1b-prese
 array beside the parquet would read faster but store every token twice.
 
 **Order.** The global batch of step s is a pure function of (seed, epoch, s), never of the worker
-count: `BatchPlan` draws each epoch's order of the row indices and cuts it into batches of
-`train.batch_size`; rank r of W takes the r-th 1/W of each batch. Each epoch's order is a seeded
-permutation in two levels, the way MosaicML Streaming's block shuffles do it: the shards in a random
-order, cut into windows of `data.shuffle_window` shards, the rows of each window permuted. A worker
-then keeps at most one window of shards open, and any batch is computed directly from the step
-(O(1) resume: no batch before it is read). `data.shuffle: false` keeps the prepared stream order.
-The last `rows % batch_size` rows of an epoch's order are left for that epoch.
+count: `BatchPlan` cuts each epoch's order of the rows into batches; rank r of W takes the r-th 1/W of
+each. The order is a seeded two-level permutation, as MosaicML Streaming's block shuffles: the shards
+in a random order, cut into windows of `data.shuffle_window` shards, the rows of each window permuted.
+A worker then keeps at most one window of shards open, and any batch is computed directly from the
+step (O(1) resume). The last `rows % batch_size` rows of an epoch's order are left for that epoch.
 
 **From a bucket.** A remote `data.path` is not read row by row over the network (a request per row,
 tens of milliseconds each): each shard is downloaded whole into a bounded local cache
@@ -276,8 +274,7 @@ class ShardPrefetch:
 def step_batches(
     reader: RowReader, plan: BatchPlan, start_step: int, rank: int, world_size: int
 ) -> Iterator[dict[str, Any]]:
-    """This rank's rows of every step after `start_step`, read one step ahead in a thread; from a bucket,
-    with the shards of the coming steps downloaded ahead (`ShardPrefetch`)."""
+    """This rank's rows of every step after `start_step`, read one step ahead in a thread."""
     prefetch = ShardPrefetch(reader, plan, rank, world_size) if reader.cache is not None else None
 
     def rows_of_steps() -> Iterator[dict[str, Any]]:

@@ -134,8 +134,7 @@ class ShardCache:
 
     def _make_room(self) -> None:
         """Drop the least recently used shards no coming step reads until one more fits (a step that
-        alone needs more than `capacity` shards keeps them all). A dropped copy's space is freed as soon
-        as no read holds it."""
+        alone needs more than `capacity` shards keeps them all)."""
         for shard, copy in list(self._on_disk.items()):
             if len(self._on_disk) < self.capacity:
                 return

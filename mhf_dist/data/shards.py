@@ -109,8 +109,7 @@ class StagedInfo(_Record):
 
 
 class SourceInfo(_Record):
-    """One source of the text (`mhf_dist.data.mixture`), in the order of the shards' `source_tokens`.
-    Tokens are document tokens with their boundary tokens, before packing."""
+    """One source of the text, in the order of `source_tokens`; tokens with their boundary tokens."""
 
     name: str
     corpus: str  # redacted: no credentials
@@ -227,13 +226,9 @@ class Manifest(_Record):
 
 def tokenizer_info(tokenizer: TextTokenizer, document_format: str) -> TokenizerInfo:
     """What the manifest records of the tokenizer its shards were prepared with."""
-    return TokenizerInfo(
-        file=TOKENIZER_FILE,
-        sha256=tokenizer.sha256,
-        vocab_size=tokenizer.vocab_size,
-        eos_id=tokenizer.eos_id,
-        bos_id=tokenizer.bos_id if document_format == "bos" else None,
-    )
+    same = {name: getattr(tokenizer, name) for name in ("sha256", "vocab_size", "eos_id")}
+    bos_id = tokenizer.bos_id if document_format == "bos" else None
+    return TokenizerInfo(file=TOKENIZER_FILE, bos_id=bos_id, **same)
 
 
 def signatures_info(table: SignatureTable) -> SignaturesInfo:
@@ -427,12 +422,8 @@ def verify_shards(path: str | Path | Location) -> int:
     manifest = read_manifest(directory)
     check_tokenizer(directory, manifest)
     tokenizer = TextTokenizer.load(local_copy(directory / manifest.tokenizer.file))
-    _check_recorded(
-        directory,
-        tokenizer_info(tokenizer, manifest.document_format),
-        manifest.tokenizer,
-        exclude=("file", "sha256"),  # read by its name; checked above, on the file's bytes
-    )
+    recorded = tokenizer_info(tokenizer, manifest.document_format)
+    _check_recorded(directory, recorded, manifest.tokenizer, {"file", "sha256"})  # sha256: checked above
     table_path = directory / manifest.signatures.file
     try:
         table = load_table(table_path)
@@ -440,7 +431,7 @@ def verify_shards(path: str | Path | Location) -> int:
         raise DataError(
             f"signature table {table_path} is damaged or not one mhf-dist wrote; {_reprepare(directory)}"
         ) from None
-    _check_recorded(directory, signatures_info(table), manifest.signatures, exclude=("file",))
+    _check_recorded(directory, signatures_info(table), manifest.signatures, {"file"})
     difference = table.vocabulary_difference(tokenizer.vocabulary())
     if difference is not None:
         raise DataError(
@@ -469,14 +460,9 @@ def verify_shards(path: str | Path | Location) -> int:
     return len(shards)
 
 
-def _check_recorded(
-    directory: Location,
-    have: TokenizerInfo | SignaturesInfo,
-    recorded: TokenizerInfo | SignaturesInfo,
-    exclude: tuple[str, ...] = (),
-) -> None:
+def _check_recorded(directory: Location, have: _Record, recorded: Any, exclude: set[str]) -> None:
     """What a file of `directory` is (`have`) against what the manifest records of it, field by field."""
-    actual, wanted = have.model_dump(exclude=set(exclude)), recorded.model_dump(exclude=set(exclude))
+    actual, wanted = have.model_dump(exclude=exclude), recorded.model_dump(exclude=exclude)
     for field, value in actual.items():
         if value != wanted[field]:
             raise DataError(

@@ -24,11 +24,4 @@ from mhf_dist.data.prepare.pipeline import prepare, prepare_if_missing
 from mhf_dist.data.prepare.plan import plan_parts
 from mhf_dist.data.prepare.vocabulary import signature_table
 
-__all__ = [
-    "WRITTEN_HERE",
-    "plan_parts",
-    "prepare",
-    "prepare_if_missing",
-    "recorded_data",
-    "signature_table",
-]
+__all__ = ["WRITTEN_HERE", "plan_parts", "prepare", "prepare_if_missing", "recorded_data", "signature_table"]

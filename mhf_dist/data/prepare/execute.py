@@ -44,9 +44,8 @@ class Done(Generic[Out]):
 
 
 class UnitWork(Generic[U, Out]):
-    """The work of one phase, as Ray Data's tasks call it: rows {"units": [unit as JSON, ...]} in (the
-    consecutive units of one task), a row {"index", "output" (JSON), "tokens", "resumed"} per unit out.
-    A subclass names its `unit` and `output` record types and does the work in `run`."""
+    """The work of one phase, as Ray Data's tasks call it: a row {"units": [unit as JSON, ...]} in, a row
+    {"index", "output" (JSON), "tokens", "resumed"} per unit out. A subclass implements `run`."""
 
     unit: type[U]
     output: type[Out]

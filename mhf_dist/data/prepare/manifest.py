@@ -35,14 +35,9 @@ def recorded_data(data: DataConfig) -> dict[str, Any]:
     """The data settings as the manifest and the key record them: no path, corpora and args redacted."""
     record = data.model_dump(exclude={"path"})
     record["corpus"] = redact(record["corpus"])
-    record["sources"] = [
-        {
-            **source,
-            "corpus": source["corpus"] and redact(source["corpus"]),
-            "args": redact_values(source["args"]),
-        }
-        for source in record["sources"]
-    ]
+    for source in record["sources"]:
+        source["corpus"] = source["corpus"] and redact(source["corpus"])
+        source["args"] = redact_values(source["args"])
     if record["replay"]["corpus"] is not None:
         record["replay"]["corpus"] = redact(record["replay"]["corpus"])
     return record
@@ -154,16 +149,14 @@ def log_splits(log: Callable[[str], None], cfg: Config, splits: dict[str, SplitI
 
 def log_sources(
     log: Callable[[str], None],
-    cfg: Config,
     sources: list[Source],
     records: list[dict[str, Any]],
     selection: Selection,
     splits: dict[str, SplitInfo],
 ) -> None:
     """How the sources mixed, and the invalid UTF-8 that was replaced."""
-    if mixture.replays(cfg.data):
-        mix = splits["train"].mixture
-        assert mix is not None
+    mix = splits["train"].mixture  # a replay's
+    if mix is not None:
         main, replay = mix.sources
         short = mix.realised_fraction < 0.9 * mix.requested_fraction
         log(

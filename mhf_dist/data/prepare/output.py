@@ -50,9 +50,8 @@ BUCKET_WORK = re.compile(rf"({VERSION_FOLDER}/|{PROGRESS}/)")  # only a bucket r
 
 
 def check_output(out: Location, overwrite: bool, flag: str = "--out") -> None:
-    """Before any work: `out` (named by the option `flag`) is absent, an empty directory, or shards this
-    command wrote, replaced only with `overwrite` (a bucket prefix holding a partial run of ours is
-    resumed); anything else is never touched. A local one must be writable."""
+    """Before any work: `out` (named by the option `flag`) is absent, empty, or shards this command wrote,
+    replaced only with `overwrite` (a partial run of ours in a bucket is resumed); else it is refused."""
     keep_out = f"choose another {flag} or remove it yourself"
     out.check_writable(DataError, f"choose another {flag}")
     if out.is_symlink():
@@ -108,8 +107,7 @@ def _our_signature_table(path: Location) -> bool:
 
 
 def work_directory(out: Location) -> Location:
-    """Where a prepare of `out` writes: `.NAME.partial` beside a local output; in a bucket the version
-    folder an unfinished run left (its progress kept, no manifest naming it), else a new one."""
+    """Where a prepare of `out` writes: `.NAME.partial` locally; in a bucket an unfinished or new version."""
     if not out.remote:
         return Location.of(out.local.parent / f".{out.local.name}.partial")
     named = _named_versions(out)

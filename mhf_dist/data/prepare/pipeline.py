@@ -14,9 +14,9 @@ from mhf_dist.data.mixture import Source
 from mhf_dist.data.packing import row_count
 from mhf_dist.data.prepare import manifest, output, plan, vocabulary
 from mhf_dist.data.prepare.execute import Done, run_units
-from mhf_dist.data.prepare.plan import PartCounts, Selection
+from mhf_dist.data.prepare.plan import PartCounts
 from mhf_dist.data.prepare.recall import prepare_recall
-from mhf_dist.data.prepare.records import PROGRESS_VERSION, InputsKey, Part, StagedSnapshot
+from mhf_dist.data.prepare.records import PROGRESS_VERSION, InputsKey, StagedSnapshot
 from mhf_dist.data.prepare.shard import WriteShards
 from mhf_dist.data.prepare.tokenize import TokenizeParts
 from mhf_dist.data.tokenizer import TextTokenizer
@@ -83,7 +83,20 @@ def prepare(
             staging.staged_files(work, snapshot) if snapshot else found
             for snapshot, found in zip(snapshots, files, strict=True)
         ]
-    output.open_work(work, _inputs_key(cfg, files, snapshots, tokenizer), log)
+    inputs = InputsKey(
+        version=PROGRESS_VERSION,
+        part_bytes=plan.PART_BYTES,
+        files=[[(redact(file.uri), file.size) for file in source_files] for source_files in files],
+        staged=[snapshot.snapshot if snapshot else None for snapshot in snapshots],
+        # missing_text decides no shard (records without text are never tokenized): a rerun with `skip`
+        # after a refusal goes on from the tokenized parts
+        data={key: value for key, value in manifest.recorded_data(cfg.data).items() if key != "missing_text"},
+        seq_len=cfg.train.seq_len,
+        model_hash=cfg.model.hash.model_dump(),
+        vocab_size=cfg.model.vocab_size,
+        tokenizer_sha256=tokenizer.sha256 if tokenizer else None,
+    )
+    output.open_work(work, inputs, log)
     tokenizer = tokenizer or vocabulary.learned_tokenizer(cfg, work, sources, files)
     shards.save_tokenizer(tokenizer, work / shards.TOKENIZER_FILE)  # first: a rerun reuses a learned BPE
     document_format, table = checked or _vocabulary(cfg, tokenizer)
@@ -107,27 +120,6 @@ def _vocabulary(cfg: Config, tokenizer: TextTokenizer) -> tuple[str, SignatureTa
     table = vocabulary.signature_table(cfg, tokenizer)
     vocabulary.check_model_documents(cfg, document_format)
     return document_format, table
-
-
-def _inputs_key(
-    cfg: Config,
-    files: list[list[CorpusFile]],
-    snapshots: list[StagedSnapshot | None],
-    tokenizer: TextTokenizer | None,
-) -> InputsKey:
-    return InputsKey(
-        version=PROGRESS_VERSION,
-        part_bytes=plan.PART_BYTES,
-        files=[[(redact(file.uri), file.size) for file in source_files] for source_files in files],
-        staged=[snapshot.snapshot if snapshot else None for snapshot in snapshots],
-        # missing_text decides no shard (records without text are never tokenized): a rerun with `skip`
-        # after a refusal goes on from the tokenized parts
-        data={key: value for key, value in manifest.recorded_data(cfg.data).items() if key != "missing_text"},
-        seq_len=cfg.train.seq_len,
-        model_hash=cfg.model.hash.model_dump(),
-        vocab_size=cfg.model.vocab_size,
-        tokenizer_sha256=tokenizer.sha256 if tokenizer else None,
-    )
 
 
 def _write_shards(
@@ -163,8 +155,21 @@ def _write_shards(
     counts = [done.output for done in tokenized]
     selection = plan.select(sources, parts, counts)
     _check_records(cfg, sources, selection.skipped, log)
-    _check_text(work, sources, parts, counts)
-    _check_rows(cfg, work, selection)
+    documents = [0] * len(sources)
+    for part, part_counts in zip(parts, counts, strict=True):
+        documents[part.source] += sum(part_counts.documents.values())
+    for source, count in zip(sources, documents, strict=True):
+        if count == 0:
+            raise output.discard(work, vocabulary.no_text(source))
+    train, seq_len = sum(totals["tokens"] for totals in selection.totals), cfg.train.seq_len
+    if row_count(train, seq_len, cfg.data.packing) == 0:
+        raise output.discard(
+            work,
+            DataError(
+                f"the training split has {train} tokens, fewer than one row of seq_len+1={seq_len + 1}; "
+                "use more text or a smaller train.seq_len"
+            ),
+        )
     jobs = plan.shard_jobs(cfg, parts, selection)
     write = WriteShards(table, cfg.train.seq_len, cfg.data.packing, selection.limits, len(sources), work)
     sizes = [job.tokens for job in jobs]
@@ -179,20 +184,8 @@ def _write_shards(
     for record, source, source_files in zip(records, sources, files, strict=True):
         if source.dataset is None:  # the files read, each once (a staged Dataset's are its own)
             record["files"] = [{"path": redact(file.uri), "bytes": file.size} for file in source_files]
-    manifest.log_sources(log, cfg, sources, records, selection, splits)
+    manifest.log_sources(log, sources, records, selection, splits)
     return splits, records
-
-
-def _check_text(work: Location, sources: list[Source], parts: list[Part], counts: list[PartCounts]) -> None:
-    """Every source holds at least one document."""
-    for index, source in enumerate(sources):
-        documents = sum(
-            sum(c.documents[split] for split in shards.SPLITS)
-            for c, part in zip(counts, parts, strict=True)
-            if part.source == index
-        )
-        if documents == 0:
-            raise output.discard(work, vocabulary.no_text(source))
 
 
 def _check_records(
@@ -216,18 +209,6 @@ def _check_records(
             )
         if tally.empty:
             log(f"{tally.empty:,} records of corpus {corpus!r} with empty text were left out")
-
-
-def _check_rows(cfg: Config, work: Location, selection: Selection) -> None:
-    train, seq_len = sum(counts["tokens"] for counts in selection.totals), cfg.train.seq_len
-    if row_count(train, seq_len, cfg.data.packing) == 0:
-        raise output.discard(
-            work,
-            DataError(
-                f"the training split has {train} tokens, fewer than one row of seq_len+1={seq_len + 1}; "
-                "use more text or a smaller train.seq_len"
-            ),
-        )
 
 
 def _log_resumed(log: Callable[[str], None], what: str, units: list[Done[Any]]) -> None:

@@ -41,8 +41,7 @@ def plan_parts(files: list[list[CorpusFile]], text_fields: list[str]) -> list[Pa
 
 
 def _units(files: list[CorpusFile], text_field: str) -> Iterator[tuple[Unit, int]]:
-    """Units with their sizes: a parquet file past PART_BYTES in ranges of row groups of about
-    PART_BYTES of its text column, every other file whole."""
+    """Units with their sizes: a large parquet file in ranges of row groups, every other file whole."""
     for file in files:
         if file.kind != "parquet" or file.size <= PART_BYTES:
             yield Unit(file=file), file.size

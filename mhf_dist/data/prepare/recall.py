@@ -54,32 +54,21 @@ def prepare_recall(cfg: Config, out: Location, log: Callable[[str], None]) -> Ma
 
 def _write_recall_shards(cfg: Config, table: SignatureTable, work: Location) -> dict[str, SplitInfo]:
     """Generated associative-recall rows, one example per row, from a different seed for each split."""
-    settings = cfg.data.recall
-    examples = {
-        "train": settings.examples,
-        "validation": round(settings.examples * cfg.data.val_percent / 100),
-    }
+    settings, seq_len, vocab_size = cfg.data.recall, cfg.train.seq_len, cfg.model.vocab_size
+    count = settings.examples
+    examples = {"train": count, "validation": round(count * cfg.data.val_percent / 100)}
     seeds = {"train": recall.TRAIN_SEED, "validation": recall.VALIDATION_SEED}
     splits = {}
     for split in SPLITS:
         rows = recall.make_recall(
-            examples[split],
-            settings.num_pairs,
-            settings.num_queries,
-            cfg.train.seq_len,
-            cfg.model.vocab_size,
-            seeds[split],
+            examples[split], settings.num_pairs, settings.num_queries, seq_len, vocab_size, seeds[split]
         ).rows
         shards = [
             write_shard(rows[first:end], table, work, shard_name(split, index))
             for index, (first, end) in enumerate(shard_bounds(len(rows), cfg.data.rows_per_shard))
         ]
+        n = len(rows)
         splits[split] = SplitInfo(
-            rows=len(rows),
-            target_tokens=len(rows) * cfg.train.seq_len,
-            shards=shards,
-            documents=len(rows),
-            replaced=0,
-            dropped_tokens=0,
+            rows=n, target_tokens=n * seq_len, shards=shards, documents=n, replaced=0, dropped_tokens=0
         )
     return splits

@@ -23,9 +23,8 @@ from mhf_dist.storage import Location, storage_errors
 
 @dataclass
 class WriteShards(UnitWork[ShardJob, ShardEntry]):
-    """A shard job in, the shard's manifest entry out. A keyed source's training documents count only
-    below its threshold in `limits`; with more than one source (`sources`: their count) each row's
-    tokens per source are written too."""
+    """A shard job in, the shard's manifest entry out: a keyed source's training documents below its
+    threshold in `limits`; with more than one source (`sources`), each row's tokens per source too."""
 
     table: SignatureTable
     seq_len: int
