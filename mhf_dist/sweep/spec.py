@@ -13,9 +13,8 @@ asha: {metric: loss, grace_period: 20}  # grid, optional: ASHA early stopping
 matched_to: mhf               # matched: the family parameter residuals are measured against
 evaluate: [{task: bpb, data: test.txt}]  # `mhf eval` tasks run on each trial's exported model
 ```
-A trial is one `mhf train` run: a name, a family, a seed and its config overrides (a mapping of
-dotted keys, handed to `load_config` as it is); its group is the trial without the seed, which
-`mhf compare` aggregates over. What a trial trains on is its config's `topology:`.
+A trial is one `mhf train` run: a name, a family, a seed and its config overrides (dotted keys for
+`load_config`); its group, the trial without the seed, is what `mhf compare` aggregates over.
 """
 
 from __future__ import annotations
@@ -212,8 +211,7 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
             if where in TOPOLOGY_KEYS:  # a sweep file written before the config had a topology section
                 message += f"; the run topology is set per trial: `set: {{topology.{where}: ...}}`"
         raise ConfigError(f"{source}: {where}: {message}") from None
-    chosen = [key for key in (*spec.set, *spec.grid) if key == STORAGE_KEY]
-    if chosen:
+    if STORAGE_KEY in spec.set or STORAGE_KEY in spec.grid:
         raise ConfigError(
             f"{source}: {STORAGE_KEY} is the sweep's to choose (<storage>/<name>/trials); set the sweep's "
             "own `storage:` instead"
@@ -238,14 +236,10 @@ def expand_trials(spec: SweepConfig) -> list[Trial]:
     elif spec.kind == "seeds":
         variants = [({}, "")]  # one group: named after the family below
     else:
-        keys = list(spec.grid)
-        variants = [
-            (
-                dict(zip(keys, values, strict=True)),
-                ",".join(f"{k}={v}" for k, v in zip(keys, values, strict=True)),
-            )
-            for values in itertools.product(*spec.grid.values())
+        points = [
+            list(zip(spec.grid, values, strict=True)) for values in itertools.product(*spec.grid.values())
         ]
+        variants = [(dict(point), ",".join(f"{k}={v}" for k, v in point)) for point in points]
     trials = []
     for overrides, group in variants:
         for seed in spec.seeds:

@@ -1,18 +1,15 @@
 """Step callbacks: what happens around the optimizer steps, one small class per concern.
 
-`run_training` calls every callback's `on_step_end(metrics)` after each step, in list order. A
-callback may add to `metrics`, and the ones after it see that: a Ray Train worker lists validation and
-memory first, then the history, progress lines, MLflow and checkpoints, so each of those sees the
-validation loss of the step it handles. Callbacks hold no distributed code of their own; what needs the
-workers (an all-reduce, a checkpoint save) is handed in as a function, so each class can be tested
-alone with a fake `Stepper`.
+`run_training` calls every callback's `on_step_end(metrics)` after each step, in list order; a callback
+may add to `metrics` for the ones after it. What needs the workers (an all-reduce, a checkpoint save) is
+handed in as a function, so each class can be tested alone.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mhf_dist.config import TrainConfig
 from mhf_dist.console import clock
@@ -36,30 +33,13 @@ def due(step: int, every: int, last_step: int) -> bool:
     return step == last_step or bool(every and step % every == 0)
 
 
-@dataclass(frozen=True)
-class Moment:
-    """What a step of a run is to the callbacks: a log step (every `train.log_every` and the last of
-    `train.steps`), a checkpoint step (every `train.checkpoint_every` and this run's last step), this
-    run's last step."""
-
-    log: bool
-    checkpoint: bool
-    last: bool
-
-
-def moment(step: int, cfg: TrainConfig, last_step: int) -> Moment:
-    return Moment(
-        log=step % cfg.log_every == 0 or step == cfg.steps,
-        checkpoint=due(step, cfg.checkpoint_every, last_step),
-        last=step == last_step,
-    )
+def log_step(step: int, cfg: TrainConfig) -> bool:
+    """Every `train.log_every` steps and the last of `train.steps`."""
+    return step % cfg.log_every == 0 or step == cfg.steps
 
 
 def format_progress(metrics: Metrics, steps: int) -> str:
-    """`step 20/200 | loss 3.2100 | lr 2.90e-03 | 12,345 tok/s | MFU 41.0% | val ppl 35.2 | eta 0:01:10`.
-
-    MFU and validation perplexity appear when the step has them.
-    """
+    """`step 20/200 | loss 3.2100 | lr 2.90e-03 | 12,345 tok/s | MFU 41.0% | val ppl 35.2 | eta 0:01:10`."""
     parts = [
         f"step {int(metrics['step'])}/{steps}",
         f"loss {metrics['loss']:.4f}",
@@ -74,58 +54,53 @@ def format_progress(metrics: Metrics, steps: int) -> str:
     return " | ".join(parts)
 
 
+@dataclass
 class Validation(StepCallback):
     """`validate()`'s metrics (exact validation NLL) every `every` steps and at the last step."""
 
-    def __init__(self, validate: Callable[[], Metrics], every: int, last_step: int) -> None:
-        self.validate, self.every, self.last_step = validate, every, last_step
+    validate: Callable[[], Metrics]
+    every: int
+    last_step: int
 
     def on_step_end(self, metrics: Metrics) -> None:
         if due(int(metrics["step"]), self.every, self.last_step):
             metrics.update(self.validate())
 
 
+@dataclass
 class MemoryMetrics(StepCallback):
     """`model_state()` once, after the run's first step (the optimizer states exist from then on), and
     `peak_memory()` at every log step and the last."""
 
-    def __init__(
-        self,
-        model_state: Callable[[], Metrics],
-        peak_memory: Callable[[], Metrics],
-        first_step: int,
-        last_step: int,
-        cfg: TrainConfig,
-    ) -> None:
-        self.model_state, self.peak_memory = model_state, peak_memory
-        self.first_step, self.last_step, self.cfg = first_step, last_step, cfg
+    model_state: Callable[[], Metrics]
+    peak_memory: Callable[[], Metrics]
+    first_step: int
+    last_step: int
+    cfg: TrainConfig
 
     def on_step_end(self, metrics: Metrics) -> None:
         step = int(metrics["step"])
         if step == self.first_step:
             metrics.update(self.model_state())
-        now = moment(step, self.cfg, self.last_step)
-        if now.log or now.last:
+        if log_step(step, self.cfg) or step == self.last_step:
             metrics.update(self.peak_memory())
 
 
+@dataclass
 class History(StepCallback):
     """Every step's metrics of the whole run: a resumed run's history continued (`entries[i]` is step
     i + 1); what checkpoints store and MLflow is fed from."""
 
-    def __init__(self, entries: list[Metrics] | None = None) -> None:
-        self.entries = entries if entries is not None else []
+    entries: list[Metrics] = field(default_factory=list)
 
     def on_step_end(self, metrics: Metrics) -> None:
         self.entries.append(metrics)
 
 
 class SourceTokens(StepCallback):
-    """Training tokens seen from each source of a mixture (`data.sources`), cumulative over the run:
-    `tokens_seen.<name>` at every log step, every checkpoint step and the last. `pending()` returns this
-    worker's counts since the last call and `total(counts)` sums them over the workers (an all-reduce:
-    every rank runs this callback). A resumed run continues from its history's last counts, which are
-    those of the checkpoint it resumes from."""
+    """Training tokens seen from each source of a mixture, cumulative: `tokens_seen.<name>` at every log
+    and checkpoint step. `pending()` is this worker's counts since the last call, `total(counts)` their
+    sum over the workers (an all-reduce: every rank runs this); a resumed run continues its history's."""
 
     def __init__(
         self,
@@ -142,30 +117,29 @@ class SourceTokens(StepCallback):
         self.seen = [int(counted[-1][key]) for key in self.keys] if counted else [0] * len(self.keys)
 
     def on_step_end(self, metrics: Metrics) -> None:
-        now = moment(int(metrics["step"]), self.cfg, self.last_step)
-        if now.log or now.checkpoint:
+        step = int(metrics["step"])
+        if log_step(step, self.cfg) or due(step, self.cfg.checkpoint_every, self.last_step):
             self.seen = [a + b for a, b in zip(self.seen, self.total(self.pending()), strict=True)]
             metrics.update(zip(self.keys, map(float, self.seen), strict=True))
 
 
+@dataclass
 class ProgressLines(StepCallback):
     """One `format_progress` line per log step."""
 
-    def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print) -> None:
-        self.cfg, self.log = cfg, log
+    cfg: TrainConfig
+    log: Callable[[str], None] = print
 
     def on_step_end(self, metrics: Metrics) -> None:
-        if moment(int(metrics["step"]), self.cfg, self.cfg.steps).log:
+        if log_step(int(metrics["step"]), self.cfg):
             self.log(format_progress(metrics, self.cfg.steps))
 
 
 class MLflowSteps(StepCallback):
-    """The run's metrics to MLflow at every log step and checkpoint, each step exactly once, even across
-    restarts.
+    """The run's metrics to MLflow at every log step and checkpoint, each step exactly once.
 
-    Training is deterministic, so the steps a restarted run recomputes after its checkpoint were logged
-    with the same values before the failure: the last step logged to this MLflow run is kept in the run
-    directory (`LOGGED_FILE`) and nothing up to it is logged again.
+    Training is deterministic, so the steps a restarted run recomputes were logged with the same values
+    before: the last step logged is kept in the run directory (`LOGGED_FILE`) and not logged again.
     """
 
     def __init__(
@@ -185,12 +159,10 @@ class MLflowSteps(StepCallback):
         self.seen = start_step  # history.entries[:seen] were looked at before
 
     def on_step_end(self, metrics: Metrics) -> None:
-        now = moment(int(metrics["step"]), self.cfg, self.last_step)
-        if now.log or now.checkpoint:
-            self.flush()
-
-    def flush(self) -> None:
-        """Log the steps not logged yet; looks only at the entries added since last time."""
+        step = int(metrics["step"])
+        if not (log_step(step, self.cfg) or due(step, self.cfg.checkpoint_every, self.last_step)):
+            return
+        # Only the entries added since last time are looked at.
         entries = self.history.entries
         new = [entry for entry in entries[self.seen :] if entry["step"] > self.logged]
         self.seen = len(entries)
@@ -201,23 +173,19 @@ class MLflowSteps(StepCallback):
         write_json_atomic(self.record, {"run_id": self.run_id, "step": self.logged})
 
 
+@dataclass
 class Checkpoints(StepCallback):
     """`save(step, metrics)` every `train.checkpoint_every` steps and at the last step;
     `report(metrics)` at the other log steps (Ray Train's report, which Tune's schedulers read)."""
 
-    def __init__(
-        self,
-        save: Callable[[int, Metrics], None],
-        report: Callable[[Metrics], None],
-        last_step: int,
-        cfg: TrainConfig,
-    ) -> None:
-        self.save, self.report, self.last_step, self.cfg = save, report, last_step, cfg
+    save: Callable[[int, Metrics], None]
+    report: Callable[[Metrics], None]
+    last_step: int
+    cfg: TrainConfig
 
     def on_step_end(self, metrics: Metrics) -> None:
         step = int(metrics["step"])
-        now = moment(step, self.cfg, self.last_step)
-        if now.checkpoint:
+        if due(step, self.cfg.checkpoint_every, self.last_step):
             self.save(step, metrics)
-        elif now.log:
+        elif log_step(step, self.cfg):
             self.report(metrics)

@@ -1,18 +1,10 @@
-"""Training checkpoints on storage: one directory per saved step.
+"""Training checkpoints on storage (a local directory or a bucket): one directory per saved step.
 
-`checkpoint-0000100/` holds `state/` (DeepSpeed: every rank's model and optimizer shards, the LR
-schedule, and a client state with the step and every rank's RNG states), `history.jsonl` (the metrics
-of every step so far), `run.json` (a `RunRecord`: the model, signatures and topology it belongs to) and
-`model/`, the exported model (see `mhf_dist.export`), and `rank-N.json` per rank: the files that rank
-wrote, with their sizes. A checkpoint is complete when every rank's files are there as listed (Ray Train
-copies the ranks' folders in one by one, and a node can die in between). The step is the data position:
-batches are a pure function of the step, so a resumed run skips exactly the batches already trained on.
-
-Checkpoints live wherever `topology.storage` is: a local directory or a bucket (`storage.Location`).
-An object store has no rename, so completeness is the rule there too: the rank files are written last
-and a reader trusts a checkpoint only when every listed file is there with its size. A restarted
-worker downloads only its own share of a checkpoint (`loaded_by_rank`), so a resume costs each worker
-the same whatever the worker count.
+`checkpoint-0000100/` holds `state/` (DeepSpeed's shards and a client state with the step and every
+rank's RNG states), `history.jsonl`, `run.json` (a `RunRecord`), `model/` (the exported model) and
+`rank-N.json` per rank: the files that rank wrote, with their sizes, written last. A checkpoint is
+complete when every rank's files are there as listed: Ray Train copies the ranks' folders in one by
+one, a node can die in between, and an object store has no rename.
 """
 
 from __future__ import annotations
@@ -39,10 +31,7 @@ _RANK_SHARD = re.compile(r"zero_pp_rank_(\d+)_")  # DeepSpeed's per-rank ZeRO pa
 
 
 class RunRecord(BaseModel):
-    """A checkpoint's `run.json`: what run it belongs to, checked before a resume (`check_resumable`).
-
-    Fields after `fingerprint` came later: a checkpoint written before one of them was recorded reads
-    with its default."""
+    """A checkpoint's `run.json`, checked before a resume; fields after `fingerprint` came later."""
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
@@ -72,7 +61,7 @@ def read_run_record(checkpoint: Path | Location) -> RunRecord:
 
 
 class RngStates(BaseModel):
-    """One rank's random generators as `worker` saves them (their states as each library gives them)."""
+    """One rank's random generators' states, as each library gives them."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -82,9 +71,7 @@ class RngStates(BaseModel):
 
 
 class ClientState(BaseModel):
-    """The checkpoint's DeepSpeed client state: the step it was saved after, and every rank's RNG states
-    (one per rank of the saving run; a ZeRO-0 run may resume on another count). DeepSpeed returns its
-    own keys beside them: those are ignored."""
+    """The checkpoint's DeepSpeed client state (DeepSpeed's own keys beside it are ignored)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -93,7 +80,7 @@ class ClientState(BaseModel):
 
 
 def read_client_state(raw: dict[str, Any], checkpoint: Location) -> ClientState:
-    """`raw`, what DeepSpeed loaded from `checkpoint`; a damaged or foreign one is a one-line error."""
+    """`raw`, what DeepSpeed loaded from `checkpoint`; a damaged one is a one-line error."""
     try:
         return ClientState.model_validate(raw)
     except ValidationError as err:
@@ -117,16 +104,15 @@ def _checkpoints(run_dir: Path | Location) -> list[Location]:
 
 
 def newest_checkpoint(run_dir: Path | Location) -> Location | None:
-    """The run's newest complete checkpoint on storage; incomplete ones are passed over (newest first:
-    usually one checkpoint is looked at, whatever the number stored)."""
+    """The run's newest complete checkpoint on storage (looked at newest first)."""
     return next((path for path in reversed(_checkpoints(run_dir)) if is_complete(path)), None)
 
 
 def prune_checkpoints(run_dir: Path | Location, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints; remove older ones and any incomplete one.
 
-    Ray Train deletes old checkpoints itself, but only once it has registered the next: a run stopped
-    in between would keep one too many."""
+    Ray Train deletes old ones only once it has registered the next: a run stopped in between keeps one
+    too many."""
     checkpoints = _checkpoints(run_dir)
     kept = [path.uri for path in checkpoints if is_complete(path)][-keep:]
     for path in checkpoints:
@@ -145,10 +131,8 @@ def write_rank_files(directory: Path, rank: int) -> None:
 
 
 def is_complete(path: Path | Location) -> bool:
-    """Every rank's listed files are in the checkpoint with their sizes; one listing of the checkpoint,
-    whatever its size. Rank 0's list names run.json, so the record is read only once it is whole: a
-    damaged or edited one is then its one-line error (`read_run_record`), not an incomplete checkpoint
-    (which pruning would delete)."""
+    """Every rank's listed files are in the checkpoint with their sizes. Rank 0's list names run.json,
+    so a damaged record read after it is its one-line error, not an incomplete checkpoint to prune."""
     path = Location.of(path)
     present = dict(path.files())
     if RUN_FILE not in present or not _listed_files_present(path, 0, present):
@@ -168,16 +152,15 @@ def _listed_files_present(path: Location, rank: int, present: dict[str, int]) ->
 
 
 def loaded_by_rank(rank: int, name: str) -> bool:
-    """Whether rank `rank` loads the checkpoint file `name`: all but the other ranks' ZeRO partitions and
-    the exported model (a worker's download of a checkpoint does not grow with the worker count)."""
+    """Whether rank `rank` loads the checkpoint file `name`: not the other ranks' ZeRO partitions nor the
+    exported model (a worker's download does not grow with the worker count)."""
     owner = _RANK_SHARD.search(name)
     return not name.startswith(f"{MODEL_DIR}/") and (owner is None or int(owner.group(1)) == rank)
 
 
 def read_history(checkpoint: str | Path | Location) -> list[dict[str, float]]:
     """Per-step metrics of a run up to one of its checkpoints."""
-    lines = (Location.of(checkpoint) / HISTORY_FILE).read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return [json.loads(line) for line in (Location.of(checkpoint) / HISTORY_FILE).read_text().splitlines()]
 
 
 def write_history(directory: Path, history: list[dict[str, float]]) -> None:
@@ -186,8 +169,7 @@ def write_history(directory: Path, history: list[dict[str, float]]) -> None:
 
 
 def resolve_resume(target: str, storage: Path | Location) -> Location:
-    """`--resume` takes a checkpoint directory or the name of a run under the storage path (its newest),
-    local or in a bucket."""
+    """`--resume`'s checkpoint directory, or the newest of a run named under the storage path."""
     storage = Location.of(storage)
     path = Location.of(target)
     if (path / RUN_FILE).is_file():
@@ -209,9 +191,8 @@ def resolve_resume(target: str, storage: Path | Location) -> Location:
 
 
 def check_resumable(path: Path | Location, cfg: Config, fingerprint: str) -> None:
-    """The checkpoint must belong to the same model and signature table as the run resuming it, and to
-    the same ZeRO stage (`cfg.topology`); ZeRO 1-3 partition the optimizer state per worker, so only a
-    ZeRO-0 checkpoint resumes on another worker count (the batches do not depend on it)."""
+    """The checkpoint must have the run's model, signature table and ZeRO stage; ZeRO 1-3 partition the
+    optimizer state per worker, so only a ZeRO-0 checkpoint resumes on another worker count."""
     workers, zero_stage = cfg.topology.workers, cfg.topology.zero_stage
     path = Location.of(path)
     run = read_run_record(path)

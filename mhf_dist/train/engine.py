@@ -1,8 +1,5 @@
-"""DeepSpeed: the engine config generated from ours, and the stepper the shared loop drives.
-
-Models know nothing of DeepSpeed; this module wraps a built model in a ZeRO engine whose optimizer and
-LR schedule are the same AdamW and warm-up + cosine that local training uses.
-"""
+"""DeepSpeed: the engine config generated from ours, and the stepper the shared loop drives (with the
+same AdamW and LR schedule as local training)."""
 
 from __future__ import annotations
 
@@ -20,10 +17,9 @@ from mhf_dist.train.optim import build_optimizer
 def zero_config(stage: int, hidden_size: int) -> dict[str, Any]:
     """ZeRO buffer sizes scaled to the model's width, as transformers' DeepSpeed integration does.
 
-    DeepSpeed's defaults (500M-element reduce buckets, 1e9 live and reuse-distance parameters) are
-    sized for billion-parameter models: on a 100M model they allocate more than the model and keep every
-    ZeRO-3 parameter gathered between steps. Here buckets hold about one d x d matrix and a gathered
-    parameter is released unless it is needed again within about one layer.
+    DeepSpeed's defaults are sized for billion-parameter models: on a 100M model they allocate more than
+    the model and keep every ZeRO-3 parameter gathered between steps. Here buckets hold about one d x d
+    matrix and a gathered parameter is released unless needed again within about one layer.
     """
     square, layer = hidden_size * hidden_size, 12 * hidden_size * hidden_size
     return {
@@ -45,13 +41,9 @@ def uses_bf16(cfg: TrainConfig, use_gpu: bool) -> bool:
 def precision_config(cfg: TrainConfig, zero_stage: int, bf16: bool) -> dict[str, Any]:
     """DeepSpeed's precision keys for train.precision (resolved to `bf16` by `uses_bf16`).
 
-    bf16 (mixed): DeepSpeed's bf16 section; its optimizers keep fp32 master weights, gradients and Adam
-    states. bf16-pure (the authors' recipe: the model built in bf16, torch AdamW stepping it): at ZeRO-0
-    the stepper casts the parameters to bf16 and DeepSpeed, with no precision section, steps the torch
-    optimizer on them directly (bf16 gradients, all-reduced in bf16); ZeRO 1-3 take DeepSpeed's
-    `bf16_master_weights_and_grads` and `bf16_optimizer_states`, whose "master" partition is a bf16
-    copy of the rank's weight partition, so no fp32 copy exists at any stage. DeepSpeed refuses those two
-    keys at ZeRO-0, hence the two routes.
+    bf16-pure keeps no fp32 copy at any stage: at ZeRO-0 the stepper casts the parameters to bf16 and
+    DeepSpeed, with no precision section, steps the torch optimizer on them; ZeRO 1-3 take DeepSpeed's
+    bf16 master weights and optimizer states, which it refuses at ZeRO-0, hence the two routes.
     """
     if not bf16:
         return {"bf16": {"enabled": False}}
@@ -63,10 +55,8 @@ def precision_config(cfg: TrainConfig, zero_stage: int, bf16: bool) -> dict[str,
 
 
 def check_precision_supported(cfg: Config) -> None:
-    """What the config cannot know: whether this machine's DeepSpeed accelerator has bf16 (the config
-    itself was checked against its topology when it was built)."""
-    use_gpu = cfg.topology.gpus_per_worker > 0
-    if uses_bf16(cfg.train, use_gpu) and not use_gpu:
+    """What the config cannot know: whether this machine's DeepSpeed accelerator has bf16."""
+    if cfg.topology.gpus_per_worker == 0 and uses_bf16(cfg.train, use_gpu=False):
         from deepspeed.accelerator import get_accelerator
 
         if get_accelerator().device_name() == "cpu" and not get_accelerator().is_bf16_supported():
@@ -93,11 +83,9 @@ def deepspeed_config(
 
 
 def skip_cpu_shm_comm_op() -> None:
-    """On CPU, DeepSpeed's torch backend JIT-builds a shared-memory all-reduce that only inference tensor
-    parallelism calls (`inference_all_reduce`); training's collectives go through torch.distributed (gloo).
-    Its first build takes about a minute, and torch guards every load with a lock file that a killed worker
-    (a stopped sweep, a timed-out fit) leaves behind, after which every later run on the machine waits for
-    the lock forever. Marking the op incompatible, which DeepSpeed reads before building it, skips it."""
+    """On CPU, DeepSpeed JIT-builds a shared-memory all-reduce only inference uses; its build's lock file,
+    left behind by a killed worker, makes every later run on the machine wait forever. Marking the op
+    incompatible, which DeepSpeed reads before building it, skips it."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
@@ -109,9 +97,8 @@ def skip_cpu_shm_comm_op() -> None:
 
 
 class DeepSpeedStepper:
-    """One optimizer step through a DeepSpeed engine: for each micro-batch of the worker's rows forward,
-    engine.backward and engine.step (DeepSpeed scales each loss by 1/accumulation and steps the
-    optimizer only at the last micro-batch)."""
+    """One optimizer step through a DeepSpeed engine: forward, backward and engine.step per micro-batch
+    (DeepSpeed scales each loss by 1/accumulation and steps the optimizer at the last one)."""
 
     def __init__(
         self,
@@ -164,13 +151,12 @@ class DeepSpeedStepper:
         if grad_norm is None:
             grad_norm = whole_norm
         # The mean over workers, so every rank logs and checks the same number (a NaN stops all of them).
-        names = list(totals)
-        values = torch.tensor([totals[name] for name in names], dtype=torch.float64)
+        values = torch.tensor(list(totals.values()), dtype=torch.float64)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(values)
             values /= torch.distributed.get_world_size()
         return {
-            **dict(zip(names, values.tolist(), strict=True)),
+            **dict(zip(totals, values.tolist(), strict=True)),
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         }

@@ -1,10 +1,4 @@
-"""What a training worker's hardware holds and can do: memory use and peak FLOP/s.
-
-`live_tensor_bytes` walks every tensor Python can reach and counts each underlying storage once. Called
-between steps (activations freed), it measures model-state memory: parameters (or their ZeRO shards),
-gradients, optimizer states and DeepSpeed's flat buffers. `peak_memory_bytes` is the process's peak:
-CUDA's peak allocation on GPU, the peak resident set size on CPU.
-"""
+"""What a training worker's hardware holds and can do: memory use and peak FLOP/s."""
 
 from __future__ import annotations
 
@@ -17,6 +11,7 @@ import torch
 
 
 def live_tensor_bytes(device_type: str = "cpu") -> int:
+    """Every reachable tensor's storage, each once: between steps, the model state's memory."""
     seen: dict[int, int] = {}
     with warnings.catch_warnings():  # isinstance on every object touches deprecated torch attributes
         warnings.simplefilter("ignore", FutureWarning)
@@ -35,6 +30,7 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA's peak allocation on GPU, the peak resident set size on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -1,10 +1,5 @@
-"""The training loop, written once.
-
-`run_training` drives any `Stepper` over a stream of batches: `TorchStepper` here for a plain local
-model, a DeepSpeed engine stepper inside Ray Train workers. Throughput and the non-finite loss check
-live in the loop, so every way of training measures the same way; what happens around each step
-(validation, progress lines, MLflow, checkpoints) is the callbacks' (`mhf_dist.train.callbacks`).
-"""
+"""The training loop, written once: `run_training` drives any `Stepper` (`TorchStepper` locally, a
+DeepSpeed one in Ray Train workers), so every way of training measures throughput the same way."""
 
 from __future__ import annotations
 
@@ -72,12 +67,8 @@ def run_training(
     stop_step: int | None = None,
     callbacks: Sequence[StepCallback] = (),
 ) -> list[dict[str, float]]:
-    """Run steps start_step+1 .. stop_step (default: steps) of a `steps`-step run.
-
-    Returns one metrics dict per step; `callbacks` see each (with `eta_s`) in order, for validation,
-    logging and checkpoints (`mhf_dist.train.callbacks`). `step_time` is the step's compute,
-    `data_wait_s` the time it waited for its batch; tokens/s counts both.
-    """
+    """Run steps start_step+1 .. stop_step (default: steps) of a `steps`-step run; one metrics dict per
+    step, which `callbacks` see in order. tokens/s counts both `step_time` and `data_wait_s`."""
     history: list[dict[str, float]] = []
     batch_iter: Iterator[Batch] = iter(batches)
     started = time.perf_counter()

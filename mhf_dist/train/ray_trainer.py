@@ -1,14 +1,7 @@
 """`mhf train` on the driver: a Ray Train V2 TorchTrainer whose workers each drive a DeepSpeed engine.
 
-`train` runs in stages. The driver checks the config, the data and any model or checkpoint to start
-from before Ray starts (`_checked_inputs`), opens the MLflow run (so an unreachable server fails before
-any worker starts), builds the trainer (`_trainer`: `worker.train_loop_per_worker` on each worker), runs
-it (`_fit`: a worker's one-line error becomes a one-line error here, an interrupt a resumable stop), and
-prunes the checkpoints and logs the last one (`_finish`).
-
-`topology.storage` and `data.path` may be local paths or bucket URIs (`storage.Location`): Ray Train
-stores the checkpoints through the same pyarrow filesystem (`storage_filesystem`), so a cluster needs
-no shared disk.
+Everything checkable is checked before Ray starts, and the MLflow run is opened before any worker
+starts. Checkpoints go through the storage's own pyarrow filesystem, so a cluster needs no shared disk.
 """
 
 from __future__ import annotations
@@ -22,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from mhf_dist.config import Config, ModelConfig, TopologyConfig, check_topology
+from mhf_dist.config import Config, TopologyConfig, check_topology
 from mhf_dist.console import ConsoleRelay, WorkerLines
 from mhf_dist.data.reader import RowReader, training_plan
 from mhf_dist.data.shards import Manifest, check_compatible, check_tokenizer, read_manifest
@@ -51,7 +44,6 @@ from mhf_dist.train.trainable import TrainableSplit, config_split
 from mhf_dist.train.worker import STAGING_PREFIX, WorkerSpec, train_loop_per_worker
 
 if TYPE_CHECKING:
-    from ray.train import Result
     from ray.train.torch import TorchTrainer
 
 TRACKING_FILE = "mlflow-run.json"  # in the run directory: the MLflow run a continued run logs to
@@ -85,19 +77,13 @@ class TrainOptions:
     continue_run: bool = False  # continue the run `name` from its newest checkpoint, in its MLflow run
     init_from: str | None = None  # an exported model whose weights training starts from (fresh optimizer)
     verbose: bool = False  # what Ray, Ray Train and the workers print on the console too (else in logs)
-    # Where rank 0's console lines go: a sweep's labelled queue (console.WorkerLines); None: a queue
-    # this run prints from (with `verbose`: the workers print them, Ray forwards them)
-    console: WorkerLines | None = None
+    console: WorkerLines | None = None  # rank 0's console lines: a sweep's labelled queue; None: ours
 
 
 def check_resources(
     topology: TopologyConfig, cluster: Callable[[], dict[str, float]], log: Callable[[str], None] = print
 ) -> None:
-    """Refuse a run the Ray cluster cannot place, instead of waiting for resources that never come.
-
-    On a cluster whose autoscaler adds nodes on demand (`MHF_AUTOSCALING_CLUSTER=1`) the run waits for
-    them, at most `MHF_AUTOSCALING_WAIT_S` seconds (default 900), polling what the cluster has.
-    """
+    """Refuse a run the Ray cluster cannot place (with an autoscaler, after waiting a bounded time)."""
     wanted = {"CPU": topology.workers, "GPU": topology.workers * topology.gpus_per_worker}
     autoscaling = bool(os.environ.get(AUTOSCALING_ENV))
     wait_s = float(os.environ.get(AUTOSCALING_WAIT_ENV, 900)) if autoscaling else 0.0
@@ -134,33 +120,82 @@ def train(
     callbacks: list[Any] | None = None,
     worker_callbacks: Sequence[StepCallback] = (),
 ) -> TrainResult:
-    """Train `cfg` on the shards at `cfg.data.path` on `cfg.topology`, tracked in MLflow; returns where
-    the results are.
+    """Train `cfg` on `cfg.topology`, tracked in MLflow; returns where the results are.
 
-    `tags` join the MLflow run's tags (a sweep adds its parent run and matching); `callbacks` are Ray
-    Train callbacks (a sweep passes Tune's report callback); `worker_callbacks` step callbacks every
-    worker runs before its own (tests inject faults with them).
+    `callbacks` are Ray Train's (a sweep passes Tune's report callback); `worker_callbacks` run on every
+    worker before the built-in ones (tests inject faults with them).
     """
     inputs = _checked_inputs(cfg, options)
     ensure_ray(verbose=options.verbose)
     import ray
 
+    from mhf_dist.models import param_count
+
     check_resources(cfg.topology, ray.cluster_resources, options.console or print)
     uri = tracking_uri(inputs.storage.uri)
-    check_tracking_reaches_workers(uri, ray.nodes())
-    run_tags = {**_tags(cfg, inputs.manifest), **inputs.split.tags(), **(tags or {})}
+    # MLflow's embedded SQLite store is a file on this machine; rank 0 logs from wherever it runs.
+    hosts = {node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")}
+    if uri.startswith("sqlite:") and len(hosts) > 1:
+        raise TrainingError(
+            f"MLflow's embedded SQLite store is on this machine, but the Ray cluster spans {len(hosts)} "
+            "machines; set MLFLOW_TRACKING_URI to a tracking server (cluster/README.md)"
+        )
+    run_tags = {
+        "family": cfg.model.family,
+        "backbone": cfg.model.backbone.kind,
+        "preset": cfg.preset or "custom",
+        "seed": cfg.train.seed,
+        "param_count": param_count(cfg.model),
+        "objective": cfg.model.hash.loss if cfg.model.family == "mhf" else "softmax",
+        "signature_fingerprint": inputs.manifest.signatures.fingerprint,
+        "trainable_params": inputs.split.trainable_params,
+        "total_params": inputs.split.total_params,
+        **(tags or {}),
+    }
     run_id = _tracking_run(uri, inputs.run_dir, cfg, options, run_tags, inputs.manifest)
     relay = None if options.console or workers_print_to_console() else ConsoleRelay()
-    spec = _worker_spec(inputs, options, uri, run_id, relay, worker_callbacks)
-    trainer = _trainer(spec, cfg, options, inputs.storage, callbacks)
-    result = _fit(trainer, relay, uri, run_id, inputs, options, cfg.train.keep_checkpoints)
-    return _finish(result, uri, run_id, inputs.run_dir, options.name, cfg.train.keep_checkpoints)
+    spec = WorkerSpec(
+        config=inputs.worker_cfg,
+        data_sha256=inputs.manifest.content_sha256,
+        run_dir=inputs.run_dir.uri,
+        tracking_uri=uri,
+        run_id=run_id,
+        init_from=inputs.init_from,
+        resume_from=inputs.resume.uri if inputs.resume else None,
+        stop_at_step=options.stop_at_step,
+        peak_tflops=options.peak_tflops,
+        verbose=options.verbose,
+        console=options.console or (relay.lines if relay else None),
+        callbacks=tuple(worker_callbacks),
+        registrations=outside_registrations(),
+    )
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    gpus = cfg.topology.gpus_per_worker
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"spec": spec},
+        scaling_config=ScalingConfig(
+            num_workers=cfg.topology.workers,
+            use_gpu=gpus > 0,
+            resources_per_worker={"CPU": 1, **({"GPU": gpus} if gpus else {})},
+        ),
+        run_config=RunConfig(
+            name=options.name,
+            **inputs.storage.ray_storage(),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+            failure_config=FailureConfig(max_failures=options.max_failures),
+            callbacks=callbacks,
+            # Ray Train's own INFO lines (each report, each checkpoint) stay in its log files.
+            logging_config=LoggingConfig(log_level="INFO" if options.verbose else "WARNING"),
+        ),
+    )
+    return _fit(trainer, relay, uri, run_id, inputs, options, cfg.train.keep_checkpoints)
 
 
 @dataclass(frozen=True)
 class _Inputs:
-    """What `_checked_inputs` found, for the stages of `train` after it."""
-
     manifest: Manifest
     storage: Location
     run_dir: Location  # storage / the run's name
@@ -171,11 +206,15 @@ class _Inputs:
 
 
 def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
-    """Everything that can be checked without Ray is, before its seconds of start-up: the config, the
-    locations, the shards, the run directory, and the model or checkpoint the run starts from."""
+    """Everything that can be checked without Ray is, before its seconds of start-up."""
     check_topology(cfg)
     check_precision_supported(cfg)
-    _check_no_credentials(cfg.topology.storage, cfg.data.path, options.init_from, options.resume)
+    for given in (cfg.topology.storage, cfg.data.path, options.init_from, options.resume):
+        if given is not None and redact(given) != given:  # workers receive the locations as written
+            raise TrainingError(
+                f"{redact(given)!r} carries user info or query options; give credentials and the "
+                "endpoint through the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) instead"
+            )
     manifest = read_manifest(cfg.data.path)
     check_tokenizer(cfg.data.path, manifest)  # the exported model carries it
     storage = Location.of(cfg.topology.storage)
@@ -201,86 +240,13 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
     data = cfg.data.model_copy(update={"path": Location.of(cfg.data.path).uri})
     topology = cfg.topology.model_copy(update={"storage": storage.uri})
     worker_cfg = cfg.model_copy(update={"data": data, "topology": topology})
-    split = _checked_rows_and_split(cfg, data.path, manifest)
-    return _Inputs(manifest, storage, run_dir, worker_cfg, init_from, resume, split)
-
-
-def _check_no_credentials(*locations: str | None) -> None:
-    for given in locations:
-        if given is not None and redact(given) != given:  # workers receive the locations as written
-            raise TrainingError(
-                f"{redact(given)!r} carries user info or query options; give credentials and the "
-                "endpoint through the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) instead"
-            )
-
-
-def _checked_rows_and_split(cfg: Config, data_path: str, manifest: Manifest) -> TrainableSplit:
-    """The training shards checked (`data_path`: their absolute location), and the parameters
-    train.trainable selects."""
-    reader = RowReader(data_path, "train")
+    reader = RowReader(data.path, "train")
     reader.check_all()  # every shard's footer, once, here rather than in every worker
     training_plan(reader, cfg)  # enough rows for one batch
     # train.trainable: a bad pattern fails here, before any worker starts; the counts go to MLflow.
-    table = load_table(Location.of(data_path) / manifest.signatures.file)
-    return config_split(cfg.model, table, cfg.train.trainable)
-
-
-def _worker_spec(
-    inputs: _Inputs,
-    options: TrainOptions,
-    uri: str,
-    run_id: str,
-    relay: ConsoleRelay | None,
-    worker_callbacks: Sequence[StepCallback],
-) -> WorkerSpec:
-    """What every worker is handed: the run, where it logs, and what it starts from."""
-    return WorkerSpec(
-        config=inputs.worker_cfg,
-        data_sha256=inputs.manifest.content_sha256,
-        run_dir=inputs.run_dir.uri,
-        tracking_uri=uri,
-        run_id=run_id,
-        init_from=inputs.init_from,
-        resume_from=inputs.resume.uri if inputs.resume else None,
-        stop_at_step=options.stop_at_step,
-        peak_tflops=options.peak_tflops,
-        verbose=options.verbose,
-        console=options.console or (relay.lines if relay else None),
-        callbacks=tuple(worker_callbacks),
-        registrations=outside_registrations(),
-    )
-
-
-def _trainer(
-    spec: WorkerSpec, cfg: Config, options: TrainOptions, storage: Location, callbacks: list[Any] | None
-) -> TorchTrainer:
-    """Ray Train's trainer: `cfg.topology.workers` workers running `train_loop_per_worker` on `spec`,
-    checkpoints under `storage`."""
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    topology = cfg.topology
-    return TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"spec": spec},
-        scaling_config=ScalingConfig(
-            num_workers=topology.workers,
-            use_gpu=topology.gpus_per_worker > 0,
-            resources_per_worker={
-                "CPU": 1,
-                **({"GPU": topology.gpus_per_worker} if topology.gpus_per_worker else {}),
-            },
-        ),
-        run_config=RunConfig(
-            name=options.name,
-            **storage.ray_storage(),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
-            failure_config=FailureConfig(max_failures=options.max_failures),
-            callbacks=callbacks,
-            # Ray Train's own INFO lines (each report, each checkpoint) stay in its log files.
-            logging_config=LoggingConfig(log_level="INFO" if options.verbose else "WARNING"),
-        ),
-    )
+    table = load_table(Location.of(data.path) / manifest.signatures.file)
+    split = config_split(cfg.model, table, cfg.train.trainable)
+    return _Inputs(manifest, storage, run_dir, worker_cfg, init_from, resume, split)
 
 
 def _fit(
@@ -291,16 +257,16 @@ def _fit(
     inputs: _Inputs,
     options: TrainOptions,
     keep: int,
-) -> Result:
-    """The trainer's fit; a stopped run is `Interrupted` and a failed one a one-line error where it can
-    be (the MLflow run is ended KILLED or FAILED)."""
+) -> TrainResult:
+    """The trainer's fit, its checkpoints pruned and the last one logged to MLflow; a stopped run is
+    `Interrupted`, a failed one a one-line error where it can be."""
     # Ray Train routes the workers' print() through logging and, with stdout redirected as Ray's workers
     # have it, also prints it: every progress line twice. Off, each line reaches the console once.
     os.environ[PRINT_PATCH_VARIABLE] = "1" if options.verbose else "0"
     with sigterm_as_sigint() as stop:  # SIGTERM takes Ray Train's graceful SIGINT path
         try:
             with relay or nullcontext():
-                return trainer.fit()
+                result = trainer.fit()
         except (KeyboardInterrupt, SystemExit):
             # Ray Train's own SIGINT handler aborts the run and exits (before it is installed, Ctrl-C is a
             # KeyboardInterrupt): the run is stopped on purpose, not failed.
@@ -321,46 +287,28 @@ def _fit(
             last_good = newest_checkpoint(inputs.run_dir)
             kept = f"; last good checkpoint: {last_good}" if last_good else "; no checkpoint was written"
             raise TrainingError(f"{user_error}{kept}") from None
-
-
-def _finish(result: Result, uri: str, run_id: str, run_dir: Location, name: str, keep: int) -> TrainResult:
-    """The finished run's checkpoints pruned, its last one's run.json and model logged to MLflow, and the
-    MLflow run ended."""
     if result.checkpoint is None:
         end_run(uri, run_id, "FAILED")
         raise TrainingError(
-            f"run {name!r} ended without a checkpoint; the workers' errors are in Ray's logs "
+            f"run {options.name!r} ended without a checkpoint; the workers' errors are in Ray's logs "
             "(the last line says where)"
         )
     # A checkpoint a restart resumed from before Ray Train registered it is not Ray's to delete.
-    prune_checkpoints(run_dir, keep)
-    checkpoint = run_dir / PurePosixPath(result.checkpoint.path).name
+    prune_checkpoints(inputs.run_dir, keep)
+    checkpoint = inputs.run_dir / PurePosixPath(result.checkpoint.path).name
     log_artifact(uri, run_id, local_copy(checkpoint / RUN_FILE))
     log_artifact(uri, run_id, local_copy(checkpoint / MODEL_DIR))
     end_run(uri, run_id, "FINISHED")
     return TrainResult(checkpoint, run_id, uri)
 
 
-def check_tracking_reaches_workers(uri: str, nodes: list[dict[str, Any]]) -> None:
-    """MLflow's embedded SQLite store is a file on this machine: rank 0 logs its steps from wherever it
-    runs, so a cluster of several machines needs a tracking server."""
-    hosts = {node["NodeManagerAddress"] for node in nodes if node.get("Alive")}
-    if uri.startswith("sqlite:") and len(hosts) > 1:
-        raise TrainingError(
-            f"MLflow's embedded SQLite store is on this machine, but the Ray cluster spans {len(hosts)} "
-            "machines; set MLFLOW_TRACKING_URI to a tracking server (cluster/README.md)"
-        )
-
-
 def tidy_stopped_run(run_dir: Location, keep: int) -> None:
-    """What a run stopped mid-way leaves, cleared: its ranks' staging directories, incomplete
-    checkpoints and any beyond the newest `keep` (train.keep_checkpoints)."""
+    """Clear what a stopped run leaves: staging directories, incomplete and surplus checkpoints."""
     run_dir.clear_staging(STAGING_PREFIX)
     prune_checkpoints(run_dir, keep)
 
 
 def _interrupted(sig: int, run_dir: Location, name: str, keep: int) -> Interrupted:
-    """The one line of a stopped run (where it stopped, how to go on), once it is tidied."""
     tidy_stopped_run(run_dir, keep)
     last = newest_checkpoint(run_dir)
     name_of = signal.Signals(sig).name
@@ -376,8 +324,7 @@ def _interrupted(sig: int, run_dir: Location, name: str, keep: int) -> Interrupt
 def _tracking_run(
     uri: str, run_dir: Location, cfg: Config, options: TrainOptions, tags: dict[str, Any], manifest: Manifest
 ) -> str:
-    """A new MLflow run with its shards as dataset input, or with `continue_run` the run's own (steps
-    logged before are not logged again)."""
+    """A new MLflow run with its shards as dataset input, or with `continue_run` the run's own."""
     record = run_dir / TRACKING_FILE
     if options.continue_run and record.is_file():
         run_id = read_json(record, TrainingError, "start a new run with another --name")["run_id"]
@@ -395,8 +342,7 @@ def _tracking_run(
 
 
 def _storage_failure(err: BaseException, storage: Location) -> StorageError | None:
-    """A run's storage that stopped answering (a request timed out, the connection was refused), out of
-    Ray Train's wrappers: the controller's (it writes the run's state there) or a worker's."""
+    """A run's storage that stopped answering, out of Ray Train's controller or worker wrappers."""
     from ray.train import ControllerError, WorkerGroupError
 
     causes: list[BaseException] = []
@@ -413,8 +359,7 @@ def _storage_failure(err: BaseException, storage: Location) -> StorageError | No
 
 
 def _worker_user_error(err: BaseException) -> MhfError | None:
-    """The one-line error a worker raised (a bad config, a NaN loss), out of Ray Train's wrappers; a
-    worker out of memory (torch's allocator, or Ray's memory monitor killing it) as what to change."""
+    """The one-line error a worker raised, out of Ray Train's wrappers; out of memory as what to change."""
     import torch
     from ray.exceptions import OutOfMemoryError
     from ray.train import WorkerGroupError
@@ -439,28 +384,7 @@ def _worker_user_error(err: BaseException) -> MhfError | None:
 
 
 def check_model_documents(model_dir: str, manifest: Manifest, data_path: str) -> None:
-    """A model continued (`--init-from`, `mhf cpt`, a resume) trains only on documents framed as its own
-    (a checkpoint without its exported model: check_resumable has judged it already)."""
+    """A model continued (`--init-from`, `mhf cpt`, a resume) trains only on documents framed as its own."""
     from mhf_dist.export import check_documents_fit
 
     check_documents_fit(model_dir, manifest.document_format, f"shards {redact(data_path)!r}", TrainingError)
-
-
-def training_objective(model: ModelConfig) -> str:
-    """What the run minimises: mhf's `model.hash.loss` (coordinates: the sum of H B-way cross-entropies;
-    vocab: the exact NLL over V), or `softmax` (a V-way head's cross-entropy)."""
-    return model.hash.loss if model.family == "mhf" else "softmax"
-
-
-def _tags(cfg: Config, manifest: Manifest) -> dict[str, Any]:
-    from mhf_dist.models import param_count
-
-    return {
-        "family": cfg.model.family,
-        "backbone": cfg.model.backbone.kind,
-        "preset": cfg.preset or "custom",
-        "seed": cfg.train.seed,
-        "param_count": param_count(cfg.model),
-        "objective": training_objective(cfg.model),
-        "signature_fingerprint": manifest.signatures.fingerprint,
-    }

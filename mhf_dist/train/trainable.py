@@ -1,14 +1,11 @@
 """`train.trainable`: the parameters that train; every other one is frozen (`requires_grad=False`).
 
-Patterns are shell-style globs (`fnmatch`, `*` also crosses dots) over the model's parameter names, as
-`model.named_parameters()` spells them. A numeric path segment may also be written counting from the
-end of its module list, Python-style: `backbone.layers.-1.*` is the last decoder layer whatever the
-depth. Tied parameters answer to every name they have (a tied Qwen3 head is also `model.lm_head.weight`).
-None or an empty list leaves every parameter trainable; a pattern that matches nothing is an error.
+Patterns are `fnmatch` globs over `named_parameters()` names (`*` also crosses dots); a numeric segment
+may count from the end of its module list (`backbone.layers.-1.*`), and tied parameters answer to every
+name they have. None or [] trains everything; a pattern that matches nothing is an error.
 
-`AUTHORS_VE` is the vocabulary-expansion recipe of HUIYINXUE/MHF (`vocab_expansion/src/main_ve.py`):
-everything is frozen except decoder layers 0, 1, -2 and -1, the final norm, the token tables and head,
-and, for MultiHashFormer, the hash head and the combiner. `mhf cpt` applies it by default.
+`AUTHORS_VE` is HUIYINXUE/MHF's vocabulary-expansion recipe (`vocab_expansion/src/main_ve.py`), which
+`mhf cpt` applies by default.
 """
 
 from __future__ import annotations
@@ -29,14 +26,9 @@ _EDGE_LAYERS = ("0", "1", "-2", "-1")  # main_ve.py: `for layer_idx in [0, 1, -1
 
 
 def authors_ve_trainable(model: ModelConfig) -> list[str] | None:
-    """The authors' trainable list for `model`, in our parameter names; None for families it has no
-    counterpart in (they keep every parameter trainable).
-
-    mhf (main_ve.py with --enable_hashformer): the bucket table (their `embed_tokens`) and combiner are
-    our `encoder`, the bucket output table (`lm_head`) and cascade (`hash_head`) our `decoder`. Over a
-    triple-latent stack the same edge blocks train (`backbone.blocks`), by analogy: the authors have no
-    such model. qwen3: the V x d embedding and the head (one tensor when tied) train as well.
-    """
+    """The authors' trainable list for `model` in our names (None: every parameter trains): decoder layers
+    0, 1, -2 and -1, the final norm, the token tables and head, and mhf's `encoder` and `decoder` (their
+    bucket tables, combiner and hash head); a triple-latent stack's edge blocks by analogy."""
     # A one-layer stack has no layer 1 or -2: a pattern that matches nothing would be an error.
     edges = _EDGE_LAYERS if model.backbone.num_layers > 1 else ("0", "-1")
     if model.family == "mhf":
@@ -64,9 +56,6 @@ class TrainableSplit:
             f"trainable parameters {self.trainable_params:,} of {self.total_params:,} ({share:.1%}); "
             f"{len(self.frozen)} tensors frozen"
         )
-
-    def tags(self) -> dict[str, int]:
-        return {"trainable_params": self.trainable_params, "total_params": self.total_params}
 
 
 def _aliases(name: str, lengths: dict[str, int]) -> list[str]:
@@ -122,19 +111,17 @@ def trainable_split(model: nn.Module, patterns: Sequence[str] | None) -> Trainab
 
 def apply_trainable(model: nn.Module, patterns: Sequence[str] | None) -> TrainableSplit:
     """Freeze every parameter `patterns` do not match (None or []: none is touched)."""
-    if not patterns:
-        return trainable_split(model, patterns)
     selected = select_trainable(model, patterns)
-    for param in model.parameters():
-        param.requires_grad_(id(param) in selected)
+    if patterns:
+        for param in model.parameters():
+            param.requires_grad_(id(param) in selected)
     return split_of(model, selected)
 
 
 def config_split(
     model: ModelConfig, signatures: object | None, patterns: Sequence[str] | None
 ) -> TrainableSplit:
-    """The split of the model `model` builds, built on the meta device (no memory, milliseconds): what
-    the driver checks and logs before any worker starts."""
+    """The split of the model `model` builds, on the meta device (no memory, milliseconds)."""
     from mhf_dist.models import build_model
 
     with torch.device("meta"):

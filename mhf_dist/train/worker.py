@@ -1,11 +1,7 @@
 """What every Ray Train worker runs: a DeepSpeed ZeRO engine driven by the shared step loop.
 
-Each worker builds the model from the registry and runs `run_training` with a `DeepSpeedStepper` and
-the step callbacks of `mhf_dist.train.callbacks` (validation, memory metrics, history, progress lines,
-MLflow, checkpoints). Data: the rows of step s's global batch are a pure function of (seed, s)
-(`data.reader.BatchPlan`), and each worker reads only its own share of them from the shards, one step
-ahead. That is what makes resume exact and immediate: a resumed worker computes the rows of step s + 1
-and reads them, nothing before.
+The rows of step s's global batch are a pure function of (seed, s) (`data.reader.BatchPlan`), and each
+worker reads only its own share: a resumed worker reads the rows of step s + 1, nothing before.
 """
 
 from __future__ import annotations
@@ -46,7 +42,6 @@ from mhf_dist.train.checkpoints import (
     MODEL_DIR,
     STATE_TAG,
     ClientState,
-    RngStates,
     RunRecord,
     checkpoint_name,
     checkpoint_step,
@@ -106,12 +101,10 @@ def training_batches(
 
 
 class Validator:
-    """Exact NLL on the validation split; each rank scores an equal share of the rows, then all-reduce.
+    """Exact NLL on the first `train.eval_rows` validation rows (0: all), an equal share per rank.
 
-    Only the rows scored are read: the first `train.eval_rows` (all with 0), each rank its contiguous
-    share. Equal shares keep ZeRO-3's collective parameter gathers in step: the last len(rows) %
-    world_size rows are left out, and `val_tokens` says how many tokens were scored.
-    """
+    Equal shares keep ZeRO-3's collective gathers in step: the last len(rows) % world_size rows are left
+    out (`val_tokens` says how many tokens were scored)."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int, batch_size: int) -> None:
         reader = RowReader(cfg.data.path, "validation", signatures=False)
@@ -128,13 +121,12 @@ class Validator:
             total, count = nll_totals(
                 stepper.engine.module, self.rows, self.batch_size, stepper.engine.device
             )
-        totals = torch.tensor([total, count], dtype=torch.float64)
-        torch.distributed.all_reduce(totals)
-        return nll_summary(float(totals[0]), int(totals[1]))
+        total, count = sum_over_workers([total, count], torch.float64)
+        return nll_summary(total, int(count))
 
 
-def sum_over_workers(values: list[int]) -> list[int]:
-    tensor = torch.tensor(values, dtype=torch.int64)
+def sum_over_workers(values: list, dtype: torch.dtype = torch.int64) -> list:
+    tensor = torch.tensor(values, dtype=dtype)
     torch.distributed.all_reduce(tensor)
     return tensor.tolist()
 
@@ -145,22 +137,9 @@ def max_over_workers(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(values, tensor.tolist(), strict=True))
 
 
-def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-
-
-def _set_rng_state(state: RngStates) -> None:
-    torch.set_rng_state(state.torch)
-    np.random.set_state(state.numpy)
-    random.setstate(state.python)
-
-
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What `ray_trainer.train` hands every worker (through Ray Train's train_loop_config), typed.
-
-    `callbacks` run first on every worker, before the built-in ones (tests pass fault injection here).
-    """
+    """What `ray_trainer.train` hands every worker (through Ray Train's train_loop_config)."""
 
     config: Config  # data.path and topology.storage absolute or URIs: workers run in their own directories
     data_sha256: str  # the content hash of the prepared data the driver checked: the workers train on it
@@ -173,17 +152,18 @@ class WorkerSpec:
     peak_tflops: float = 0.0  # per worker; 0: the device's known bf16 peak
     verbose: bool = False
     console: WorkerLines | None = None  # where rank 0's lines go; None: printed here (Ray forwards them)
-    callbacks: tuple[StepCallback, ...] = field(default_factory=tuple)
+    callbacks: tuple[StepCallback, ...] = field(default_factory=tuple)  # before the built-in ones
     registrations: dict[str, dict[str, Any]] = field(default_factory=dict)  # plugins.outside_registrations
 
     def say(self, line: str) -> None:
-        """One console line of rank 0's."""
         (self.console or partial(print, flush=True))(line)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker (torch.distributed is already initialised by TorchTrainer)."""
     import ray.train
+
+    from mhf_dist.models import train_flops_per_token
 
     spec: WorkerSpec = loop_config["spec"]
     register_missing(spec.registrations)  # families the driver's own code registered
@@ -218,24 +198,43 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         document_format=manifest.document_format,  # exports carry the shards'
     )
     tokenizer_file = local_copy(data / manifest.tokenizer.file)
+    run_dir = Location.of(spec.run_dir)
     saver = CheckpointSaver(
-        stepper, cfg, table, tokenizer_file, run_record, Location.of(spec.run_dir), rank, world_size, history
+        stepper, cfg, table, tokenizer_file, run_record, run_dir, rank, world_size, history
     )
-    callbacks = [
-        *spec.callbacks,
-        *_built_in_callbacks(spec, stepper, saver, start_step, last_step, rank, world_size, sources, counter),
-    ]
-    signatures = cfg.model.family == "mhf"
-    batches = training_batches(cfg, rank, world_size, start_step, signatures, counter)
-    run_training(
-        stepper,
-        batches,
-        cfg.train.steps,
-        _throughput(spec, stepper, world_size),
-        start_step,
-        last_step,
-        callbacks,
+    # Validation, memory and tokens per source on all ranks (they all-reduce), then the history, rank
+    # 0's progress lines and MLflow steps, then checkpoints (all ranks save their shards).
+    callbacks = list(spec.callbacks)
+    validator = Validator(cfg, rank, world_size, micro_batch_size(cfg.train, world_size))
+    if rank == 0 and not validator:
+        spec.say("no validation rows: val_nll is not computed (prepare with data.val_percent > 0)")
+    if validator:
+        callbacks.append(Validation(partial(validator, stepper), cfg.train.eval_every, last_step))
+    device = stepper.engine.device
+    memory = partial(_model_state, stepper), partial(_peak_memory, device)
+    callbacks.append(MemoryMetrics(*memory, start_step + 1, last_step, cfg.train))
+    if counter is not None:
+        callbacks.append(
+            SourceTokens(sources, counter.take, sum_over_workers, saver.history, last_step, cfg.train)
+        )
+    run_history = History(saver.history)  # the list the checkpoints store
+    callbacks.append(run_history)
+    if rank == 0:
+        callbacks.append(ProgressLines(cfg.train, spec.say))
+        callbacks.append(
+            MLflowSteps(
+                spec.tracking_uri, spec.run_id, run_dir, run_history, start_step, last_step, cfg.train
+            )
+        )
+    callbacks.append(Checkpoints(saver.save, ray.train.report, last_step, cfg.train))
+    throughput = Throughput(
+        tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
+        flops_per_token=train_flops_per_token(cfg.model, cfg.train.seq_len),
+        workers=world_size,
+        peak_flops=spec.peak_tflops * 1e12 or default_peak_flops(device),
     )
+    batches = training_batches(cfg, rank, world_size, start_step, cfg.model.family == "mhf", counter)
+    run_training(stepper, batches, cfg.train.steps, throughput, start_step, last_step, callbacks)
 
 
 def _build_stepper(
@@ -261,20 +260,14 @@ def _build_stepper(
     if cfg.train.compile:
         model.compile()  # in place: parameter names and the exported model stay as they are
     bf16 = uses_bf16(cfg.train, use_gpu)
-    stepper = DeepSpeedStepper(
-        model, cfg.train, cfg.topology.zero_stage, world_size, bf16, cfg.model.backbone.hidden_size
-    )
-    return stepper, lineage
+    zero_stage, hidden_size = cfg.topology.zero_stage, cfg.model.backbone.hidden_size
+    return DeepSpeedStepper(model, cfg.train, zero_stage, world_size, bf16, hidden_size), lineage
 
 
 def _restore(stepper: DeepSpeedStepper, spec: WorkerSpec, rank: int) -> tuple[int, list[dict[str, float]]]:
-    """The step to continue after and the history so far: 0 and none for a fresh run.
-
-    After a worker failure the run continues from its own newest checkpoint, else from --resume. Ray
-    Train registers a checkpoint only when its controller next polls the workers; one that dies in
-    between would otherwise restart from an older checkpoint (or from scratch) although the files of a
-    newer one were already stored, so the newer of the two is taken.
-    """
+    """The step to continue after and the history so far (0 and none for a fresh run): after a worker
+    failure, the newer of the run's newest stored checkpoint and the one Ray Train registered (it
+    registers only when its controller next polls the workers), else --resume's."""
     import ray.train
 
     run_dir = Location.of(spec.run_dir)
@@ -292,113 +285,45 @@ def _restore(stepper: DeepSpeedStepper, spec: WorkerSpec, rank: int) -> tuple[in
         _, saved = stepper.engine.load_checkpoint(str(directory), tag=STATE_TAG)
         history = read_history(directory)
     client_state = read_client_state(saved, checkpoint)
-    _set_rng_state(client_state.rng[rank % len(client_state.rng)])
+    rng = client_state.rng[rank % len(client_state.rng)]
+    torch.set_rng_state(rng.torch)
+    np.random.set_state(rng.numpy)
+    random.setstate(rng.python)
     if rank == 0:
         spec.say(f"resumed from {checkpoint} at step {client_state.step}")
     return client_state.step, history
 
 
-def _throughput(spec: WorkerSpec, stepper: DeepSpeedStepper, world_size: int) -> Throughput:
-    from mhf_dist.models import train_flops_per_token
-
-    cfg = spec.config
-    return Throughput(
-        tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
-        flops_per_token=train_flops_per_token(cfg.model, cfg.train.seq_len),
-        workers=world_size,
-        peak_flops=spec.peak_tflops * 1e12 or default_peak_flops(stepper.engine.device),
-    )
-
-
-def _built_in_callbacks(
-    spec: WorkerSpec,
-    stepper: DeepSpeedStepper,
-    saver: CheckpointSaver,
-    start_step: int,
-    last_step: int,
-    rank: int,
-    world_size: int,
-    sources: list[str],
-    counter: SourceCounter | None,
-) -> list[StepCallback]:
-    """Validation, memory and tokens per source (all ranks: they all-reduce), the history, rank 0's
-    progress lines and MLflow steps, then checkpoints (all ranks save their shards)."""
-    import ray.train
-
-    cfg = spec.config
-    validator = Validator(cfg, rank, world_size, micro_batch_size(cfg.train, world_size))
-    if rank == 0 and not validator:
-        spec.say("no validation rows: val_nll is not computed (prepare with data.val_percent > 0)")
-    device = stepper.engine.device
-    history = History(saver.history)  # the list the checkpoints store
-    callbacks: list[StepCallback] = []
-    if validator:
-        callbacks.append(Validation(partial(validator, stepper), cfg.train.eval_every, last_step))
-    memory = partial(_model_state, stepper), partial(_peak_memory, device)
-    callbacks.append(MemoryMetrics(*memory, start_step + 1, last_step, cfg.train))
-    if counter is not None:
-        callbacks.append(
-            SourceTokens(sources, counter.take, sum_over_workers, saver.history, last_step, cfg.train)
-        )
-    callbacks.append(history)
-    if rank == 0:
-        callbacks += [
-            ProgressLines(cfg.train, spec.say),
-            MLflowSteps(
-                spec.tracking_uri,
-                spec.run_id,
-                Location.of(spec.run_dir),
-                history,
-                start_step,
-                last_step,
-                cfg.train,
-            ),
-        ]
-    callbacks.append(Checkpoints(saver.save, ray.train.report, last_step, cfg.train))
-    return callbacks
-
-
 def _model_state(stepper: DeepSpeedStepper) -> dict[str, float]:
-    state = {
-        "model_state_gb": live_tensor_bytes(stepper.engine.device.type) / GIB,
-        "param_share": stepper.parameter_share(),
-    }
-    return max_over_workers(state)
+    model_state_gb = live_tensor_bytes(stepper.engine.device.type) / GIB
+    return max_over_workers({"model_state_gb": model_state_gb, "param_share": stepper.parameter_share()})
 
 
 def _peak_memory(device: torch.device) -> dict[str, float]:
     return max_over_workers({"peak_mem_gb": peak_memory_bytes(device) / GIB})
 
 
+@dataclass
 class CheckpointSaver:
-    """Every rank saves its DeepSpeed files; Ray Train merges the ranks' folders into one checkpoint.
+    """Every rank saves its DeepSpeed files, rank 0 the exported model and the history too (the list the
+    `History` callback fills); Ray Train merges the ranks' folders into one checkpoint."""
 
-    Rank 0 adds the exported model and the history so far (`history`, the list the `History` callback
-    fills)."""
-
-    def __init__(
-        self,
-        stepper: DeepSpeedStepper,
-        cfg: Config,
-        table: SignatureTable,
-        tokenizer_file: Path,
-        run_record: RunRecord,
-        run_dir: Location,
-        rank: int,
-        world_size: int,
-        history: list[dict[str, float]],
-    ) -> None:
-        self.stepper, self.cfg, self.table, self.run_record = stepper, cfg, table, run_record
-        self.tokenizer_file = (
-            tokenizer_file  # the dataset's, copied at the start (a bucket's may be replaced)
-        )
-        self.run_dir, self.rank, self.world_size, self.history = run_dir, rank, world_size, history
+    stepper: DeepSpeedStepper
+    cfg: Config
+    table: SignatureTable
+    tokenizer_file: Path  # the dataset's, copied at the start (a bucket's may be replaced)
+    run_record: RunRecord
+    run_dir: Location
+    rank: int
+    world_size: int
+    history: list[dict[str, float]]
 
     def save(self, step: int, metrics: dict[str, float]) -> None:
         import ray.train
 
         rng_states = [None] * self.world_size
-        torch.distributed.all_gather_object(rng_states, _rng_state())
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        torch.distributed.all_gather_object(rng_states, rng)
         # Staged inside the run's own directory (on a local disk), where an interrupted run's driver can
         # remove what is left; for a run in a bucket, in a local temporary directory Ray Train uploads.
         with self.run_dir.staging(STAGING_PREFIX) as tmp:
