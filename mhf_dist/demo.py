@@ -1,9 +1,7 @@
 """`mhf demo`: the whole flow, small, on the built-in corpus and local Ray.
 
-Prepares the corpus in Ray tasks (BPE, packing, signatures, parquet shards), runs a `matched` sweep on
-Ray Tune (`mhf` under each of its two objectives, `qwen3`, `qwen3_matched` x seeds, each trial an
-`mhf train` run on 2 Ray Train workers with DeepSpeed), compares the runs from MLflow (table, CSV,
-plots), and samples a few tokens from each group's exported model.
+Prepares the corpus in Ray tasks, runs a `matched` sweep on Ray Tune (`demo_groups` x seeds, each an
+`mhf train` run on Ray Train workers), compares the runs from MLflow and samples from each group.
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ def run_demo(
     log: Callable[[str], None] = print,
     verbose: bool = False,
 ) -> Comparison:
-    """The demo on `config` with `overrides` (every trial's; `topology.workers` sets each trial's Ray
-    Train workers), its data, sweep and comparison under `workdir`."""
+    """The demo on `config` with every trial's `overrides`, its data, sweep and comparison under `workdir`."""
     workdir = workdir.resolve()
     data_dir = workdir / "data"
     settings = {**parse_overrides(overrides), "data.path": str(data_dir)}
@@ -115,8 +112,7 @@ def run_demo(
 
 
 def demo_groups(cfg: Config, log: Callable[[str], None]) -> list[str | dict[str, Any]]:
-    """The demo's sweep groups: `mhf` under each objective, then the baselines; `qwen3_matched` only
-    where its layer count differs from `qwen3`'s."""
+    """`mhf` under each objective, then the baselines (`qwen3_matched` where its layers are not `qwen3`'s)."""
     mhf = [
         {"group": group, "family": "mhf", "set": {"model.hash.loss": loss}}
         for group, loss in MHF_OBJECTIVES.items()

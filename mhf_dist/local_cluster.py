@@ -1,14 +1,10 @@
 """A real multi-node Ray cluster on one machine: a head and N worker nodes, all on 127.0.0.1.
 
-Each node is its own `ray start --block` process with its own raylet, object store and agents, so Ray
-Train, Ray Data and the Jobs API see separate nodes as they would on a cluster. Every port is chosen
-free up front (two nodes on one host would otherwise both take the agents' fixed default ports), and the
-head keeps its session files under a temp dir of its own. Nodes are stopped by signalling those
-processes (with `--block`, Ray's reaper then ends the node's children), never with `ray stop`, which
-would also kill every other Ray instance on the machine, a test session's included.
-
-Token authentication is on (RAY_AUTH_MODE=token, the token from `ray get-auth-token --generate`), so
-only this user's processes can submit work even though the ports are open to every local user.
+Each node is its own `ray start --block` process (raylet, object store, agents), so Ray Train, Ray Data
+and the Jobs API see separate nodes. Every port is chosen free up front (two nodes on one host would
+both take the agents' fixed defaults). Nodes are stopped by signalling those processes (Ray's reaper
+then ends their children), never with `ray stop`, which would kill every Ray instance on the machine.
+Token authentication is on, so only this user's processes can submit work to the open local ports.
 The cluster is described by `<directory>/cluster.json`; node logs go to `<directory>/logs/`.
 """
 
@@ -62,15 +58,11 @@ def free_port() -> int:
 
 def _node_ports() -> list[str]:
     """The per-node ports that have fixed defaults, each set to a free one."""
-    flags = [
-        "--node-manager-port",
-        "--object-manager-port",
-        "--dashboard-agent-listen-port",
-        "--dashboard-agent-grpc-port",
-        "--runtime-env-agent-port",
-        "--metrics-export-port",
-    ]
-    return [arg for flag in flags for arg in (flag, str(free_port()))]
+    flags = (
+        "--node-manager-port --object-manager-port --dashboard-agent-listen-port "
+        "--dashboard-agent-grpc-port --runtime-env-agent-port --metrics-export-port"
+    )
+    return [arg for flag in flags.split() for arg in (flag, str(free_port()))]
 
 
 def _ray_command() -> str:
@@ -79,8 +71,7 @@ def _ray_command() -> str:
 
 
 def auth_token() -> str:
-    """The token of Ray's token authentication (~/.ray/auth_token unless RAY_AUTH_TOKEN[_PATH] say
-    otherwise), generated on first use."""
+    """The token of Ray's token authentication, generated on first use."""
     try:
         generated = subprocess.run(
             [_ray_command(), "get-auth-token", "--generate"], capture_output=True, text=True, check=False
@@ -96,8 +87,7 @@ def _ray_start(args: list[str], log: Path) -> int:
     command = [_ray_command(), "start", "--block", "--disable-usage-stats", *args]
     env = {
         **os.environ,
-        # Jobs' entrypoints (`mhf ...`) resolve on the nodes' PATH: this Python's environment first, as
-        # if it were activated.
+        # Jobs' entrypoints (`mhf ...`) resolve on the nodes' PATH: this Python's environment first.
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         AUTH_MODE_VARIABLE: "token",
         # No drain on SIGTERM: it exists for Serve replicas and would hold every stop for 30 s.
@@ -108,15 +98,8 @@ def _ray_start(args: list[str], log: Path) -> int:
         "RAY_prestart_worker_first_driver": "0",
     }
     with log.open("w") as out:
-        process = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    return process.pid
+        stdio = {"stdout": out, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL}
+        return subprocess.Popen(command, **stdio, env=env, start_new_session=True).pid
 
 
 def alive_nodes(dashboard_url: str, token: str) -> int:
@@ -132,11 +115,10 @@ def _wait_for_nodes(cluster: LocalCluster, expected: int, token: str, timeout: f
     deadline = time.monotonic() + timeout
     alive, last_error = 0, ""
     while time.monotonic() < deadline:
-        for pid in cluster.pids:
-            if not _running(pid):
-                raise ClusterError(
-                    f"a Ray node process exited during start-up; see the logs in {cluster.directory}/logs"
-                )
+        if not all(map(_running, cluster.pids)):
+            raise ClusterError(
+                f"a Ray node process exited during start-up; see the logs in {cluster.directory}/logs"
+            )
         try:
             alive = alive_nodes(cluster.dashboard_url, token)
             if alive >= expected:
@@ -177,28 +159,11 @@ def start_local_cluster(
     # node, or a worker's runtime-env agent garbage-collects the head's job working_dir as unused.
     temp_dir = tempfile.mkdtemp(prefix="mhf-ray-")
     gcs_port = free_port()
-    resources = ["--num-cpus", str(cpus_per_node), "--num-gpus", str(gpus_per_node)]
-    node = ["--node-ip-address", HOST, *resources]
-    head = [
-        "--head",
-        "--port",
-        str(gcs_port),
-        "--dashboard-host",
-        HOST,
-        "--dashboard-port",
-        str(dashboard_port),
-        "--temp-dir",
-        str(Path(temp_dir) / "head"),
-        *node,
-        *_node_ports(),
-    ]
-    cluster = LocalCluster(
-        directory=str(directory),
-        address=f"{HOST}:{gcs_port}",
-        dashboard_url=f"http://{HOST}:{dashboard_port}",
-        temp_dir=temp_dir,
-        pids=[],
-    )
+    node = ["--node-ip-address", HOST, "--num-cpus", str(cpus_per_node), "--num-gpus", str(gpus_per_node)]
+    head = ["--head", "--port", str(gcs_port), "--temp-dir", str(Path(temp_dir) / "head"), *node]
+    head += ["--dashboard-host", HOST, "--dashboard-port", str(dashboard_port), *_node_ports()]
+    address, dashboard_url = f"{HOST}:{gcs_port}", f"http://{HOST}:{dashboard_port}"
+    cluster = LocalCluster(str(directory), address, dashboard_url, temp_dir, pids=[])
     _write_state(cluster)  # from here on, whatever stops the start-up stops what it started
     try:
         cluster = _add_node(cluster, head, logs / "head.log")
@@ -226,20 +191,10 @@ def _write_state(cluster: LocalCluster) -> None:
     write_json_atomic(Path(cluster.directory) / STATE_FILE, asdict(cluster))
 
 
-def read_local_cluster(directory: str | Path) -> LocalCluster:
-    path = Path(directory).resolve() / STATE_FILE
-    if not path.exists():
-        raise ClusterError(f"no local cluster is recorded in {path.parent}; start one with mhf cluster start")
-    return LocalCluster(**read_json(path, ClusterError, "stop its nodes with `ray stop`, then remove it"))
-
-
 def _running(pid: int) -> bool:
-    try:
-        finished, _ = os.waitpid(pid, os.WNOHANG)  # reaps it if it is our own exited child
-        if finished:
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0]:  # reaps it if it is our own exited child
             return False
-    except ChildProcessError:
-        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -254,7 +209,10 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
 
 def stop_local_cluster(directory: str | Path, timeout: float = 30.0) -> None:
     """Stop every node of the cluster in `directory` (workers first) and forget it."""
-    cluster = read_local_cluster(directory)
+    path = Path(directory).resolve() / STATE_FILE
+    if not path.exists():
+        raise ClusterError(f"no local cluster is recorded in {path.parent}; start one with mhf cluster start")
+    cluster = LocalCluster(**read_json(path, ClusterError, "stop its nodes with `ray stop`, then remove it"))
     for pid in reversed(cluster.pids):
         _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout

@@ -8,13 +8,11 @@ num_lsh binarised vectors, concatenated, are multiplied by slice j of one [512 *
 standard-normal matrix (seeded 3408, every row L2-normalised over its last dimension); coordinate j is
 the arg-max plus one, so bucket 0 stays the padding token's. Similar strings share buckets.
 
-The authors draw both matrices whole and score one token at a time. Here each slice j is drawn by
-streaming the generator through the whole matrix in row chunks (torch's normal sampler fills 16 values
-at a time, so chunks of whole 16-value groups give exactly the values of one whole draw) and keeping
-only that slice: peak memory is one slice (512 * num_lsh x (B-1) floats: 134 MB at num_lsh=4, B=16K)
-plus a block of scores, and tokens are scored in blocks. A block product sums in another order than
-the authors' one-token product, so a token whose two best buckets tie to float32 rounding could in
-principle take the other one; the tests compare both on every token they build.
+The authors draw both matrices whole and score one token at a time. Here only slice j is kept, drawn
+by streaming the generator in chunks of whole 16-value groups (torch's normal sampler fills 16 at a
+time, so the values equal one whole draw): peak memory is one slice (134 MB at num_lsh=4, B=16K). The
+second stage scores tokens in blocks, which sum in another order than the authors' product: a token
+whose two best buckets tie to float32 rounding could take the other one (the tests compare both).
 """
 
 from __future__ import annotations
@@ -37,9 +35,7 @@ _CHUNK_VALUES = 1 << 22  # values drawn per generator call while streaming a mat
 
 def trigram_counts(token: str) -> Counter:
     """Character trigrams of `token` with their counts, in order of first appearance."""
-    if len(token) < 3:
-        return Counter([token])
-    return Counter(token[i : i + 3] for i in range(len(token) - 2))
+    return Counter(token[i : i + 3] for i in range(max(1, len(token) - 2)))  # a shorter token is one
 
 
 def normal_slice(seed: int, shape: tuple[int, int, int], index: int, normalize: bool = False) -> torch.Tensor:

@@ -1,16 +1,12 @@
-"""Which model families and backbone kinds exist: the registries `model.family` and
-`model.backbone.kind` are validated against, below both the config and the models.
+"""The registries `model.family` and `model.backbone.kind` are validated against (`FAMILIES`,
+`BACKBONES`), below both the config and the models: `models/registry.py` fills them, and nothing here
+imports config or model code. The built-in names are listed here (a test checks them against
+`models/registry.py`), so a config validates without the models loaded (`mhf config` imports no torch).
 
-The layers: `config.py` validates names against `FAMILIES` and `BACKBONES` here; `models/registry.py`
-fills them (`register_family`, `register_backbone`) with entries this module never looks into; nothing
-here imports config or model code, not even by name. The built-in names are listed here
-(`BUILTIN_FAMILIES`, `BUILTIN_BACKBONES`; a test checks they are the ones `models/registry.py`
-registers), so a config validates without the models loaded (`mhf config` imports no torch). An
-installed package's module is loaded by its `mhf_dist.families` entry point, as pytest loads its own
-plugins, on the first lookup of a name not registered yet, so its families exist in the driver and in
-every Ray worker alike. A family registered by a driver's own code reaches its Ray workers with the run
-(`outside_registrations`, `register_missing`). An outside package declares
-its module in its own `pyproject.toml`:
+An installed package's module is loaded by its `mhf_dist.families` entry point on the first lookup of
+a name not registered yet, in the driver and every Ray worker alike; a family registered by a driver's
+own code reaches its Ray workers with the run (`outside_registrations`, `register_missing`). An outside
+package declares its module in its own `pyproject.toml`:
 
     [project.entry-points."mhf_dist.families"]
     mine = "my_package.mhf_families"    # calls mhf_dist.models.registry.register_family on import
@@ -55,8 +51,7 @@ class Registry(Mapping[str, Any]):
         self._entries[name] = entry
 
     def entry(self, name: str) -> Any:
-        """The entry of `name` (the models are loaded by then); an unregistered name is a one-line
-        `ConfigError`."""
+        """The entry of `name`; an unregistered name is a one-line `ConfigError`."""
         if name not in self._entries:
             load_entry_points()
         if name not in self._entries:
@@ -95,8 +90,7 @@ BACKBONES = Registry("backbone kind", "register_backbone", BUILTIN_BACKBONES)
 
 
 def load_entry_points() -> None:
-    """Import the module of every `mhf_dist.families` entry point (a module already imported is not run
-    again, so this is cheap after the first call)."""
+    """Import the module of every `mhf_dist.families` entry point (cheap after the first call)."""
     for entry_point in entry_points(group=ENTRY_POINT_GROUP):
         try:
             entry_point.load()
@@ -108,8 +102,8 @@ def load_entry_points() -> None:
 
 
 def outside_registrations() -> dict[str, dict[str, Any]]:
-    """What this process registered beyond the built-ins, per registry: handed to a run's Ray workers,
-    which have not run the driver's code (cloudpickle sends a `__main__` script's functions by value)."""
+    """What this process registered beyond the built-ins, per registry, for a run's Ray workers (which
+    have not run the driver's code; cloudpickle sends a `__main__` script's functions by value)."""
     return {registry.what: registry.outside() for registry in (FAMILIES, BACKBONES)}
 
 

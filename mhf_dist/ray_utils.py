@@ -10,29 +10,20 @@ from mhf_dist.errors import MhfError
 from mhf_dist.interrupts import starting_ray
 from mhf_dist.storage import reachable
 
-# Logical CPUs a local instance adds beyond the physical cores: Ray Train's workers each hold one CPU
-# for the whole run, and whatever runs beside them (a `--prepare` job's Ray Data tasks, a second sweep
-# trial) needs slots of its own, or it waits for the run to end.
+# Logical CPUs a local instance adds beyond the cores: Ray Train's workers hold one CPU each for the whole
+# run, and what runs beside them (a `--prepare` job's Ray Data tasks) would otherwise wait for its end.
 LOCAL_CPU_HEADROOM = 2
-# Ray Train's placement-group cleaner asks the State API (served by the dashboard) every second whether
-# the train controller is alive. A local instance runs without the dashboard, so every ask fails and
-# logs this warning; the instance dies with its driver, which leaves the cleaner nothing to clean.
+# Ray Train's placement-group cleaner asks the State API (the dashboard's) every second, and logs this
+# warning where a local instance runs without one; the instance dies with its driver, so nothing is lost.
 PLACEMENT_GROUP_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 STATE_API_UNAVAILABLE = "State API may be temporarily unavailable"
-
-
 UNHANDLED_ERRORS_VARIABLE = "RAY_IGNORE_UNHANDLED_ERRORS"  # read by the driver each time it would print
 _session_dir: str | None = None  # the Ray session this process started or joined (its logs)
 
 
 def ensure_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
     """Start or join Ray once per process; `num_cpus` sizes a local instance (ignored on a cluster).
-
-    Unless `verbose`, the workers' output stays in Ray's log files (`logs_hint` says where) and the
-    driver's libraries keep their notices to themselves (`console.quiet_driver`); mhf's own lines from
-    the workers reach the console through a `console.ConsoleRelay`. The session decides: a later call,
-    or a Ray the caller started, keeps whatever it forwards (`workers_print_to_console`).
-    """
+    Unless `verbose`, the workers' output stays in Ray's logs (`logs_hint`)."""
     import ray
 
     if not ray.is_initialized():
@@ -45,9 +36,8 @@ def ensure_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
 
 
 def workers_print_to_console() -> bool:
-    """Whether Ray forwards what its workers print to this process's console (then no relay is needed,
-    and a relay would print every line twice). In a Ray worker (a Tune trial) it is its driver's
-    business: True."""
+    """Whether Ray forwards what its workers print to this console (a relay would print it twice); True
+    in a Ray worker (a Tune trial), where it is the driver's business."""
     from ray._private import worker  # Ray has no public query for log_to_driver
 
     driver = worker.global_worker
@@ -73,24 +63,16 @@ def _init(num_cpus: int | None, verbose: bool) -> None:
             f"cannot reach the Ray cluster at RAY_ADDRESS={address} (nothing answers there); start it, or "
             "unset RAY_ADDRESS to run on a local Ray"
         )
+    logs = {"logging_level": logging.WARNING, "log_to_driver": verbose}
     if address:
-        context = ray.init(
-            address=address,
-            logging_level=logging.WARNING,
-            log_to_driver=verbose,
-            runtime_env=_forwarded_environment(),
-        )
+        forwarded = {name: os.environ[name] for name in FORWARDED_VARIABLES if os.environ.get(name)}
+        runtime_env = {"env_vars": forwarded} if forwarded else {}
+        context = ray.init(address=address, runtime_env=runtime_env, **logs)
     else:
         cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1) + LOCAL_CPU_HEADROOM
         # "local" starts a new instance even where `ray start` left a cluster that ray.init() would join.
-        context = ray.init(
-            address="local",
-            num_cpus=cpus,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=verbose,
-            runtime_env={"worker_process_setup_hook": drop_state_api_warnings},
-        )
+        hook = {"worker_process_setup_hook": drop_state_api_warnings}
+        context = ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=hook, **logs)
     _session_dir = context.address_info["session_dir"]
 
 
@@ -107,9 +89,8 @@ def logs_hint() -> str | None:
     return f"Ray's logs (what its workers printed among them): {logs}{where}"
 
 
-# Where storage is, for workers on other nodes (a local instance's workers inherit them).
-# Credentials are not forwarded: a runtime_env is visible in Ray's dashboard; nodes take theirs from
-# their own environment or instance role.
+# Where storage is, for workers on other nodes. Credentials are not forwarded (a runtime_env is visible
+# in Ray's dashboard): nodes take theirs from their own environment or instance role.
 FORWARDED_VARIABLES = (
     "AWS_ENDPOINT_URL",
     "AWS_ENDPOINT_URL_S3",
@@ -117,11 +98,6 @@ FORWARDED_VARIABLES = (
     "AWS_DEFAULT_REGION",
     "STORAGE_EMULATOR_HOST",
 )
-
-
-def _forwarded_environment() -> dict[str, dict[str, str]]:
-    forwarded = {name: os.environ[name] for name in FORWARDED_VARIABLES if os.environ.get(name)}
-    return {"env_vars": forwarded} if forwarded else {}
 
 
 def drop_state_api_warnings() -> None:

@@ -1,33 +1,25 @@
 """Signature tables: every token id gets H bucket ids (MurmurHash3, optionally LSH) in a [rows, H] table.
 
-A `Scheme` says how a token's signature is drawn; a `SignatureTable` holds the drawn rows of one
-vocabulary and looks them up; `save_table` and `load_table` store a table as safetensors. In every
-scheme the key of token id t is its vocabulary string (the tokenizer's token, as
-`convert_ids_to_tokens` gives it), ids are visited in increasing order, and expansion appends rows by
-the same rule and never changes an existing row. The contract (DESIGN.md) has two schemes:
+In every `Scheme` the key of token id t is its vocabulary string (as `convert_ids_to_tokens` gives it),
+ids are visited in increasing order, and expansion appends rows by the same rule, never changing an
+existing row. The contract (DESIGN.md) has two schemes:
 
 - `reference` (the authors' HUIYINXUE/MHF `initialize_hash_map`; the paper's model): the first `num_lsh`
   coordinates (default 0) are LSH buckets of the string's character trigrams (`mhf_dist.lsh`); coordinate
   j in num_lsh..H-2 is `1 + mmh3.hash128(key, seed + j) % (B-1)`; the last is
   `1 + mmh3.hash128(key, seed + H-1+r) % (B-1)` for the first r = 0, 1, ... whose value differs from the
   last coordinate of the most recent earlier token with the same H-1 prefix (the authors' loop keeps one
-  token per prefix; r is stored as the token's salt). That is their rule exactly, so a table equals
-  theirs row for row for any H, and it may hold duplicate signatures: at H=1 (the prefix is empty, so
-  only consecutive tokens are kept apart), when three tokens share a prefix (an LSH prefix often is
-  shared), and when num_lsh == H (no coordinate is redrawn). `duplicate_signatures` counts them; exact
-  scoring gives duplicates the same score and counts each row once in its normaliser, as the authors'
-  `use_conditional_prob` does. Bucket 0 of every coordinate is reserved: only the padding token's
-  signature is all zeros.
-- `murmur32` (this project's first scheme): coordinate j is `mmh3.hash(key, seed + j, signed=False) % B`;
-  a taken signature is redrawn from `key + b"\\x00" + str(salt)` for salt = 1, 2, ...; the NUL separator
-  keeps a salted key from colliding with another token's plain key ("a1" vs "a" + salt 1). Collision-free:
-  a vocabulary larger than `capacity` is an error.
+  token per prefix; r is stored as the token's salt). A table equals theirs row for row, duplicate
+  signatures included (at H=1, when three tokens share a prefix, when num_lsh == H):
+  `duplicate_signatures` counts them, and exact scoring counts each row once in its normaliser, as the
+  authors' `use_conditional_prob` does. Bucket 0 is reserved for the padding token's all-zero signature.
+- `murmur32` (collision-free): coordinate j is `mmh3.hash(key, seed + j, signed=False) % B`; a taken
+  signature is redrawn from `key + b"\\x00" + str(salt)` for salt = 1, 2, ... (the NUL keeps "a1" apart
+  from "a" + salt 1).
 
-A new scheme is one `Scheme` subclass with its own `name`: defining it registers it in `SCHEMES`.
-
-A table may hold more rows than tokens (`reserved_rows`): an imported reference checkpoint's rows past
-the tokenizer's last id (the authors round V up to a multiple of 128 with all-zero rows). No id maps to
-them, but exact scoring's normaliser counts them, as the authors' does.
+A new scheme is a `Scheme` subclass with its own `name` (defining it registers it in `SCHEMES`).
+A table may hold reserved rows past the last token id (an imported reference checkpoint's V rounded up
+to a multiple of 128): no id maps to them, but exact scoring's normaliser counts them, as the authors' does.
 """
 
 from __future__ import annotations
@@ -37,8 +29,9 @@ import itertools
 import json
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -58,20 +51,11 @@ if TYPE_CHECKING:
 
 FILE_FORMAT = "mhf-signature-table"
 FORMAT_VERSION = 2  # 2: the scheme and the padding id are stored and covered by the fingerprint
-# 3: also `num_lsh` and tokens fewer than rows (reserved rows); written only by tables that have either,
-# so a plain table stays readable by an mhf-dist that reads format 2 only
+# 3: also num_lsh and reserved rows; written only where there are any, so format-2 readers read the rest
 FORMAT_VERSION_EXTENDED = 3
 READABLE_VERSIONS = (str(FORMAT_VERSION), str(FORMAT_VERSION_EXTENDED))
 MAX_SALT = 1_000_000
 NO_PAD = -1
-
-
-def smallest_uint_dtype(max_value: int) -> np.dtype:
-    """The narrowest unsigned integer dtype that holds `max_value`."""
-    for dtype in (np.uint8, np.uint16, np.uint32):
-        if max_value <= np.iinfo(dtype).max:
-            return np.dtype(dtype)
-    return np.dtype(np.uint64)
 
 
 def token_signature(key: bytes, num_hashes: int, num_buckets: int, seed: int) -> tuple[int, ...]:
@@ -84,15 +68,12 @@ def reference_coordinate(token: str, seed: int, num_buckets: int) -> int:
     return 1 + mmh3.hash128(token, seed) % (num_buckets - 1)
 
 
-# --- schemes ----------------------------------------------------------------------------------------
-
 SCHEMES: dict[str, type[Scheme]] = {}
 
 
 @dataclass(frozen=True)
 class Scheme(ABC):
-    """How each token's signature is drawn: H coordinates in 0..B-1 from the token's string, `seed` and
-    the rows of the tokens before it. Equal schemes draw equal tables from equal vocabularies."""
+    """How each token's H coordinates in 0..B-1 are drawn from its string, `seed` and earlier rows."""
 
     name: ClassVar[str]
     draws_lsh: ClassVar[bool] = False  # whether the first `num_lsh` coordinates may be LSH buckets
@@ -134,7 +115,7 @@ class Scheme(ABC):
 
     @property
     def dtype(self) -> np.dtype:
-        return smallest_uint_dtype(self.num_buckets - 1)
+        return np.min_scalar_type(self.num_buckets - 1)  # the narrowest unsigned dtype that holds B-1
 
     @property
     @abstractmethod
@@ -156,12 +137,10 @@ class Scheme(ABC):
 
     @abstractmethod
     def draw(self, earlier: np.ndarray, tokens: Sequence[str], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows [len(tokens), H] (`dtype`) and uint32 salts of `tokens`, which take the ids after the
-        tokens whose rows are `earlier`; `pad_id` is the padding token's id (NO_PAD: none)."""
+        """Rows [len(tokens), H] and uint32 salts of `tokens`, the ids after `earlier`'s rows."""
 
     def table(self, tokens: Iterable[str], pad_token: str | None = None) -> SignatureTable:
-        """The table of a vocabulary in id order (tokens[i] is the string of id i); `pad_token` (if
-        present) gets the all-zero signature where the scheme keeps one for it."""
+        """The table of a vocabulary in id order; `pad_token` gets the all-zero row if the scheme has one."""
         tokens = list(tokens)
         empty = np.zeros((0, self.num_hashes), self.dtype)
         start = SignatureTable([], empty, np.zeros(0, np.uint32), self, self.padding_id(tokens, pad_token))
@@ -173,16 +152,14 @@ class Scheme(ABC):
 
 
 class ReferenceScheme(Scheme):
-    """The authors' rule (module docstring): LSH and MurmurHash3 prefix, the last coordinate redrawn
-    only while it equals the last coordinate of the most recent token with the same prefix."""
+    """The authors' rule (see the module docstring)."""
 
     name: ClassVar[str] = "reference"
     draws_lsh: ClassVar[bool] = True
 
     @property
     def capacity(self) -> int:
-        """Distinct signatures, the padding token's included. The authors' rule builds a larger vocabulary
-        with duplicates, and duplicates below this size too (`duplicate_signatures`)."""
+        """Distinct signatures, the padding token's included (the rule itself may repeat some)."""
         return (self.num_buckets - 1) ** self.num_hashes + 1
 
     def padding_id(self, tokens: Sequence[str], pad_token: str | None) -> int:
@@ -225,34 +202,24 @@ class ReferenceScheme(Scheme):
     def _last_coordinate(self, token: str, previous: int | None) -> tuple[int, int]:
         """(redraws, value): the first draw of the last coordinate that differs from `previous`."""
         seed = self.seed + self.num_hashes - 1
-        last = reference_coordinate(token, seed, self.num_buckets)
-        redraw = 0
-        while last == previous:
+        for redraw in range(MAX_SALT):
+            last = reference_coordinate(token, seed + redraw, self.num_buckets)
+            if last != previous:
+                return redraw, last
             if self.num_buckets == 2:
                 raise SignatureError(
                     f"no signature for {token!r} differs from the previous token with its prefix: with B=2 "
                     "every coordinate but the padding token's is bucket 1; use more buckets"
                 )
-            redraw += 1
-            if redraw >= MAX_SALT:
-                raise SignatureError(
-                    f"no free signature for {token!r} after {MAX_SALT} redraws; use more buckets"
-                )
-            last = reference_coordinate(token, seed + redraw, self.num_buckets)
-        return redraw, last
+        raise SignatureError(f"no free signature for {token!r} after {MAX_SALT} redraws; use more buckets")
 
     def _latest_by_prefix(self, earlier: np.ndarray, pad_id: int) -> dict[tuple[int, ...], int]:
-        """The authors' state after the earlier tokens: the last coordinate of each prefix's latest token.
-
-        All-zero rows other than the padding token's are tokens their loop never visits (a checkpoint's
-        added tokens) and leave the state alone."""
-        latest: dict[tuple[int, ...], int] = {}
+        """The last coordinate of each prefix's latest earlier token, skipping all-zero rows but the
+        padding token's: tokens the authors' loop never visits (a checkpoint's added tokens)."""
         if self.num_lsh == self.num_hashes:
-            return latest
-        for token_id, row in enumerate(earlier.tolist()):
-            if token_id == pad_id or any(row):
-                latest[tuple(row[:-1])] = row[-1]
-        return latest
+            return {}
+        rows = enumerate(earlier.tolist())
+        return {tuple(row[:-1]): row[-1] for token_id, row in rows if token_id == pad_id or any(row)}
 
 
 class Murmur32Scheme(Scheme):
@@ -272,22 +239,20 @@ class Murmur32Scheme(Scheme):
         taken = {tuple(row) for row in earlier.tolist()}
         rows, salts = [], []
         for token in tokens:
-            draws = self._candidates(token)
-            salt, signature = next(((s, sig) for s, sig in draws if sig not in taken), (MAX_SALT, None))
-            if signature is None:
-                raise SignatureError(
-                    f"no free signature for {token!r} after {MAX_SALT} redraws; use more buckets"
-                )
+            salt, signature = self._first_free(token, taken)
             taken.add(signature)
             rows.append(signature)
             salts.append(salt)
         return self._as_arrays(rows, salts)
 
-    def _candidates(self, token: str) -> Iterator[tuple[int, tuple[int, ...]]]:
+    def _first_free(self, token: str, taken: set[tuple[int, ...]]) -> tuple[int, tuple[int, ...]]:
         key = token.encode("utf-8")
         for salt in range(MAX_SALT):
             salted = key if salt == 0 else key + b"\x00" + str(salt).encode()
-            yield salt, token_signature(salted, self.num_hashes, self.num_buckets, self.seed)
+            signature = token_signature(salted, self.num_hashes, self.num_buckets, self.seed)
+            if signature not in taken:
+                return salt, signature
+        raise SignatureError(f"no free signature for {token!r} after {MAX_SALT} redraws; use more buckets")
 
 
 def make_scheme(name: str, num_hashes: int, num_buckets: int, seed: int = 0, num_lsh: int = 0) -> Scheme:
@@ -304,16 +269,9 @@ def scheme_for_config(hash_cfg: HashConfig) -> Scheme:
     )
 
 
-# --- tables -----------------------------------------------------------------------------------------
-
-
 class SignatureTable:
-    """An immutable table of bucket ids for a vocabulary, with the scheme that drew it.
-
-    `rows` is [num_rows, H]: row t is token id t's signature for t < len(tokens); rows past the last
-    token are reserved (no id, counted by exact scoring's normaliser; see the module docstring).
-    `pad_id` is the token whose signature the scheme keeps all zeros (NO_PAD: none).
-    """
+    """An immutable [num_rows, H] table of bucket ids: row t is token id t's signature, rows past the
+    last token are reserved (module docstring); `pad_id`'s row is all zeros (NO_PAD: none)."""
 
     def __init__(
         self, tokens: Sequence[str], rows: np.ndarray, salts: np.ndarray, scheme: Scheme, pad_id: int = NO_PAD
@@ -334,8 +292,6 @@ class SignatureTable:
         # A row of H small ints viewed as one 1/2/4/8-byte integer: 1-D `take` gathers ~3x faster.
         row_bytes = scheme.num_hashes * rows.dtype.itemsize
         self._packed = rows.view(f"<u{row_bytes}").reshape(-1) if row_bytes in (1, 2, 4, 8) else None
-        self._fingerprint: str | None = None
-        self._duplicates: int | None = None
 
     @classmethod
     def build(
@@ -348,17 +304,23 @@ class SignatureTable:
         pad_token: str | None = None,
         num_lsh: int = 0,
     ) -> SignatureTable:
-        """Shorthand for `make_scheme(scheme, num_hashes, num_buckets, seed, num_lsh).table(tokens,
-        pad_token)`."""
+        """The table the named scheme draws for `tokens`."""
         return make_scheme(scheme, num_hashes, num_buckets, seed, num_lsh).table(tokens, pad_token)
 
     def expand(self, new_tokens: Iterable[str]) -> SignatureTable:
-        """A new table with rows for `new_tokens` after the last token; every token's row stays as it is.
-
-        New tokens take the ids after the last token, so they take the places of reserved rows first
-        (rows no id had; those left over stay as they were)."""
+        """A new table with rows for `new_tokens` after the last token (in reserved rows first); every
+        existing row stays as it is."""
         new_tokens = list(new_tokens)
-        self._check_new(new_tokens)
+        known = set(self._tokens)
+        for token in new_tokens:
+            if not isinstance(token, str):
+                raise SignatureError(f"token {token!r} is not a string; pass vocabulary strings")
+            if token in known:
+                raise SignatureError(
+                    f"token {token!r} is already in the table (id {self._tokens.index(token)}); "
+                    "expand with new tokens only"
+                )
+            known.add(token)
         count = len(self._tokens)
         rows, salts = self.scheme.draw(self._rows[:count], new_tokens, self.pad_id)
         leftover = slice(count + len(new_tokens), None)  # reserved rows no new token took
@@ -370,19 +332,6 @@ class SignatureTable:
             self.pad_id,
         )
 
-    def _check_new(self, new_tokens: list[str]) -> None:
-        known = set(self._tokens)
-        for token in new_tokens:
-            if not isinstance(token, str):
-                raise SignatureError(f"token {token!r} is not a string; pass vocabulary strings")
-            if token in known:
-                raise SignatureError(
-                    f"token {token!r} is already in the table (id {self._tokens.index(token)}); "
-                    "expand with new tokens only"
-                )
-            known.add(token)
-
-    # --- the scheme's shape, as callers ask for it ---------------------------------------------
     @property
     def num_hashes(self) -> int:
         return self.scheme.num_hashes
@@ -410,8 +359,7 @@ class SignatureTable:
         error: type[MhfError] = SignatureError,
         fix: str = "rebuild the table or change model.hash",
     ) -> None:
-        """This table (`what`, for the message) was drawn by the scheme `model.hash` describes: shape,
-        seed, scheme and LSH coordinates; else one line naming both."""
+        """Raise `error` unless this table (`what`) was drawn by the scheme `model.hash` describes."""
         if self.scheme != scheme_for_config(hash_cfg):
             raise error(
                 f"{what} is {self.spec} seed {self.seed} ({self.scheme.name} scheme, num_lsh {self.num_lsh}) "
@@ -420,8 +368,7 @@ class SignatureTable:
             )
 
     def vocabulary_difference(self, tokens: Sequence[str]) -> str | None:
-        """Where `tokens` (a tokenizer's vocabulary) differ from those this table's signatures were hashed
-        from, or None: a difference would decode ids as other text than the model learned."""
+        """Where a tokenizer's vocabulary differs from this table's tokens, or None."""
         tokens = tuple(tokens)
         if tokens == self.tokens:
             return None
@@ -432,7 +379,6 @@ class SignatureTable:
             return f"{len(tokens)} tokens there, {len(self.tokens)} in the signature table"
         return f"id {differ} is {tokens[differ]!r} there, {self.tokens[differ]!r} in the signature table"
 
-    # --- rows ----------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._tokens)
 
@@ -442,8 +388,7 @@ class SignatureTable:
 
     @property
     def rows(self) -> np.ndarray:
-        """The read-only [num_rows, H] table (token rows, then reserved ones), in the smallest unsigned
-        dtype that holds B."""
+        """The read-only [num_rows, H] table (token rows, then reserved ones)."""
         return self._rows
 
     @property
@@ -452,39 +397,32 @@ class SignatureTable:
 
     @property
     def num_rows(self) -> int:
-        """Rows of the table: the tokens' and the reserved ones that exact scoring also normalises over."""
+        """The tokens' rows and the reserved ones."""
         return self._rows.shape[0]
 
     @property
     def reserved_rows(self) -> int:
         return self.num_rows - len(self._tokens)
 
-    @property
+    @cached_property
     def duplicate_signatures(self) -> int:
         """Tokens whose signature an earlier token already has (0 under murmur32)."""
-        if self._duplicates is None:
-            token_rows = self._rows[: len(self._tokens)]
-            distinct = len(np.unique(token_rows, axis=0)) if len(token_rows) else 0
-            self._duplicates = len(token_rows) - distinct
-        return self._duplicates
+        token_rows = self._rows[: len(self._tokens)]
+        return len(token_rows) - (len(np.unique(token_rows, axis=0)) if len(token_rows) else 0)
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
-        """sha256 over (scheme, H, B, seed, num_lsh, token count, rows): equal fingerprints mean
-        interchangeable tables. num_lsh and the token count enter only when they are not the plain case
-        (num_lsh 0, no reserved rows), so every table of that case keeps its earlier fingerprint."""
-        if self._fingerprint is None:
-            header = f"mhf-signatures:{self.scheme.name}:{self.num_hashes}:{self.num_buckets}:{self.seed}:"
-            if self.num_lsh:
-                header += f"lsh={self.num_lsh}:"
-            if self.reserved_rows:
-                header += f"tokens={len(self._tokens)}:"
-            digest = hashlib.sha256(header.encode())
-            digest.update(self._rows.astype("<u8").tobytes())
-            self._fingerprint = digest.hexdigest()
-        return self._fingerprint
+        """sha256 over (scheme, H, B, seed, rows, and num_lsh and the token count where not 0/all rows,
+        so plain tables keep their earlier fingerprints): equal fingerprints mean interchangeable tables."""
+        header = f"mhf-signatures:{self.scheme.name}:{self.num_hashes}:{self.num_buckets}:{self.seed}:"
+        if self.num_lsh:
+            header += f"lsh={self.num_lsh}:"
+        if self.reserved_rows:
+            header += f"tokens={len(self._tokens)}:"
+        digest = hashlib.sha256(header.encode())
+        digest.update(self._rows.astype("<u8").tobytes())
+        return digest.hexdigest()
 
-    # --- lookup --------------------------------------------------------------------------------
     def lookup(self, ids: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """Signatures of `ids` with shape [..., H]; numpy in, numpy out; torch in, int64 torch out."""
         if "torch" in sys.modules and isinstance(ids, sys.modules["torch"].Tensor):  # no torch, no tensor
@@ -500,7 +438,7 @@ class SignatureTable:
         return self._packed.take(ids, mode="clip").view(self._rows.dtype).reshape(*ids.shape, self.num_hashes)
 
     def as_tensor(self) -> torch.Tensor:
-        """The table as an int64 [num_rows, H] tensor, as models hold it (reserved rows included)."""
+        """The table as an int64 [num_rows, H] tensor, as models hold it."""
         import torch
 
         return torch.from_numpy(self._rows.astype(np.int64))
@@ -532,19 +470,15 @@ class SignatureTable:
 def build_for_config(
     hash_cfg: HashConfig, tokens: Sequence[str], pad_token: str | None = None
 ) -> SignatureTable:
-    """The table `model.hash` describes (spec, seed, scheme, num_lsh) for a vocabulary in id order."""
+    """The table `model.hash` describes for a vocabulary in id order."""
     return scheme_for_config(hash_cfg).table(tokens, pad_token)
-
-
-# --- persistence ------------------------------------------------------------------------------------
 
 
 def save_table(table: SignatureTable, path: str | Path) -> None:
     """Write `table` as a safetensors file (no pickle), published whole (`Location.staged_file`)."""
     extended = bool(table.num_lsh or table.reserved_rows)
     encoded = [token.encode("utf-8") for token in table.tokens]
-    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(blob) for blob in encoded])
+    offsets = np.cumsum([0, *map(len, encoded)], dtype=np.int64)
     tensors = {
         "rows": np.ascontiguousarray(table.rows),
         "salts": np.ascontiguousarray(table.salts),
@@ -568,8 +502,7 @@ def save_table(table: SignatureTable, path: str | Path) -> None:
 
 
 def load_table(path: str | Path | Location) -> SignatureTable:
-    """The table `save_table` wrote (local or in a bucket); a missing, foreign, old or corrupted file is a
-    one-line error."""
+    """The table `save_table` wrote (local or in a bucket); a bad file is a one-line error."""
     path = local_copy(path)
     if not path.is_file():
         raise SignatureError(f"signature table {str(path)!r} does not exist; check the path")
@@ -595,13 +528,8 @@ def load_table(path: str | Path | Location) -> SignatureTable:
         raise SignatureError(
             f"signature table {str(path)!r} is corrupted (its tokens cannot be read: {err}); rebuild it"
         ) from None
-    scheme = make_scheme(
-        metadata["scheme"],
-        int(metadata["num_hashes"]),
-        int(metadata["num_buckets"]),
-        int(metadata["seed"]),
-        int(metadata.get("num_lsh", "0")),
-    )
+    shape = [int(metadata[key]) for key in ("num_hashes", "num_buckets", "seed")]
+    scheme = make_scheme(metadata["scheme"], *shape, int(metadata.get("num_lsh", "0")))
     table = SignatureTable(tokens, tensors["rows"], tensors["salts"], scheme, int(metadata["pad_id"]))
     if table.fingerprint != metadata.get("fingerprint"):
         raise SignatureError(f"signature table {str(path)!r} is corrupted (fingerprint mismatch); rebuild it")

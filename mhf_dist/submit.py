@@ -1,10 +1,8 @@
 """Ray job specs (`jobs/*.job.yaml`) and `mhf submit`: one job through Ray's Jobs API.
 
-A spec holds what `ray job submit` takes: an entrypoint (a shell command run on the cluster's head),
-a runtime_env (working_dir or py_modules shipped with the job, env_vars) and the entrypoint's resources.
-Values of `runtime_env.env_vars` may name the submitter's environment: `${NAME}` (required) or
-`${NAME:-default}`; a variable that expands to "" is left unset on the cluster. Relative local paths
-(working_dir, py_modules) are resolved against the current directory, as `ray job submit` does.
+A spec holds what `ray job submit` takes: an entrypoint, a runtime_env and the entrypoint's resources.
+`runtime_env.env_vars` values may name the submitter's environment (`${NAME}` or `${NAME:-default}`;
+one that expands to "" is left unset), and relative local paths resolve as `ray job submit` does.
 """
 
 from __future__ import annotations
@@ -111,11 +109,6 @@ def _check_named(spec: JobSpec, env: Mapping[str, str]) -> None:
         raise ConfigError(f"--env {stray}: the job spec has no ${{{stray}}} (it names {names}); drop it")
 
 
-def _shell_word(arg: str) -> str:
-    """Quoted for the entrypoint's shell unless plainly safe; left bare, `$NAME` expands on the cluster."""
-    return arg if _PLAIN_WORD.fullmatch(arg) else shlex.quote(arg)
-
-
 def _client(address: str) -> Any:
     from ray.exceptions import AuthenticationError, RpcError
     from ray.job_submission import JobSubmissionClient
@@ -153,7 +146,9 @@ def submit_job(
     _check_named(spec, env or {})
     environ = {**os.environ, **(env or {})}
     runtime_env = resolved_runtime_env(spec, environ, Path.cwd())
-    entrypoint = " ".join([spec.entrypoint, *map(_shell_word, extra_args)])
+    # Arguments are quoted for the entrypoint's shell unless plainly safe: a bare `$NAME` expands there.
+    words = [arg if _PLAIN_WORD.fullmatch(arg) else shlex.quote(arg) for arg in extra_args]
+    entrypoint = " ".join([spec.entrypoint, *words])
     client = _client(address)
     try:
         job_id = client.submit_job(

@@ -1,12 +1,9 @@
-"""Tokenizers: any Hugging Face `tokenizer.json`, Mistral-7B-v0.3's (`mistral-v0.3`), a byte-level BPE
-trained on a corpus, or raw bytes.
-
-All are `tokenizers.Tokenizer` objects underneath, so every one saves as a `tokenizer.json` that
-shards, checkpoints and exported models carry.
+"""Tokenizers (any `tokenizer.json`, Mistral-7B-v0.3's, a trained byte-level BPE, raw bytes), all
+`tokenizers.Tokenizer` objects that save as the `tokenizer.json` shards and models carry.
 
 A document's boundary tokens follow the tokenizer (`document_format`): `bos` documents are `<s> text`
-with no EOS (what a tokenizer whose default special tokens put a BOS first gives, e.g. Mistral's); `eos`
-documents are `text EOS` (a tokenizer without such a BOS, e.g. byte-level BPEs and raw bytes).
+(a tokenizer whose default special tokens put a BOS first, e.g. Mistral's); `eos` documents are
+`text EOS` (e.g. byte-level BPEs and raw bytes).
 """
 
 from __future__ import annotations
@@ -46,9 +43,15 @@ def check_document_format(
         )
 
 
+def byte_level_alphabet() -> list[str]:
+    """The GPT-2 byte-to-character table in byte order (`tokenizers` only gives an unordered set)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
+    others = iter(range(256, 512))  # the unprintable bytes, in order, take the characters from U+0100
+    return [chr(byte) if byte in printable else chr(next(others)) for byte in range(256)]
+
+
 def check_utf8(texts: Iterable[str]) -> None:
-    """Each text must be encodable as UTF-8: bytes a command line could not decode are kept as surrogate
-    characters (U+DC80..U+DCFF), which no tokenizer reads."""
+    """Refuse text that is not UTF-8: a command line keeps undecodable bytes as surrogates (U+DC80..)."""
     for text in texts:
         try:
             text.encode("utf-8")
@@ -58,26 +61,6 @@ def check_utf8(texts: Iterable[str]) -> None:
             raise DataError(
                 f"text {text[:40]!r} is not valid UTF-8 ({byte} at character {err.start}); pass UTF-8 text"
             ) from None
-
-
-def byte_level_alphabet() -> list[str]:
-    """The GPT-2 byte-to-character table in byte order: character i stands for byte value i.
-
-    `tokenizers` exposes the alphabet only as an unordered set; byte-level models need the order.
-    """
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(256 + extra)
-            extra += 1
-    return [table[byte] for byte in range(256)]
 
 
 class TextTokenizer:
@@ -149,24 +132,16 @@ class TextTokenizer:
         return cls(tokenizer)
 
     @classmethod
-    def mistral(cls) -> TextTokenizer:
-        """Mistral-7B-v0.3's tokenizer (32,768 ids), converted once from mistral-common and cached."""
-        from mhf_dist.data import mistral
-
-        return cls(Tokenizer.from_str(mistral.tokenizer_json()), eos_token="</s>")
-
-    @classmethod
     def resolve(cls, spec: str, vocab_size: int, training_texts: Iterable[str]) -> TextTokenizer:
-        """`bytes`, `bpe` (trained on `training_texts` to `vocab_size`), `mistral-v0.3` or a path to a
-        tokenizer.json."""
+        """`bytes`, `bpe` (trained on `training_texts`), `mistral-v0.3` or a tokenizer.json path."""
         from mhf_dist.data import mistral
 
         if spec == "bytes":
             return cls.bytes()
         if spec == "bpe":
             return cls.train_bpe(training_texts, vocab_size)
-        if spec == mistral.NAME:
-            return cls.mistral()
+        if spec == mistral.NAME:  # converted once from mistral-common and cached
+            return cls(Tokenizer.from_str(mistral.tokenizer_json()), eos_token="</s>")
         path = Path(spec)
         if not path.is_file():
             raise DataError(
@@ -175,11 +150,9 @@ class TextTokenizer:
             )
         return cls.load(path)
 
-    # --- document boundaries ------------------------------------------------------------------------
     @property
     def default_bos_id(self) -> int | None:
-        """The token the tokenizer's default special tokens put before a text (its post-processor's
-        `<s> $A` template), or None when they add nothing in front."""
+        """The token the default special tokens put before a text (`<s> $A`), or None."""
         plain = self.tokenizer.encode("a", add_special_tokens=False).ids
         full = self.tokenizer.encode("a", add_special_tokens=True).ids
         if len(full) > len(plain) and full[1 : 1 + len(plain)] == plain:
@@ -187,8 +160,7 @@ class TextTokenizer:
         return None
 
     def resolve_format(self, requested: str) -> str:
-        """`auto` -> `bos` when the default special tokens lead with a BOS, else `eos`; `bos`/`eos` as
-        asked (`bos` needs a BOS token in the vocabulary)."""
+        """`auto` -> `bos` when the default special tokens lead with a BOS, else `eos`."""
         if requested == "auto":
             return "bos" if self.default_bos_id is not None else "eos"
         if requested not in DOCUMENT_FORMATS:
@@ -200,13 +172,10 @@ class TextTokenizer:
     @property
     def bos_id(self) -> int:
         """The BOS of `bos` documents: the default template's, else the first of BOS_CANDIDATES."""
-        default = self.default_bos_id
-        if default is not None:
-            return default
-        for token in BOS_CANDIDATES:
-            index = self.tokenizer.token_to_id(token)
-            if index is not None:
-                return index
+        candidates = (self.tokenizer.token_to_id(token) for token in BOS_CANDIDATES)
+        index = next((i for i in (self.default_bos_id, *candidates) if i is not None), None)
+        if index is not None:
+            return index
         raise DataError(
             f"the tokenizer has no BOS token ({', '.join(BOS_CANDIDATES)}); set data.document_format=eos"
         )
@@ -229,11 +198,9 @@ class TextTokenizer:
         return self.boundaries(document_format)[0]
 
     def empty_context(self, document_format: str) -> list[int]:
-        """The context of a text scored from its start (lm-eval's prefix token): BOS for `bos` models,
-        EOS (the end of a previous document) for `eos` models."""
+        """The context of a text scored from its start (lm-eval's prefix token): BOS, or EOS for `eos`."""
         return [self.bos_id] if document_format == "bos" else [self.eos_id]
 
-    # --- vocabulary expansion (continued pretraining): old ids keep their strings -------------------
     def with_added_tokens(self, tokens: Sequence[str]) -> TextTokenizer:
         """Append `tokens` as whole-string tokens (matched before pre-tokenisation)."""
         known = set(self.vocabulary())
@@ -249,11 +216,8 @@ class TextTokenizer:
         return self._extended(tokenizer)
 
     def with_trained_tokens(self, texts: Iterable[str], count: int) -> TextTokenizer:
-        """Append up to `count` BPE tokens learned from `texts`: their merges go after the old ones.
-
-        `tokenizers` cannot extend a trained BPE, so this trains a BPE with the same pre-tokeniser on
-        `texts` and appends, in merge order, every merge whose result is new and whose parts are known.
-        """
+        """Append up to `count` BPE tokens learned from `texts` (`tokenizers` cannot extend a trained BPE:
+        a new one's merges whose result is new and whose parts are known are appended in order)."""
         spec = json.loads(self.tokenizer.to_str())
         if spec["model"]["type"] != "BPE":
             raise DataError(
@@ -304,12 +268,9 @@ class TextTokenizer:
 
     @property
     def pad_token(self) -> str:
-        """The padding token, whose reference signature is all zeros: a pad token the vocabulary has,
-        else EOS (as the reference's training sets `pad_token = eos_token`)."""
-        for token in PAD_CANDIDATES:
-            if self.tokenizer.token_to_id(token) is not None:
-                return token
-        return self.tokenizer.id_to_token(self.eos_id)
+        """The padding token (all-zero reference signature): a pad token, else EOS as in the reference."""
+        known = (token for token in PAD_CANDIDATES if self.tokenizer.token_to_id(token) is not None)
+        return next(known, self.tokenizer.id_to_token(self.eos_id))
 
     @property
     def vocab_size(self) -> int:
@@ -326,9 +287,7 @@ class TextTokenizer:
         return [by_id[index] for index in range(len(by_id))]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Each text's ids. Text that is not UTF-8 (undecodable bytes of a command line kept as
-        surrogates) and, for a fixed-vocabulary word-level tokenizer, a word outside its vocabulary are
-        one-line errors."""
+        """Each text's ids; non-UTF-8 text or a word a fixed word-level vocabulary lacks is an error."""
         texts = list(texts)
         try:
             encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
@@ -344,8 +303,7 @@ class TextTokenizer:
         return [encoding.ids for encoding in encodings]
 
     def outside_vocabulary(self, text: str) -> bool:
-        """Whether `text` holds a word a fixed word-level vocabulary lacks, which `encode_batch` refuses
-        (never, for a tokenizer that can spell any text)."""
+        """Whether `text` holds a word a fixed word-level vocabulary lacks (`encode_batch` refuses it)."""
         if self.unknown_word is None:
             return False
         try:
@@ -380,12 +338,9 @@ class TextTokenizer:
             )
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """(context ids, continuation ids) as the continuation is tokenized after the context.
-
-        As lm-eval's Hugging Face model does: trailing spaces of the context move to the continuation,
-        and the continuation's ids are those of the whole text past the context's. A SentencePiece
-        tokenizer encodes " word" alone with an extra `▁` (`▁▁word`), never as it appears in text.
-        """
+        """(context ids, continuation ids) as lm-eval's Hugging Face model splits them: the context's
+        trailing spaces move to the continuation, whose ids are the whole text's past the context's
+        (SentencePiece encodes " word" alone as `▁▁word`, never as it appears in text)."""
         spaces = len(context) - len(context.rstrip(" "))
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation

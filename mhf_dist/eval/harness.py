@@ -1,22 +1,18 @@
 """The lm-evaluation-harness model `mhf`: any exported mhf-dist model, scored exactly.
 
-Log-likelihoods come from the same code as `mhf eval` (`mhf_dist.eval.scoring`: exact over the whole
-vocabulary, V_actl-renormalised for `mhf`), so both agree on the same data. lm-eval's `--batch_size`
-sets the requests scored per forward pass (right-padded, longest first; the same scores as one at a
-time): an integer, or `auto` / `auto:N`, which mean AUTO_BATCH_SIZE (no memory probing). Contexts
-longer than `max_length` lose their oldest tokens, as in lm-eval's Hugging Face model; `max_length`
-(default 1024, or the model's max_position_embeddings where smaller) may not pass max_position_embeddings.
+Log-likelihoods come from the same code as `mhf eval` (`mhf_dist.eval.scoring`), so both agree on the
+same data. `--batch_size` is the requests scored per forward pass (`auto` / `auto:N` mean
+AUTO_BATCH_SIZE: no memory probing). Contexts longer than `max_length` (default 1024, at most
+max_position_embeddings) lose their oldest tokens, as in lm-eval's Hugging Face model.
 
     mhf-lm-eval --model mhf --model_args path=runs/.../model --tasks hellaswag --include_path my_tasks/
     # or in Python, after `import mhf_dist.eval.harness`:
     lm_eval.simple_evaluate(model="mhf", model_args="path=...", tasks=[...])
 
-Contexts follow the model's document format as lm-eval's Hugging Face model does with the tokenizer's
-default special tokens: a `bos` model reads BOS before every context and as the empty context (the
-prefix token of rolling windows); an `eos` model reads contexts as they are and EOS as the empty context.
-
-`lm_eval` itself cannot discover models outside its source tree, so `mhf-lm-eval` is lm-eval's own
-command line with this model registered. Needs `pip install 'mhf-dist[eval]'`.
+A `bos` model reads BOS before every context and as the empty context (the prefix token of rolling
+windows); an `eos` model reads contexts as they are and EOS as the empty context. `lm_eval` cannot
+discover models outside its source tree, so `mhf-lm-eval` is lm-eval's own command line with this model
+registered. Needs `pip install 'mhf-dist[eval]'`.
 """
 
 from __future__ import annotations
@@ -89,8 +85,8 @@ class MhfHarnessLM(LM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MhfHarnessLM:
-        """As lm-eval's, but a `batch_size` (or `device`) in the model args wins over the command line's
-        own (which lm-eval always passes, so lm-eval's default would raise a duplicate-argument error)."""
+        """As lm-eval's, but a `batch_size` (or `device`) in the model args wins over the command line's,
+        which lm-eval always passes (its default would raise a duplicate-argument error)."""
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     @classmethod
@@ -112,7 +108,7 @@ class MhfHarnessLM(LM):
         return self.tokenizer.encode_batch([text])[0]
 
     def _context(self, ids: list[int]) -> list[int]:
-        """A context as the model's documents start: BOS first (`bos`); an empty one is the prefix token."""
+        """A context as the model's documents start; an empty one is the prefix token."""
         framed = self.tokenizer.context_prefix(self.document_format) + ids
         return framed or [self.prefix_token_id]
 
@@ -135,9 +131,8 @@ class MhfHarnessLM(LM):
             rolling = get_rolling_token_windows(
                 self._encode(text), self.prefix_token_id, self.max_length, context_len=1
             )
-            for window in map(make_disjoint_window, rolling):
-                windows.append(window)
-                owners.append(number)
+            windows += map(make_disjoint_window, rolling)
+            owners += [number] * (len(windows) - len(owners))
         totals = [0.0] * len(requests)
         scores = score_continuations(self.model, windows, self.batch_size)
         for owner, (logprob, _) in zip(owners, scores, strict=True):
@@ -145,8 +140,8 @@ class MhfHarnessLM(LM):
         return totals
 
     def generate_until(self, requests: list[Any]) -> list[str]:
-        """Continuations decoded `batch_size` prompts at a time, longest first, grouped by their gen kwargs
-        (lm-eval's Hugging Face model's order), returned in the requests' order."""
+        """Continuations decoded `batch_size` prompts at a time in lm-eval's Hugging Face model's order
+        (grouped by gen kwargs, longest first), returned in the requests' order."""
         encoded = [(self._context(self._encode(r.args[0])), r.args[1]) for r in requests]  # (prompt, kwargs)
         order = Collator(encoded, sort_fn=lambda request: -len(request[0]), group_by="gen_kwargs")
         outputs = []
@@ -175,10 +170,6 @@ class MhfHarnessLM(LM):
         def continuation(row: int, ids: list[int]) -> str:
             return self.tokenizer.decode(tails[row] + ids)[tail_chars[row] :]
 
-        def reached_until(row: int, ids: list[int]) -> bool:
-            text = continuation(row, ids)
-            return any(stop in text for stop in until)
-
         sampling = Sampling(
             temperature=float(kwargs.get("temperature", 0.0)),
             top_k=int(kwargs.get("top_k", 0)),
@@ -190,7 +181,7 @@ class MhfHarnessLM(LM):
             kwargs["max_gen_toks"],
             sampling,
             stop_ids=[self.tokenizer.eos_id],
-            should_stop=reached_until,
+            should_stop=lambda row, ids: any(stop in continuation(row, ids) for stop in until),
         )
         return [postprocess_generated_text(continuation(*row), until, None) for row in enumerate(new_ids)]
 

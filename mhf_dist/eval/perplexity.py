@@ -57,14 +57,10 @@ def text_scores(
     batch_size: int = 16,
     document_format: str = "eos",
 ) -> dict[str, float]:
-    """Exact NLL per token and bits per UTF-8 byte of `texts`, each framed as the model's documents
-    (`bos`: BOS first; `eos`: EOS after), comparable across tokenizers through the bytes.
-
-    The texts are packed into windows of seq_len targets (no context carried across a window) and every
-    target is scored: what is left after the last full window is scored in one shorter window, as is a
-    text shorter than one window, and the result says so (`last_window`: its targets; `window` when it is
-    the only one). Bytes are the texts' UTF-8 bytes, each document boundary token counted as one.
-    """
+    """Exact NLL per token and bits per UTF-8 byte (a boundary token counts as one) of `texts`, framed
+    as the model's documents and packed into windows of seq_len targets with no context across them.
+    The targets past the last full window are scored in one shorter window, reported as `last_window`
+    (`window` when it is the only one)."""
     stream = np.asarray(
         [token for ids in tokenizer.encode_documents(list(texts), document_format) for token in ids]
     )

@@ -2,16 +2,13 @@
 at a time.
 
 A batch's sequences are right-padded to its longest and read without an attention mask. That is
-exact because every family is causal: attention under a causal mask, the triple-latent scans and the
-local convolution run forward in time, and gated_hybrid's key-value memory sees only completed pairs.
-A real position therefore reads only the real positions before it, never the padding after it, and
-its positions count from 0 in every row, as they would alone (rotary embeddings agree too). Padded
-positions are never scored. Left padding would instead shift each row's positions and let its real
-tokens read the padding; it would need position ids and a mask.
+exact because every family is causal (attention, the triple-latent scans, the local convolution and
+gated_hybrid's memory of completed pairs all run forward in time): a real position reads only the real
+positions before it, which count from 0 as they would alone. Padded positions are never scored. (Left
+padding would shift each row's positions and need position ids and a mask.)
 
-Requests are sorted by length, longest first (as lm-eval's Hugging Face model orders them), so a batch
-pads little and the largest batch comes first; results come back in the order asked. Sums of
-log-probabilities accumulate in float64.
+Requests are sorted longest first (as lm-eval's Hugging Face model orders them), so a batch pads little;
+results come back in the order asked. Sums of log-probabilities accumulate in float64.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """`mhf eval` tasks on an exported model, every family through the `CausalLM` interface.
 
-- `ppl`, `bpb`: exact NLL per token / bits per UTF-8 byte of a text set (`.txt`: documents separated by
-  blank lines; `.jsonl`: field `text`), in windows of seq_len targets with no context carried across.
-  `ppl` also scores the validation rows of a prepared directory (`mhf prepare` output) whose
-  signatures and document format are the model's.
-- `lambada`: jsonl `{"text"}`; the last word given the rest: accuracy (greedy decoding reproduces every
-  token of the word) and the word's perplexity, exp(-mean log-likelihood per example).
-- `hellaswag`: jsonl `{"ctx", "endings", "label"}`; accuracy of the ending with the highest summed
-  log-likelihood, and `acc_norm` with it divided by the ending's UTF-8 length.
-- `card660`: `word1<TAB>word2<TAB>score`; Pearson and Spearman between the scores and the cosine of word
-  vectors (the word alone, hidden states of `layer`, mean over its tokens; underscores become spaces).
-- `recall`: generated multi-query associative recall (`mhf_dist.data.recall`, no file): accuracy of the
-  greedy prediction of each queried value.
-Every task scores `batch_size` sequences a forward pass (`mhf_dist.eval.scoring`: right-padded, the
-same answers as one at a time), exactly over the full vocabulary (V_actl for mhf).
+- `ppl`, `bpb`: exact NLL per token / bits per UTF-8 byte of a text set (`read_texts`), in windows of
+  seq_len targets; `ppl` also scores the validation rows of a prepared directory of the model's.
+- `lambada`: jsonl `{"text"}`; the last word given the rest: greedy accuracy and perplexity.
+- `hellaswag`: jsonl `{"ctx", "endings", "label"}`; accuracy of the most likely ending, and `acc_norm`
+  with the log-likelihood divided by the ending's UTF-8 length.
+- `card660`: `word1<TAB>word2<TAB>score`; Pearson and Spearman between the scores and word vectors'
+  cosines (`word_vectors`; underscores become spaces).
+- `recall`: generated associative recall (`mhf_dist.data.recall`): greedy accuracy of each queried value.
+Every task scores exactly over the full vocabulary (V_actl for mhf), in the model's document format;
 `--data` (and `--model`) may be local or in a bucket (`s3://`, `gs://`).
-Texts follow the model's document format: `bos` models read `<s>` before each document and context
-(lambada, hellaswag, card660 words), `eos` models an EOS after each document.
 """
 
 from __future__ import annotations
@@ -33,9 +26,10 @@ import torch
 from mhf_dist.config import RecallDataConfig
 from mhf_dist.data.corpus import split_documents
 from mhf_dist.data.recall import EVAL_SEED, make_recall
+from mhf_dist.data.tokenizer import check_document_format
 from mhf_dist.errors import MhfError
 from mhf_dist.eval import LAYER, TASKS, WINDOW
-from mhf_dist.eval.perplexity import perplexity, text_scores
+from mhf_dist.eval.perplexity import evaluate_rows, perplexity, text_scores
 from mhf_dist.eval.scoring import mean_layer_states, score_continuations, score_rows
 from mhf_dist.export import ExportedModel
 from mhf_dist.readers import read_jsonl, read_jsonl_located, read_text
@@ -45,8 +39,6 @@ JSONL_FIX = "write UTF-8 JSON, one object per line"
 TEXT_FORM = 'text (documents separated by blank lines), or .jsonl {"text": ...} lines'
 CARD660_FORM = "word1<TAB>word2<TAB>score"
 RECALL_SEQ_LEN = 64  # `mhf eval --task recall`: rows of the generator's default settings and this length
-
-
 T = TypeVar("T")
 
 
@@ -65,21 +57,16 @@ def _lines(path: str | Path | Location) -> list[str]:
     return read_text(_existing(path), EvalDataError, "save it as UTF-8 text").splitlines()
 
 
-def read_records(path: str | Path | Location, fields: dict[str, type]) -> list[dict[str, Any]]:
-    """The file's JSON lines, each holding `fields` of their types."""
-    return read_jsonl(_existing(path), EvalDataError, JSONL_FIX, fields)
-
-
-def _numbered_records(
-    path: str | Path | Location, fields: dict[str, type]
-) -> list[tuple[str, dict[str, Any]]]:
-    """`read_records` as (`file:line`, record) pairs, for errors that name the line of a record."""
+def _numbered_records(path: Location, fields: dict[str, type]) -> list[tuple[str, dict[str, Any]]]:
+    """The file's JSON lines holding `fields` of their types, as (`file:line`, record) pairs."""
     return read_jsonl_located(_existing(path), EvalDataError, JSONL_FIX, fields)
 
 
 def read_texts(path: str | Path | Location) -> list[str]:
+    """The documents of a .txt (separated by blank lines) or .jsonl (`text` fields) file."""
     if str(path).endswith(".jsonl"):
-        return [record["text"] for record in read_records(path, {"text": str})]
+        records = read_jsonl(_existing(path), EvalDataError, JSONL_FIX, {"text": str})
+        return [record["text"] for record in records]
     return split_documents("\n".join(_lines(path)))
 
 
@@ -91,21 +78,10 @@ def _examples(path: Location, examples: list[T], limit: int, form: str) -> list[
 
 
 def check_positions(exported: ExportedModel, length: int, what: str, fix: str) -> None:
-    """Refuse to read more positions than the model's config allows (max_position_embeddings): past
-    them the model was never trained, and its scores would be quietly off."""
+    """Refuse more positions than max_position_embeddings: the model was never trained past them."""
     most = exported.config.backbone.max_position_embeddings
     if length > most:
         raise EvalDataError(f"{what} {length}, above the model's max_position_embeddings {most}; {fix}")
-
-
-def _check_layer(exported: ExportedModel, layer: int) -> None:
-    """`layer` indexes the hidden states: the input embeddings and each layer's output."""
-    states = exported.config.backbone.num_layers + 1
-    if not -states <= layer < states:
-        raise EvalDataError(
-            f"--layer {layer}: the model has {states} hidden states (layers {-states}..{states - 1}); "
-            "pick one of them"
-        )
 
 
 def eval_text(
@@ -128,31 +104,22 @@ def eval_prepared(exported: ExportedModel, path: Location, limit: int, batch_siz
     """`ppl` over the validation rows of a prepared directory (its rows as they are: seq_len + 1 ids)."""
     from mhf_dist.data.reader import RowReader
     from mhf_dist.data.shards import read_manifest
-    from mhf_dist.data.tokenizer import check_document_format
-    from mhf_dist.eval.perplexity import evaluate_rows
 
+    shards = f"shards {str(path)!r}"
     manifest = read_manifest(path)
     fingerprint = manifest.signatures.fingerprint
     if fingerprint != exported.table.fingerprint:
         raise EvalDataError(
-            f"shards {str(path)!r} have signature fingerprint {fingerprint[:12]} but model "
+            f"{shards} have signature fingerprint {fingerprint[:12]} but model "
             f"{str(exported.path)!r} has {exported.table.fingerprint[:12]}; prepare the data with the "
             f"model's tokenizer.json and --set data.signatures={exported.path}"
         )
-    check_document_format(
-        manifest.document_format,
-        exported.document_format,
-        f"shards {str(path)!r}",
-        f"model {str(exported.path)!r}",
-        EvalDataError,
-    )
+    model = f"model {str(exported.path)!r}"
+    check_document_format(manifest.document_format, exported.document_format, shards, model, EvalDataError)
     reader = RowReader(path, "validation", signatures=False)
     rows = reader.read_range(0, min(reader.num_rows, limit) if limit else None)["tokens"]
     check_positions(
-        exported,
-        rows.shape[1] - 1,
-        f"shards {str(path)!r} have rows of seq_len",
-        "prepare them with a smaller one",
+        exported, rows.shape[1] - 1, f"{shards} have rows of seq_len", "prepare them with a smaller one"
     )
     scores = evaluate_rows(exported.model, rows, batch_size)
     return {"nll": scores["val_nll"], "ppl": scores["val_ppl"], "tokens": scores["val_tokens"],
@@ -162,8 +129,7 @@ def eval_prepared(exported: ExportedModel, path: Location, limit: int, batch_siz
 def _framed_pair(
     exported: ExportedModel, at: str, context: str, continuation: str
 ) -> tuple[list[int], list[int]]:
-    """Context ids (after the model's context prefix: BOS for `bos` models) and continuation ids of the
-    example at `at` (`file:line`)."""
+    """Context ids (after the model's context prefix) and continuation ids of the example at `at`."""
     context_ids, continuation_ids = exported.tokenizer.encode_pair(context, continuation)
     framed = exported.tokenizer.context_prefix(exported.document_format) + context_ids
     inputs = len(framed) + len(continuation_ids) - 1  # the last id is only predicted
@@ -208,26 +174,20 @@ def _check_hellaswag(at: str, record: dict[str, Any]) -> None:
             raise EvalDataError(f"{at}: ending {number} is empty; give every ending its text")
 
 
-def _gold_indistinct(label: int, continuations: list[list[int]]) -> bool:
-    """Whether the gold ending is the same tokens to the model as another ending: then no score can
-    pick it out, and taking the first of equal scores (lm-eval's argmax) would count it right or wrong
-    by its place in the list."""
-    return any(ids == continuations[label] for at, ids in enumerate(continuations) if at != label)
-
-
 def eval_hellaswag(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:
-    """Accuracy of the ending with the highest summed (and per-byte) log-likelihood; an example whose
-    gold ending is indistinct (`_gold_indistinct`) counts wrong, and their number is reported."""
+    """Accuracy of the ending with the highest summed (and per-byte) log-likelihood."""
     fields = {"ctx": str, "endings": list, "label": int}
     records = _examples(path, _numbered_records(path, fields), limit, '{"ctx", "endings", "label"} lines')
     pairs, indistinct = [], []
     for at, record in records:
         _check_hellaswag(at, record)
         framed = [_framed_pair(exported, at, record["ctx"], " " + ending) for ending in record["endings"]]
-        indistinct.append(_gold_indistinct(record["label"], [continuation for _, continuation in framed]))
+        # A gold ending of the same tokens as another counts wrong (lm-eval's argmax would count it by
+        # its place in the list); their number is reported.
+        gold = framed[record["label"]][1]
+        indistinct.append(any(ids == gold for at, (_, ids) in enumerate(framed) if at != record["label"]))
         pairs += framed
-    scores = score_continuations(exported.model, pairs, batch_size)
-    logprobs = iter(scores)
+    logprobs = iter(score_continuations(exported.model, pairs, batch_size))
     correct = correct_norm = 0
     for (_, record), tied in zip(records, indistinct, strict=True):
         endings, label = record["endings"], record["label"]
@@ -248,9 +208,8 @@ def eval_hellaswag(exported: ExportedModel, path: Location, limit: int, batch_si
 def word_vectors(
     exported: ExportedModel, words: list[str], layer: int, batch_size: int
 ) -> dict[str, torch.Tensor]:
-    """The vector of each word that has tokens (a word-level vocabulary may lack it: the word is not
-    covered): hidden states of `layer` over its tokens, read alone after the model's context prefix
-    (BOS for `bos` models), averaged."""
+    """The vector of each word that has tokens: `layer`'s hidden states over its tokens, read alone
+    after the model's context prefix, averaged (a word a word-level vocabulary lacks is left out)."""
     texts = {word: word.replace("_", " ") for word in words}
     words = [word for word in words if not exported.tokenizer.outside_vocabulary(texts[word])]
     tokenized = exported.tokenizer.encode_batch([texts[word] for word in words])
@@ -270,20 +229,15 @@ def eval_card660(
 ) -> dict[str, float]:
     from scipy.stats import pearsonr, spearmanr
 
-    pairs = []
-    for number, line in enumerate(_lines(path), start=1):
-        if not line.strip():
-            continue
-        pairs.append(_card660_pair(f"{path}:{number}", line))
+    lines = enumerate(_lines(path), start=1)
+    pairs = [_card660_pair(f"{path}:{number}", line) for number, line in lines if line.strip()]
     pairs = _examples(path, pairs, limit, f"{CARD660_FORM} lines")
     words = sorted({word for first, second, _ in pairs for word in (first, second)})
     vectors = word_vectors(exported, words, layer, batch_size)
-    cosines, gold = [], []
-    for first, second, score in pairs:
-        if first in vectors and second in vectors:
-            cosine = torch.nn.functional.cosine_similarity(vectors[first], vectors[second], dim=0)
-            cosines.append(float(cosine))
-            gold.append(score)
+    scorable = [(first, second, score) for first, second, score in pairs if {first, second} <= vectors.keys()]
+    cosine = torch.nn.functional.cosine_similarity
+    cosines = [float(cosine(vectors[first], vectors[second], dim=0)) for first, second, _ in scorable]
+    gold = [score for _, _, score in scorable]
     if len(gold) < 2:
         raise EvalDataError(f"{path}: fewer than two scorable pairs; check the file")
     _check_correlatable(path, cosines, gold)
@@ -314,8 +268,7 @@ def _card660_pair(at: str, line: str) -> tuple[str, str, float]:
 
 
 def _check_correlatable(path: Location, cosines: list[float], gold: list[float]) -> None:
-    """Pearson and Spearman are nan when either side is constant, or when a cosine is (a diverged or
-    damaged model's hidden states)."""
+    """Refuse what makes Pearson and Spearman nan: a constant side, or a nan cosine (a diverged model)."""
     if not all(math.isfinite(cosine) for cosine in cosines):
         raise EvalDataError(
             f"the model's word-vector cosines on {path} hold nan or inf (a diverged or damaged model); "
@@ -369,10 +322,9 @@ def run_task(
     recall: tuple[RecallDataConfig, int] = (RecallDataConfig(), RECALL_SEQ_LEN),
     batch_size: int = 16,
 ) -> dict[str, float]:
-    """`data`: the task's file (ppl: or a prepared directory), local or in a bucket. `recall`: the
-    generator settings and row length (a model trained on `data.corpus: recall` is scored on rows like
-    its training rows, from another seed). `batch_size`: sequences per forward pass; the results do
-    not depend on it beyond float rounding."""
+    """Run `task` on `data` (its file, or for ppl a prepared directory; local or in a bucket). `recall`:
+    the generator settings and row length (a model trained on `data.corpus: recall` is scored
+    on rows like its training rows, from another seed). `batch_size` changes only float rounding."""
     data = Location.of(data) if data is not None else None
     runners: dict[str, Callable[[], dict[str, float]]] = {
         "ppl": lambda: eval_text(exported, data, limit, seq_len, batch_size),
@@ -386,7 +338,12 @@ def run_task(
         raise EvalDataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     check_task_data(task, data is not None)
     if task == "card660":
-        _check_layer(exported, layer)
+        states = exported.config.backbone.num_layers + 1  # the input embeddings and each layer's output
+        if not -states <= layer < states:
+            raise EvalDataError(
+                f"--layer {layer}: the model has {states} hidden states (layers {-states}..{states - 1}); "
+                "pick one of them"
+            )
     if data is not None and data.is_dir() and task != "ppl":
         raise EvalDataError(
             f"--data {str(data)!r} is a directory; task {task!r} reads a file (ppl alone scores prepared "
