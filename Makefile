@@ -15,8 +15,10 @@ install: $(BIN)/mhf
 demo: install
 	$(BIN)/mhf demo
 
+# Two test processes, each with its own Ray instance and servers; a file's tests stay together (its module
+# fixtures are built once). Much of a Ray test's time is waiting on processes starting, not computing.
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile
 
 lint: install
 	$(BIN)/ruff check .
