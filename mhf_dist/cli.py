@@ -560,7 +560,7 @@ def cmd_config(args: argparse.Namespace) -> None:
 @command(*config_args())
 def cmd_count(args: argparse.Namespace) -> None:
     """analytic parameters and FLOPs of every family for a config"""
-    with interrupts.importing():  # torch, loaded by these
+    with interrupts.importing():
         from mhf_dist.plan import family_counts
         from mhf_dist.signatures import scheme_for_config
         from mhf_dist.tables import markdown_table

@@ -162,7 +162,8 @@ def run_cpt(
     log: Callable[[str], None] = print,
     init_new_rows: str = "subword",
 ) -> CptResult:
-    """Expand the parent's vocabulary, prepare `cfg.data` with the new tokenizer, and train the result."""
+    """Expand the parent's vocabulary, prepare `cfg.data` with the new tokenizer, and train the result.
+    `cfg` gives the training and data settings; the model's config is the parent's."""
     from mhf_dist.data.prepare import prepare, recorded_data
     from mhf_dist.train.ray_trainer import train
 
@@ -216,10 +217,14 @@ def run_cpt(
             tokenizer.save(staging)
         grew_from = {"fingerprint": parent.table.fingerprint, "vocab_size": parent.config.vocab_size}
         lineage = [*parent.lineage, grew_from]
-        model, config, table = expansion.model, expansion.config, expansion.table
-        # The new data is framed as the parent's was.
         export_model(
-            model, config, table, local_copy(tokenizer_file), init_dir.uri, lineage, parent.document_format
+            expansion.model,
+            expansion.config,
+            expansion.table,
+            local_copy(tokenizer_file),
+            init_dir.uri,
+            lineage,
+            document_format=parent.document_format,  # the new data is framed as the parent's was
         )
         write_json_atomic(init_record, made_from)
 

@@ -147,9 +147,8 @@ class DuplicateKeyError(yaml.constructor.ConstructorError):
 def _mapping_of_unique_keys(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
     seen: set[Any] = set()
     for key_node, _ in node.value:
-        if (
-            key_node.tag == "tag:yaml.org,2002:merge"
-        ):  # `<<: *anchor` merges another mapping (its keys may be overridden)
+        # `<<: *anchor` merges another mapping (its keys may be overridden)
+        if key_node.tag == "tag:yaml.org,2002:merge":
             continue
         key = loader.construct_object(key_node, deep=True)
         try:

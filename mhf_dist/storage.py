@@ -7,7 +7,8 @@ Requests time out and retry a bounded number of times, so an unreachable endpoin
 
 A write that others may read is published whole: staged privately, then renamed into place on a local
 disk; an object store has no rename, so a directory's files are uploaded with its marker file last and a
-reader that waits for the marker never sees half of one.
+reader that waits for the marker never sees half of one. What only a local disk has (links, `on_disk`,
+`staging`, `ray_storage`) is asked of a `Location`, never decided by the caller.
 """
 
 from __future__ import annotations

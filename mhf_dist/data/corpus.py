@@ -385,6 +385,9 @@ class TextTypeError(Exception):
     kind: str
     place: str | None = None
 
+    def __post_init__(self) -> None:  # the exception's args, as pickling (a Ray task's error) rebuilds it
+        super().__init__(self.field, self.kind, self.place)
+
     def line(self, where: Location | str) -> str:
         at = self.place or f"corpus {str(where)!r}"
         return (

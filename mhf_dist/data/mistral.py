@@ -67,8 +67,8 @@ def tokenizer_json() -> str:
     source = source_model()
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
     # $MHF_CACHE_DIR, else $XDG_CACHE_HOME/mhf-dist, else ~/.cache/mhf-dist
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    cache = Path(os.environ.get(CACHE_ENV) or Path(xdg or Path.home() / ".cache") / "mhf-dist")
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = Path(os.environ.get(CACHE_ENV) or user_cache / "mhf-dist")
     cached = cache / "tokenizers" / f"{NAME}-{digest}-c{CONVERTER_VERSION}.json"
     checksum = cached.with_suffix(".sha256")  # written after the file: a cache is used only if they agree
     try:

@@ -5,7 +5,8 @@ Three settings name the sources (`sources`):
 - `data.sources: [{name, corpus | dataset, weight}]`: the weights (normalised to sum 1) are shares of the
   training tokens. Each source's training documents are taken in the order of a stable content key,
   MurmurHash3(text, data.mixture_seed), until its share is reached. Nothing is repeated: the source
-  that runs out first is used whole and sets the total. Validation: every source's held-out documents.
+  that runs out first is used whole and sets the total, so a heavy weight on a small source shrinks the
+  whole mixture rather than replaying that source. Validation: every source's held-out documents.
 - `data.replay` (`mhf cpt --replay`): data.corpus whole plus a replayed share `fraction` of the training
   tokens from replay.corpus, keyed by data.replay.seed. Its held-out documents are never used (they may
   be the parent's own held-out text), so the validation split stays data.corpus alone.
@@ -111,8 +112,16 @@ def sources(data: DataConfig, datasets: Mapping[str, Any] | None = None) -> list
     replayed, replay_spec = _origin("replay", replay.corpus, None, {}, {})
     return [
         Source("corpus", described, data.text_field, 1 - replay.fraction, dataset=spec),
-        # keyed, and no validation documents: its held-out ones are never used
-        Source("replay", replayed, data.text_field, replay.fraction, replay.seed, True, False, replay_spec),
+        Source(
+            "replay",
+            replayed,
+            data.text_field,
+            replay.fraction,
+            replay.seed,
+            keyed=True,
+            validation=False,  # its held-out documents are never used
+            dataset=replay_spec,
+        ),
     ]
 
 

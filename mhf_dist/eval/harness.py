@@ -131,8 +131,9 @@ class MhfHarnessLM(LM):
             rolling = get_rolling_token_windows(
                 self._encode(text), self.prefix_token_id, self.max_length, context_len=1
             )
-            windows += map(make_disjoint_window, rolling)
-            owners += [number] * (len(windows) - len(owners))
+            text_windows = [make_disjoint_window(window) for window in rolling]
+            windows += text_windows
+            owners += [number] * len(text_windows)
         totals = [0.0] * len(requests)
         scores = score_continuations(self.model, windows, self.batch_size)
         for owner, (logprob, _) in zip(owners, scores, strict=True):

@@ -185,7 +185,7 @@ def eval_hellaswag(exported: ExportedModel, path: Location, limit: int, batch_si
         # A gold ending of the same tokens as another counts wrong (lm-eval's argmax would count it by
         # its place in the list); their number is reported.
         gold = framed[record["label"]][1]
-        indistinct.append(any(ids == gold for at, (_, ids) in enumerate(framed) if at != record["label"]))
+        indistinct.append(any(ids == gold for i, (_, ids) in enumerate(framed) if i != record["label"]))
         pairs += framed
     logprobs = iter(score_continuations(exported.model, pairs, batch_size))
     correct = correct_norm = 0

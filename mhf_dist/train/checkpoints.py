@@ -76,7 +76,7 @@ class ClientState(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     step: int = Field(ge=0, strict=True)
-    rng: list[RngStates] = Field(min_length=1)
+    rng: list[RngStates] = Field(min_length=1)  # one per rank that saved; ZeRO-0 may resume on another count
 
 
 def read_client_state(raw: dict[str, Any], checkpoint: Location) -> ClientState:

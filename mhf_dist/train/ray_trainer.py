@@ -1,7 +1,10 @@
 """`mhf train` on the driver: a Ray Train V2 TorchTrainer whose workers each drive a DeepSpeed engine.
 
-Everything checkable is checked before Ray starts, and the MLflow run is opened before any worker
-starts. Checkpoints go through the storage's own pyarrow filesystem, so a cluster needs no shared disk.
+`train` runs in stages: the driver checks the config, the data and any model or checkpoint to start from
+before Ray starts (`_checked_inputs`), opens the MLflow run before any worker starts (`_tracking_run`, so
+an unreachable server fails fast), builds the trainer (`_trainer`: `worker.train_loop_per_worker` on each
+worker) and runs it (`_fit`: a worker's one-line error becomes one here, an interrupt a resumable stop).
+Checkpoints go through the storage's own pyarrow filesystem, so a cluster needs no shared disk.
 """
 
 from __future__ import annotations
@@ -129,30 +132,10 @@ def train(
     ensure_ray(verbose=options.verbose)
     import ray
 
-    from mhf_dist.models import param_count
-
     check_resources(cfg.topology, ray.cluster_resources, options.console or print)
     uri = tracking_uri(inputs.storage.uri)
-    # MLflow's embedded SQLite store is a file on this machine; rank 0 logs from wherever it runs.
-    hosts = {node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")}
-    if uri.startswith("sqlite:") and len(hosts) > 1:
-        raise TrainingError(
-            f"MLflow's embedded SQLite store is on this machine, but the Ray cluster spans {len(hosts)} "
-            "machines; set MLFLOW_TRACKING_URI to a tracking server (cluster/README.md)"
-        )
-    run_tags = {
-        "family": cfg.model.family,
-        "backbone": cfg.model.backbone.kind,
-        "preset": cfg.preset or "custom",
-        "seed": cfg.train.seed,
-        "param_count": param_count(cfg.model),
-        "objective": cfg.model.hash.loss if cfg.model.family == "mhf" else "softmax",
-        "signature_fingerprint": inputs.manifest.signatures.fingerprint,
-        "trainable_params": inputs.split.trainable_params,
-        "total_params": inputs.split.total_params,
-        **(tags or {}),
-    }
-    run_id = _tracking_run(uri, inputs.run_dir, cfg, options, run_tags, inputs.manifest)
+    _check_tracking_reaches_workers(uri, ray.nodes())
+    run_id = _tracking_run(uri, inputs.run_dir, cfg, options, _run_tags(cfg, inputs, tags), inputs.manifest)
     relay = None if options.console or workers_print_to_console() else ConsoleRelay()
     spec = WorkerSpec(
         config=inputs.worker_cfg,
@@ -169,11 +152,47 @@ def train(
         callbacks=tuple(worker_callbacks),
         registrations=outside_registrations(),
     )
+    trainer = _trainer(spec, cfg, options, inputs.storage, callbacks)
+    return _fit(trainer, relay, uri, run_id, inputs, options, cfg.train.keep_checkpoints)
+
+
+def _check_tracking_reaches_workers(uri: str, nodes: list[dict[str, Any]]) -> None:
+    """MLflow's embedded SQLite store is a file on this machine; rank 0 logs from wherever it runs."""
+    hosts = {node["NodeManagerAddress"] for node in nodes if node.get("Alive")}
+    if uri.startswith("sqlite:") and len(hosts) > 1:
+        raise TrainingError(
+            f"MLflow's embedded SQLite store is on this machine, but the Ray cluster spans {len(hosts)} "
+            "machines; set MLFLOW_TRACKING_URI to a tracking server (cluster/README.md)"
+        )
+
+
+def _run_tags(cfg: Config, inputs: _Inputs, tags: dict[str, Any] | None) -> dict[str, Any]:
+    """The MLflow run's tags: what a comparison groups and matches runs by, then the caller's `tags`."""
+    from mhf_dist.models import param_count
+
+    return {
+        "family": cfg.model.family,
+        "backbone": cfg.model.backbone.kind,
+        "preset": cfg.preset or "custom",
+        "seed": cfg.train.seed,
+        "param_count": param_count(cfg.model),
+        "objective": cfg.model.hash.loss if cfg.model.family == "mhf" else "softmax",
+        "signature_fingerprint": inputs.manifest.signatures.fingerprint,
+        "trainable_params": inputs.split.trainable_params,
+        "total_params": inputs.split.total_params,
+        **(tags or {}),
+    }
+
+
+def _trainer(
+    spec: WorkerSpec, cfg: Config, options: TrainOptions, storage: Location, callbacks: list[Any] | None
+) -> Any:
+    """Ray Train's TorchTrainer running `train_loop_per_worker(spec)` on `cfg.topology`'s workers."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     gpus = cfg.topology.gpus_per_worker
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"spec": spec},
         scaling_config=ScalingConfig(
@@ -183,7 +202,7 @@ def train(
         ),
         run_config=RunConfig(
             name=options.name,
-            **inputs.storage.ray_storage(),
+            **storage.ray_storage(),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
             failure_config=FailureConfig(max_failures=options.max_failures),
             callbacks=callbacks,
@@ -191,7 +210,6 @@ def train(
             logging_config=LoggingConfig(log_level="INFO" if options.verbose else "WARNING"),
         ),
     )
-    return _fit(trainer, relay, uri, run_id, inputs, options, cfg.train.keep_checkpoints)
 
 
 @dataclass(frozen=True)

@@ -203,7 +203,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         stepper, cfg, table, tokenizer_file, run_record, run_dir, rank, world_size, history
     )
     # Validation, memory and tokens per source on all ranks (they all-reduce), then the history, rank
-    # 0's progress lines and MLflow steps, then checkpoints (all ranks save their shards).
+    # 0's progress lines and MLflow steps, then checkpoints (all ranks save their shards). Validation
+    # comes first so that the history, MLflow and the checkpoint each see this step's validation loss.
     callbacks = list(spec.callbacks)
     validator = Validator(cfg, rank, world_size, micro_batch_size(cfg.train, world_size))
     if rank == 0 and not validator:

@@ -123,10 +123,13 @@ def log_tables(
     log: Callable[[str], None], tokenizer: TextTokenizer, table: SignatureTable, document_format: str
 ) -> None:
     token = tokenizer.tokenizer.id_to_token
-    framing = f"{token(tokenizer.bos_id)} first, no EOS" if document_format == "bos" else None
+    if document_format == "bos":
+        framing = f"{token(tokenizer.bos_id)} first, no EOS"
+    else:
+        framing = f"{token(tokenizer.eos_id)} after each"
     log(
         f"tokenizer: {tokenizer.vocab_size} tokens (sha256 {tokenizer.sha256[:12]}), {document_format} "
-        f"documents ({framing or f'{token(tokenizer.eos_id)} after each'}); signatures "
+        f"documents ({framing}); signatures "
         f"{table.spec} seed {table.seed} ({table.scheme} scheme), fingerprint {table.fingerprint[:12]}"
     )
     if table.duplicate_signatures:  # the authors' rule allows them (H=1, shared prefixes, all-LSH)
