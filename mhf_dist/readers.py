@@ -175,7 +175,7 @@ def read_yaml(path: PathLike, error: type[MhfError], fix: str) -> Any:
     """`load_yaml` of the file (an empty one is None); invalid YAML is `error` naming the line and column."""
     where = Location.of(path)
     try:
-        return load_yaml(read_text(where, error, fix))
+        return load_yaml(read_text(where, error, "save it as UTF-8"))  # `fix` is for the YAML itself
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
