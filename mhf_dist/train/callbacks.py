@@ -33,9 +33,23 @@ def due(step: int, every: int, last_step: int) -> bool:
     return step == last_step or bool(every and step % every == 0)
 
 
-def log_step(step: int, cfg: TrainConfig) -> bool:
-    """Every `train.log_every` steps and the last of `train.steps`."""
-    return step % cfg.log_every == 0 or step == cfg.steps
+@dataclass(frozen=True)
+class Moment:
+    """What a step is to the callbacks (the one place the cadence lives): a log step (every
+    `train.log_every` and the last of `train.steps`), a checkpoint step (every `train.checkpoint_every`
+    and this run's last step), this run's last step."""
+
+    log: bool
+    checkpoint: bool
+    last: bool
+
+
+def moment(step: int, cfg: TrainConfig, last_step: int) -> Moment:
+    return Moment(
+        log=step % cfg.log_every == 0 or step == cfg.steps,
+        checkpoint=due(step, cfg.checkpoint_every, last_step),
+        last=step == last_step,
+    )
 
 
 def format_progress(metrics: Metrics, steps: int) -> str:
@@ -82,7 +96,8 @@ class MemoryMetrics(StepCallback):
         step = int(metrics["step"])
         if step == self.first_step:
             metrics.update(self.model_state())
-        if log_step(step, self.cfg) or step == self.last_step:
+        now = moment(step, self.cfg, self.last_step)
+        if now.log or now.last:
             metrics.update(self.peak_memory())
 
 
@@ -117,8 +132,8 @@ class SourceTokens(StepCallback):
         self.seen = [int(counted[-1][key]) for key in self.keys] if counted else [0] * len(self.keys)
 
     def on_step_end(self, metrics: Metrics) -> None:
-        step = int(metrics["step"])
-        if log_step(step, self.cfg) or due(step, self.cfg.checkpoint_every, self.last_step):
+        now = moment(int(metrics["step"]), self.cfg, self.last_step)
+        if now.log or now.checkpoint:
             self.seen = [a + b for a, b in zip(self.seen, self.total(self.pending()), strict=True)]
             metrics.update(zip(self.keys, map(float, self.seen), strict=True))
 
@@ -131,7 +146,7 @@ class ProgressLines(StepCallback):
     log: Callable[[str], None] = print
 
     def on_step_end(self, metrics: Metrics) -> None:
-        if log_step(int(metrics["step"]), self.cfg):
+        if moment(int(metrics["step"]), self.cfg, self.cfg.steps).log:
             self.log(format_progress(metrics, self.cfg.steps))
 
 
@@ -159,8 +174,8 @@ class MLflowSteps(StepCallback):
         self.seen = start_step  # history.entries[:seen] were looked at before
 
     def on_step_end(self, metrics: Metrics) -> None:
-        step = int(metrics["step"])
-        if not (log_step(step, self.cfg) or due(step, self.cfg.checkpoint_every, self.last_step)):
+        now = moment(int(metrics["step"]), self.cfg, self.last_step)
+        if not (now.log or now.checkpoint):
             return
         # Only the entries added since last time are looked at.
         entries = self.history.entries
@@ -185,7 +200,8 @@ class Checkpoints(StepCallback):
 
     def on_step_end(self, metrics: Metrics) -> None:
         step = int(metrics["step"])
-        if due(step, self.cfg.checkpoint_every, self.last_step):
+        now = moment(step, self.cfg, self.last_step)
+        if now.checkpoint:
             self.save(step, metrics)
-        elif log_step(step, self.cfg):
+        elif now.log:
             self.report(metrics)
