@@ -1,8 +1,11 @@
 """`mhf sweep`: one Ray Tune trial per (variant, seed); each trial drives one `mhf train` TorchTrainer.
 
-The sweep is one MLflow parent run, every trial's training run its child. Everything lives under
-`<storage>/<name>/`: `sweep.json` (the spec and the parent run), `tune/` (Tune's state, for `--resume`)
-and `trials/<trial>/` (each run's checkpoints).
+The sweep is one MLflow parent run; every trial's training run is its child (tag `mlflow.parentRunId`)
+with tags `sweep`, `group`, `family`, `seed`, `param_count` and, in matched sweeps, `matched_to` and
+`param_residual`. Workers' reports reach Tune through Ray Train's `TuneReportCallback`, which is what
+ASHA stops trials on. Everything lives under `<storage>/<name>/` (a local directory or a bucket URI):
+`sweep.json` (the spec and the parent run), `tune/` (Tune's experiment state, for `--resume`) and
+`trials/<trial>/` (each run's checkpoints).
 """
 
 from __future__ import annotations
@@ -81,6 +84,17 @@ def sweep_dir(spec: SweepConfig) -> Location:
     return Location.of(spec.storage) / spec.name
 
 
+def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
+    """What would otherwise fail inside Tune's trials, checked before anything starts: every trial's
+    shards exist and every file `evaluate` names exists (each trial's config, its batch split over its
+    workers included, was validated when the sweep was parsed)."""
+    for task in spec.evaluate:
+        if task.data is not None and not Location.of(task.data).exists():
+            raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")
+    for cfg in configs.values():
+        read_manifest(cfg.data.path)
+
+
 def run_sweep(
     spec: SweepConfig,
     resume: bool = False,
@@ -90,16 +104,12 @@ def run_sweep(
 ) -> SweepResult:
     """Run (or with `resume`, finish) every trial of `spec`; finished trials are never rerun.
 
-    `log` shows each trial's progress lines, `[trial] step 20/200 | ...`; the rest goes to the Ray
-    session's logs unless `verbose`. `worker_callbacks` reach every trial's workers."""
+    The console (`log`) shows each trial's progress lines, `[trial] step 20/200 | ...`; Tune's boxes
+    and status tables, Ray Train's internals and the workers' own output go to the Ray session's logs
+    unless `verbose`. `worker_callbacks` reach every trial's workers (see `ray_trainer.train`)."""
     trials = expand_trials(spec)
     configs = trial_configs(spec)
-    # What would otherwise fail inside Tune's trials (each trial's config was checked when parsed).
-    for task in spec.evaluate:
-        if task.data is not None and not Location.of(task.data).exists():
-            raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")
-    for cfg in configs.values():
-        read_manifest(cfg.data.path)
+    check_before_start(spec, configs)
     ensure_ray(verbose=verbose)
     from ray import tune
 
@@ -109,59 +119,37 @@ def run_sweep(
     tune_storage = directory.ray_storage()
     relay = None if workers_print_to_console() else ConsoleRelay(log)
     console = relay.lines if relay else None
-    tune_dir, filesystem = (directory / TUNE_DIR).path, tune_storage["storage_filesystem"]
     if resume:
-        if not record.is_file() or not tune.Tuner.can_restore(tune_dir, filesystem):
-            raise SweepError(
-                f"there is no sweep {spec.name!r} to resume in {str(directory)!r}; start it without --resume"
-            )
-        saved = read_json(record, SweepError, "start the sweep again without --resume, under another name")
-        if saved["spec"] != spec.model_dump(mode="json"):
-            raise SweepError(
-                f"the sweep file differs from the one sweep {spec.name!r} started with; resume with the same "
-                "file, or start a new sweep under another name"
-            )
-        parent_run_id = saved["parent_run_id"]
+        parent_run_id = _check_resume(spec, directory)
         reopen_run(uri, parent_run_id)
         log(f"resuming sweep {spec.name!r}: finished trials are kept, the others continue")
+        tuner = tune.Tuner.restore(
+            (directory / TUNE_DIR).path,
+            storage_filesystem=tune_storage["storage_filesystem"],
+            trainable=_trainable(spec, parent_run_id, uri, verbose, console, worker_callbacks),
+            resume_unfinished=True,
+            resume_errored=True,
+        )
     else:
         if record.exists():
             raise SweepError(
                 f"sweep {spec.name!r} already exists in {str(directory)!r}; finish it with --resume "
                 "or give the sweep another name"
             )
-        flat = spec.model_dump(mode="json", exclude={"set", "grid"})
-        flat |= {f"set.{key}": value for key, value in spec.set.items()}
-        flat |= {f"grid.{key}": value for key, value in spec.grid.items()}
-        run_tags = {"sweep": spec.name, "sweep_kind": spec.kind, "trials": len(trials), "role": "sweep"}
-        parent_run_id = start_run(uri, spec.experiment, spec.name, flat, run_tags)
+        parent_run_id = start_run(
+            uri,
+            spec.experiment,
+            spec.name,
+            _flat_spec(spec),
+            {"sweep": spec.name, "sweep_kind": spec.kind, "trials": len(trials), "role": "sweep"},
+        )
         for data_path in dict.fromkeys(cfg.data.path for cfg in configs.values()):  # the trials' datasets
             log_dataset(uri, parent_run_id, data_path, read_manifest(data_path).content_sha256)
         directory.make_dirs()
         write_json_atomic(record, {"spec": spec.model_dump(mode="json"), "parent_run_id": parent_run_id})
         log(f"sweep {spec.name!r}: {len(trials)} trials ({spec.kind}); MLflow parent run {parent_run_id}")
-    run = tune.with_parameters(
-        run_trial,
-        sweep=spec.model_dump(mode="json"),
-        parent_run_id=parent_run_id,
-        uri=uri,
-        workdir=os.getcwd(),
-        verbose=verbose,
-        console=console,
-        worker_callbacks=tuple(worker_callbacks),
-    )
-    trainable = tune.with_resources(run, {"CPU": TRIAL_DRIVER_CPUS})
-    if resume:
-        tuner = tune.Tuner.restore(
-            tune_dir,
-            storage_filesystem=filesystem,
-            trainable=trainable,
-            resume_unfinished=True,
-            resume_errored=True,
-        )
-    else:
         tuner = tune.Tuner(
-            trainable,
+            _trainable(spec, parent_run_id, uri, verbose, console, worker_callbacks),
             param_space={"trial": tune.grid_search([dataclasses.asdict(trial) for trial in trials])},
             tune_config=tune.TuneConfig(
                 max_concurrent_trials=spec.max_concurrent or _concurrency(configs.values()),
@@ -198,8 +186,9 @@ def run_sweep(
 def _stopped(
     sig: int, stopped_at: float, directory: Location, configs: dict[str, Config], uri: str, parent_run_id: str
 ) -> Resumable:
-    """The one line of an interrupted sweep, once its runs are marked KILLED and its trials tidied (Tune
-    stops a trial without its clean-up)."""
+    """The one line of an interrupted sweep, once its parent run and unfinished trials are marked KILLED
+    and every trial's directory holds at most its train.keep_checkpoints (Tune stops a trial without its
+    clean-up)."""
     from mhf_dist.train.ray_trainer import tidy_stopped_run
 
     end_stopped_children(uri, parent_run_id, stopped_at)
@@ -216,8 +205,8 @@ def _stopped(
 
 @contextmanager
 def _tune_driver_lines_logged(verbose: bool) -> Iterator[None]:
-    """Unless `verbose`, what Tune's driver logs (on an interrupt, a `Tuner.restore(...)` hint where
-    `--resume` is mhf's way) goes to Ray's session logs, not the console."""
+    """Unless `verbose`, what Tune's driver logs (on an interrupt: that it stops, and a
+    `Tuner.restore(...)` hint where `--resume` is mhf's way) goes to Ray's session logs, not the console."""
     if verbose or (logs := logs_dir()) is None:
         yield
         return
@@ -244,12 +233,14 @@ def run_trial(
     console: WorkerLines | None,
     worker_callbacks: Sequence[StepCallback],
 ) -> None:
-    """One Tune trial: one `mhf train` run, a child of the sweep's MLflow run, under the sweep's trials
-    directory; one that errored before continues from its newest checkpoint in the same MLflow run."""
+    """One Tune trial: one `mhf train` run, a child of the sweep's MLflow run, stored under the sweep's
+    trials directory; its console lines go to the sweep's `console` labelled with the trial's name.
+
+    A trial that errored before continues from its own newest checkpoint in the same MLflow run.
+    """
     os.chdir(workdir)  # Tune starts trials in their own directories; paths in configs are relative to ours
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from mhf_dist.models import param_count
     from mhf_dist.train.checkpoints import MODEL_DIR
     from mhf_dist.train.ray_trainer import TrainOptions, train
 
@@ -264,6 +255,37 @@ def run_trial(
         verbose=verbose,
         console=console.labelled(trial.name) if console else None,
     )
+    result = train(
+        cfg,
+        options,
+        tags=_trial_tags(spec, trial, cfg, parent_run_id),
+        callbacks=[TuneReportCallback()],
+        worker_callbacks=worker_callbacks,
+    )
+    if spec.evaluate:
+        evaluate_trial(spec, cfg, (result.checkpoint / MODEL_DIR).uri, uri, result.run_id)
+
+
+def evaluate_trial(spec: SweepConfig, cfg: Config, model_dir: str, uri: str, run_id: str) -> None:
+    """The sweep's `evaluate` tasks on the trial's exported model, logged at the trial's last step.
+
+    `recall` is scored on rows generated like the trial's `data.recall` rows, from another seed."""
+    from mhf_dist.eval.tasks import run_task
+    from mhf_dist.export import load_exported
+
+    exported = load_exported(model_dir)
+    metrics: dict[str, float] = {}
+    for task in spec.evaluate:
+        data = task.data
+        recall = (cfg.data.recall, cfg.train.seq_len)
+        results = run_task(exported, task.task, data, limit=task.limit, seq_len=task.seq_len, recall=recall)
+        metrics |= {f"eval.{task.task}.{name}": value for name, value in results.items()}
+    log_steps(uri, run_id, [{"step": cfg.train.steps, **metrics}])
+
+
+def _trial_tags(spec: SweepConfig, trial: Trial, cfg: Any, parent_run_id: str) -> dict[str, Any]:
+    from mhf_dist.models import param_count
+
     tags = {
         "mlflow.parentRunId": parent_run_id,
         "sweep": spec.name,
@@ -273,27 +295,30 @@ def run_trial(
     if spec.kind == "matched":
         reference = param_count(cfg.model.model_copy(update={"family": spec.matched_to}))
         tags |= {"matched_to": spec.matched_to, "param_residual": param_count(cfg.model) - reference}
-    result = train(
-        cfg, options, tags=tags, callbacks=[TuneReportCallback()], worker_callbacks=worker_callbacks
+    return tags
+
+
+def _trainable(
+    spec: SweepConfig,
+    parent_run_id: str,
+    uri: str,
+    verbose: bool,
+    console: WorkerLines | None,
+    worker_callbacks: Sequence[StepCallback],
+) -> Any:
+    from ray import tune
+
+    trainable = tune.with_parameters(
+        run_trial,
+        sweep=spec.model_dump(mode="json"),
+        parent_run_id=parent_run_id,
+        uri=uri,
+        workdir=os.getcwd(),
+        verbose=verbose,
+        console=console,
+        worker_callbacks=tuple(worker_callbacks),
     )
-    if spec.evaluate:
-        evaluate_trial(spec, cfg, (result.checkpoint / MODEL_DIR).uri, uri, result.run_id)
-
-
-def evaluate_trial(spec: SweepConfig, cfg: Config, model_dir: str, uri: str, run_id: str) -> None:
-    """The sweep's `evaluate` tasks on the trial's exported model, logged at the trial's last step."""
-    from mhf_dist.eval.tasks import run_task
-    from mhf_dist.export import load_exported
-
-    exported = load_exported(model_dir)
-    recall = (cfg.data.recall, cfg.train.seq_len)  # rows generated like the trial's, from another seed
-    metrics: dict[str, float] = {}
-    for task in spec.evaluate:
-        results = run_task(
-            exported, task.task, task.data, limit=task.limit, seq_len=task.seq_len, recall=recall
-        )
-        metrics |= {f"eval.{task.task}.{name}": value for name, value in results.items()}
-    log_steps(uri, run_id, [{"step": cfg.train.steps, **metrics}])
+    return tune.with_resources(trainable, {"CPU": TRIAL_DRIVER_CPUS})
 
 
 def _trial_name(tune_trial: Any) -> str:
@@ -301,7 +326,8 @@ def _trial_name(tune_trial: Any) -> str:
 
 
 def _concurrency(configs: Iterable[Config]) -> int:
-    """Trials whose workers fit in the cluster's CPUs, leaving one for Tune's driver and Ray's own."""
+    """Trials whose workers (the most any trial asks for) fit in the cluster's CPUs, leaving one CPU
+    for the work beside the trials (Tune's driver and Ray's own processes)."""
     import ray
 
     cpus = ray.cluster_resources().get("CPU", 1)
@@ -314,10 +340,37 @@ def _scheduler(spec: SweepConfig, configs: Iterable[Config]) -> dict[str, Any]:
         return {}
     from ray.tune.schedulers import ASHAScheduler
 
+    steps = max(cfg.train.steps for cfg in configs)
     scheduler = ASHAScheduler(
         time_attr="step",
-        max_t=max(cfg.train.steps for cfg in configs),
+        max_t=steps,
         grace_period=spec.asha.grace_period,
         reduction_factor=spec.asha.reduction_factor,
     )
     return {"scheduler": scheduler, "metric": spec.asha.metric, "mode": spec.asha.mode}
+
+
+def _check_resume(spec: SweepConfig, directory: Location) -> str:
+    from ray import tune
+
+    record = directory / SWEEP_FILE
+    storage = directory.ray_storage()
+    tune_dir = (directory / TUNE_DIR).path
+    if not record.is_file() or not tune.Tuner.can_restore(tune_dir, storage["storage_filesystem"]):
+        raise SweepError(
+            f"there is no sweep {spec.name!r} to resume in {str(directory)!r}; start it without --resume"
+        )
+    saved = read_json(record, SweepError, "start the sweep again without --resume, under another name")
+    if saved["spec"] != spec.model_dump(mode="json"):
+        raise SweepError(
+            f"the sweep file differs from the one sweep {spec.name!r} started with; resume with the same "
+            "file, or start a new sweep under another name"
+        )
+    return saved["parent_run_id"]
+
+
+def _flat_spec(spec: SweepConfig) -> dict[str, Any]:
+    flat = spec.model_dump(mode="json", exclude={"set", "grid"})
+    flat |= {f"set.{key}": value for key, value in spec.set.items()}
+    flat |= {f"grid.{key}": value for key, value in spec.grid.items()}
+    return flat

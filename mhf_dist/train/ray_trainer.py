@@ -3,7 +3,8 @@
 `train` runs in stages: the driver checks the config, the data and any model or checkpoint to start from
 before Ray starts (`_checked_inputs`), opens the MLflow run before any worker starts (`_tracking_run`, so
 an unreachable server fails fast), builds the trainer (`_trainer`: `worker.train_loop_per_worker` on each
-worker) and runs it (`_fit`: a worker's one-line error becomes one here, an interrupt a resumable stop).
+worker), runs it (`_fit`: a worker's one-line error becomes one here, an interrupt a resumable stop) and
+prunes the checkpoints and logs the last one (`_finish`).
 Checkpoints go through the storage's own pyarrow filesystem, so a cluster needs no shared disk.
 """
 
@@ -47,6 +48,7 @@ from mhf_dist.train.trainable import TrainableSplit, config_split
 from mhf_dist.train.worker import STAGING_PREFIX, WorkerSpec, train_loop_per_worker
 
 if TYPE_CHECKING:
+    from ray.train import Result
     from ray.train.torch import TorchTrainer
 
 TRACKING_FILE = "mlflow-run.json"  # in the run directory: the MLflow run a continued run logs to
@@ -276,8 +278,8 @@ def _fit(
     options: TrainOptions,
     keep: int,
 ) -> TrainResult:
-    """The trainer's fit, its checkpoints pruned and the last one logged to MLflow; a stopped run is
-    `Interrupted`, a failed one a one-line error where it can be."""
+    """The trainer's fit, then `_finish`; a stopped run is `Interrupted`, a failed one a one-line error
+    where it can be."""
     # Ray Train routes the workers' print() through logging and, with stdout redirected as Ray's workers
     # have it, also prints it: every progress line twice. Off, each line reaches the console once.
     os.environ[PRINT_PATCH_VARIABLE] = "1" if options.verbose else "0"
@@ -305,15 +307,21 @@ def _fit(
             last_good = newest_checkpoint(inputs.run_dir)
             kept = f"; last good checkpoint: {last_good}" if last_good else "; no checkpoint was written"
             raise TrainingError(f"{user_error}{kept}") from None
+    return _finish(result, uri, run_id, inputs.run_dir, options.name, keep)
+
+
+def _finish(result: Result, uri: str, run_id: str, run_dir: Location, name: str, keep: int) -> TrainResult:
+    """The finished run's checkpoints pruned, its last one's run.json and model logged to MLflow, and the
+    MLflow run ended."""
     if result.checkpoint is None:
         end_run(uri, run_id, "FAILED")
         raise TrainingError(
-            f"run {options.name!r} ended without a checkpoint; the workers' errors are in Ray's logs "
+            f"run {name!r} ended without a checkpoint; the workers' errors are in Ray's logs "
             "(the last line says where)"
         )
     # A checkpoint a restart resumed from before Ray Train registered it is not Ray's to delete.
-    prune_checkpoints(inputs.run_dir, keep)
-    checkpoint = inputs.run_dir / PurePosixPath(result.checkpoint.path).name
+    prune_checkpoints(run_dir, keep)
+    checkpoint = run_dir / PurePosixPath(result.checkpoint.path).name
     log_artifact(uri, run_id, local_copy(checkpoint / RUN_FILE))
     log_artifact(uri, run_id, local_copy(checkpoint / MODEL_DIR))
     end_run(uri, run_id, "FINISHED")

@@ -198,21 +198,48 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         document_format=manifest.document_format,  # exports carry the shards'
     )
     tokenizer_file = local_copy(data / manifest.tokenizer.file)
-    run_dir = Location.of(spec.run_dir)
     saver = CheckpointSaver(
-        stepper, cfg, table, tokenizer_file, run_record, run_dir, rank, world_size, history
+        stepper, cfg, table, tokenizer_file, run_record, Location.of(spec.run_dir), rank, world_size, history
     )
+    callbacks = [
+        *spec.callbacks,
+        *_built_in_callbacks(spec, stepper, saver, start_step, last_step, rank, world_size, sources, counter),
+    ]
+    throughput = Throughput(
+        tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
+        flops_per_token=train_flops_per_token(cfg.model, cfg.train.seq_len),
+        workers=world_size,
+        peak_flops=spec.peak_tflops * 1e12 or default_peak_flops(stepper.engine.device),
+    )
+    batches = training_batches(cfg, rank, world_size, start_step, cfg.model.family == "mhf", counter)
+    run_training(stepper, batches, cfg.train.steps, throughput, start_step, last_step, callbacks)
+
+
+def _built_in_callbacks(
+    spec: WorkerSpec,
+    stepper: DeepSpeedStepper,
+    saver: CheckpointSaver,
+    start_step: int,
+    last_step: int,
+    rank: int,
+    world_size: int,
+    sources: list[str],
+    counter: SourceCounter | None,
+) -> list[StepCallback]:
+    """The step callbacks every worker runs after the spec's own."""
+    import ray.train
+
+    cfg = spec.config
     # Validation, memory and tokens per source on all ranks (they all-reduce), then the history, rank
     # 0's progress lines and MLflow steps, then checkpoints (all ranks save their shards). Validation
     # comes first so that the history, MLflow and the checkpoint each see this step's validation loss.
-    callbacks = list(spec.callbacks)
+    callbacks: list[StepCallback] = []
     validator = Validator(cfg, rank, world_size, micro_batch_size(cfg.train, world_size))
     if rank == 0 and not validator:
         spec.say("no validation rows: val_nll is not computed (prepare with data.val_percent > 0)")
     if validator:
         callbacks.append(Validation(partial(validator, stepper), cfg.train.eval_every, last_step))
-    device = stepper.engine.device
-    memory = partial(_model_state, stepper), partial(_peak_memory, device)
+    memory = partial(_model_state, stepper), partial(_peak_memory, stepper.engine.device)
     callbacks.append(MemoryMetrics(*memory, start_step + 1, last_step, cfg.train))
     if counter is not None:
         callbacks.append(
@@ -224,18 +251,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         callbacks.append(ProgressLines(cfg.train, spec.say))
         callbacks.append(
             MLflowSteps(
-                spec.tracking_uri, spec.run_id, run_dir, run_history, start_step, last_step, cfg.train
+                spec.tracking_uri, spec.run_id, saver.run_dir, run_history, start_step, last_step, cfg.train
             )
         )
     callbacks.append(Checkpoints(saver.save, ray.train.report, last_step, cfg.train))
-    throughput = Throughput(
-        tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
-        flops_per_token=train_flops_per_token(cfg.model, cfg.train.seq_len),
-        workers=world_size,
-        peak_flops=spec.peak_tflops * 1e12 or default_peak_flops(device),
-    )
-    batches = training_batches(cfg, rank, world_size, start_step, cfg.model.family == "mhf", counter)
-    run_training(stepper, batches, cfg.train.steps, throughput, start_step, last_step, callbacks)
+    return callbacks
 
 
 def _build_stepper(

@@ -69,34 +69,8 @@ def prepare(
     work = output.work_directory(out)
     snapshots: list[StagedSnapshot | None] = [None] * len(sources)
     if any(source.dataset for source in sources):
-        from mhf_dist.data.prepare import staging  # imports Ray Data: 1 s
-
-        staging.check_functions(sources)
-        ensure_ray(num_cpus, verbose)
-        try:
-            snapshots = staging.stage_sources(sources, work, log, verbose)
-        except MhfError:  # a Dataset that cannot be used leaves no work area it alone made
-            if not work.files():
-                work.remove()
-            raise
-        files = [
-            staging.staged_files(work, snapshot) if snapshot else found
-            for snapshot, found in zip(snapshots, files, strict=True)
-        ]
-    inputs = InputsKey(
-        version=PROGRESS_VERSION,
-        part_bytes=plan.PART_BYTES,
-        files=[[(redact(file.uri), file.size) for file in source_files] for source_files in files],
-        staged=[snapshot.snapshot if snapshot else None for snapshot in snapshots],
-        # missing_text decides no shard (records without text are never tokenized): a rerun with `skip`
-        # after a refusal goes on from the tokenized parts
-        data={key: value for key, value in manifest.recorded_data(cfg.data).items() if key != "missing_text"},
-        seq_len=cfg.train.seq_len,
-        model_hash=cfg.model.hash.model_dump(),
-        vocab_size=cfg.model.vocab_size,
-        tokenizer_sha256=tokenizer.sha256 if tokenizer else None,
-    )
-    output.open_work(work, inputs, log)
+        snapshots, files = _staged(sources, files, work, log, num_cpus, verbose)
+    output.open_work(work, _inputs_key(cfg, files, snapshots, tokenizer), log)
     tokenizer = tokenizer or vocabulary.learned_tokenizer(cfg, work, sources, files)
     shards.save_tokenizer(tokenizer, work / shards.TOKENIZER_FILE)  # first: a rerun reuses a learned BPE
     document_format, table = checked or _vocabulary(cfg, tokenizer)
@@ -112,6 +86,55 @@ def prepare(
     manifest.log_splits(log, cfg, splits)
     log(f"wrote {out} (content sha256 {published.content_sha256[:12]})")
     return published
+
+
+def _staged(
+    sources: list[Source],
+    files: list[list[CorpusFile]],
+    work: Location,
+    log: Callable[[str], None],
+    num_cpus: int | None,
+    verbose: bool,
+) -> tuple[list[StagedSnapshot | None], list[list[CorpusFile]]]:
+    """The Dataset sources staged (their snapshots), and every source's files. A Dataset that cannot
+    be used leaves no work area it alone made (complete snapshots of the others stay, for the rerun)."""
+    from mhf_dist.data.prepare import staging  # imports Ray Data: 1 s
+
+    staging.check_functions(sources)
+    ensure_ray(num_cpus, verbose)
+    try:
+        snapshots = staging.stage_sources(sources, work, log, verbose)
+    except MhfError:
+        if not work.files():
+            work.remove()
+        raise
+    staged = [
+        staging.staged_files(work, snapshot) if snapshot else found
+        for snapshot, found in zip(snapshots, files, strict=True)
+    ]
+    return snapshots, staged
+
+
+def _inputs_key(
+    cfg: Config,
+    files: list[list[CorpusFile]],
+    snapshots: list[StagedSnapshot | None],
+    tokenizer: TextTokenizer | None,
+) -> InputsKey:
+    """What a partial run must match to be resumed."""
+    return InputsKey(
+        version=PROGRESS_VERSION,
+        part_bytes=plan.PART_BYTES,
+        files=[[(redact(file.uri), file.size) for file in source_files] for source_files in files],
+        staged=[snapshot.snapshot if snapshot else None for snapshot in snapshots],
+        # missing_text decides no shard (records without text are never tokenized): a rerun with `skip`
+        # after a refusal goes on from the tokenized parts
+        data={key: value for key, value in manifest.recorded_data(cfg.data).items() if key != "missing_text"},
+        seq_len=cfg.train.seq_len,
+        model_hash=cfg.model.hash.model_dump(),
+        vocab_size=cfg.model.vocab_size,
+        tokenizer_sha256=tokenizer.sha256 if tokenizer else None,
+    )
 
 
 def _vocabulary(cfg: Config, tokenizer: TextTokenizer) -> tuple[str, SignatureTable]:
