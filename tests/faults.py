@@ -62,4 +62,4 @@ def terminate_when(process: subprocess.Popen, ready: Callable[[], bool], seconds
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 143, stderr
-    assert stderr.strip().splitlines()[-1].startswith("interrupted: SIGTERM")
+    assert stderr.strip().splitlines()[-1].startswith("interrupted: SIGTERM"), stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -212,8 +213,11 @@ def test_a_staging_stopped_half_way_is_staged_again_and_gives_the_uninterrupted_
     assert shard_bytes(out) == shard_bytes(tmp_path / "whole") and not work.exists()
 
 
-def test_a_complete_snapshot_is_reused_by_the_rerun_of_a_stopped_prepare(ray_session, tmp_path, monkeypatch):
-    """Stopped after staging (in the tokenize phase): the rerun takes the snapshot as it is."""
+def test_a_complete_snapshot_is_reused_by_the_rerun_of_a_stopped_prepare(
+    ray_session, tmp_path, monkeypatch, capfd
+):
+    """Stopped after staging (in the tokenize phase): the rerun takes the snapshot as it is. Ray Data's
+    console stays quiet after the stop, as a stopped executor's thread may still log."""
     import mhf_dist.data.prepare.pipeline as pipeline
 
     setting = sources_setting({"name": "numbers", "dataset": "dataset_callables:slow", "args": {"count": 3},
@@ -227,6 +231,9 @@ def test_a_complete_snapshot_is_reused_by_the_rerun_of_a_stopped_prepare(ray_ses
     with pytest.raises(KeyboardInterrupt):
         prepare(cfg_for(setting), tmp_path / "out", log=lambda _: None)
     assert (tmp_path / ".out.partial" / "progress" / "staged" / "numbers.json").is_file()
+    capfd.readouterr()
+    logging.getLogger("ray.data").warning("a stopped executor's late line")
+    assert "late line" not in capfd.readouterr().err
     monkeypatch.setattr(pipeline, "run_units", units)
     lines: list[str] = []
     resumed = prepare(cfg_for(setting), tmp_path / "out", log=lines.append)

@@ -150,8 +150,9 @@ SETTINGS = {
 
 @contextmanager
 def ray_data_settings(verbose: bool, *datasets: Any, preserve_order: bool = False) -> Iterator[None]:
-    """The process's DataContext and the `datasets`' own (often the same) set for mhf, then restored; Ray
-    Data's console log handler silenced unless `verbose` (its log file keeps everything)."""
+    """The process's DataContext and the `datasets`' own (often the same) set for mhf, then restored.
+    Unless `verbose`, Ray Data's console log handler is silenced, and stays so after the block (its log
+    file keeps everything): an executor that an interrupt stopped may log from its thread later."""
     from ray.data import DataContext
     from ray.data._internal.logging import SessionFileHandler
 
@@ -159,21 +160,17 @@ def ray_data_settings(verbose: bool, *datasets: Any, preserve_order: bool = Fals
     saved = [
         ({name: getattr(c, name) for name in SETTINGS}, c.execution_options.preserve_order) for c in contexts
     ]
-    logger = logging.getLogger(RAY_DATA_LOGGER)
-    console = [handler for handler in logger.handlers if not isinstance(handler, SessionFileHandler)]
-    levels = [handler.level for handler in console]
+    for handler in logging.getLogger(RAY_DATA_LOGGER).handlers:
+        if not isinstance(handler, SessionFileHandler):  # INFO: Ray Data's own console level
+            handler.setLevel(logging.INFO if verbose else logging.CRITICAL + 1)
     try:
         for context, (_, order) in zip(contexts, saved, strict=True):
             for name, value in SETTINGS.items():
                 setattr(context, name, value(verbose))
             context.execution_options.preserve_order = preserve_order or order
-        for handler in console if not verbose else []:
-            handler.setLevel(logging.CRITICAL + 1)
         yield
     finally:
         for context, (values, order) in zip(contexts, saved, strict=True):
             for name, value in values.items():
                 setattr(context, name, value)
             context.execution_options.preserve_order = order
-        for handler, level in zip(console, levels, strict=True):
-            handler.setLevel(level)
