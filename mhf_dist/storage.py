@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
@@ -43,6 +43,7 @@ CACHE_VARIABLE = "MHF_CACHE"  # where remote models are copied to before loading
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 _URI = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+")
 WILDCARD = re.compile(r"[*?\[]")
+_STORE_SCHEME_TYPO = re.compile(r"^(s3|gs|gcs|hdfs|viewfs|abfss?):(?!//)", re.IGNORECASE)
 
 
 class StorageError(MhfError):
@@ -197,8 +198,22 @@ def _gcs(emulator: str | None) -> pafs.FileSystem:
 
 
 def local_path(text: str) -> Path:
-    """A local path as written (`file://` dropped, `~` expanded); a `~user` without a home is one line."""
-    path = text.removeprefix("file://")
+    """A local path as written or as a `file:` URI's path (`file:///x`, `file://localhost/x`), `~` expanded.
+    A `~user` without a home, a `file:` URI of another host or an object store's URI that lost a slash
+    (`s3:/bucket`, which would make a local folder named `s3:`) is one line."""
+    if typo := _STORE_SCHEME_TYPO.match(text):
+        scheme = typo.group(1).lower()
+        raise StorageError(
+            f"{text!r} lacks a slash of {scheme}://; write {scheme}://BUCKET/PATH, or ./{text} if it is local"
+        )
+    path = text
+    if text[:5].lower() == "file:":
+        parts = urlsplit(text)
+        if parts.netloc not in ("", "localhost"):
+            raise StorageError(
+                f"{text!r} names the host {parts.netloc!r}; write file:///PATH for this machine"
+            )
+        path = unquote(parts.path)
     try:
         return Path(path).expanduser()
     except RuntimeError:  # what expanduser raises for a user it finds no home directory of

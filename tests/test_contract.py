@@ -60,6 +60,7 @@ VALID = {
 TOO_LONG = "/tmp/" + "n" * 300  # a path component over every common filesystem's 255 bytes
 NO_HOME = "~no-such-user-of-mhf/x"  # `~user` of no account: Path.expanduser raises
 URIS = ["s3://bucket/x"]  # checked by the command that opens them
+MISTYPED_URIS = ["s3:/bucket/x", "file://host/x"]  # a slash lost; another machine's file
 # (bad, good) texts of each kind ("{...}": a path of `ws`), the most telling bad one first: one a laxer
 # kind would take. A number kind (`kinds.number`) brings its own, from its bounds.
 EXAMPLES = {
@@ -87,14 +88,26 @@ EXAMPLES = {
             "{dir}",
         ],
     ),
-    kinds.FILE: (["{missing}", "{dir}", "", TOO_LONG, NO_HOME], ["{text}", "file://{text}", *URIS]),
-    kinds.DIRECTORY: (["{missing}", "{text}", "", TOO_LONG, NO_HOME], ["{dir}", "file://{dir}", *URIS]),
-    kinds.FILE_OR_DIRECTORY: (["{missing}", "", TOO_LONG, NO_HOME], ["{dir}", "{text}", *URIS]),
+    kinds.FILE: (
+        ["{missing}", "{dir}", "", TOO_LONG, NO_HOME, *MISTYPED_URIS],
+        ["{text}", "file://{text}", *URIS],
+    ),
+    kinds.DIRECTORY: (
+        ["{missing}", "{text}", "", TOO_LONG, NO_HOME, *MISTYPED_URIS],
+        ["{dir}", "file://{dir}", *URIS],
+    ),
+    kinds.FILE_OR_DIRECTORY: (
+        ["{missing}", "", TOO_LONG, NO_HOME, *MISTYPED_URIS],
+        ["{dir}", "{text}", *URIS],
+    ),
     kinds.OUTPUT_DIRECTORY: (
-        ["{text}", "{text}/below", "/proc/x/out", "", TOO_LONG, NO_HOME],
+        ["{text}", "{text}/below", "/proc/x/out", "", TOO_LONG, NO_HOME, *MISTYPED_URIS],
         ["{new}", "{dir}", "{new}/deeper", "file://{new}", *URIS],
     ),
-    kinds.PLACE: (["{text}", "{text}/below", "", TOO_LONG, NO_HOME], ["{new}", "{dir}", *URIS]),
+    kinds.PLACE: (
+        ["{text}", "{text}/below", "", TOO_LONG, NO_HOME, *MISTYPED_URIS],
+        ["{new}", "{dir}", *URIS],
+    ),
 }
 PARSER = cli.build_parser()
 
