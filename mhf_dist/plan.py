@@ -281,7 +281,8 @@ def plan_rows(plans: list[Plan]) -> list[dict[str, object]]:
             "micro-batch": item.micro_batch,
             "GB/GPU": f"{item.per_gpu_gb:.1f}",
             "tokens/s": "-" if item.tokens_per_s is None else round(item.tokens_per_s),
-            "days": "-" if item.days is None else f"{item.days:.2f}",
+            # a million days and more (a mistyped --tokens) as 1.23e+95, not a 90-digit number
+            "days": "-" if item.days is None else f"{item.days:{'.2f' if item.days < 1e6 else '.2e'}}",
         }
         for item in plans
     ]

@@ -3,6 +3,7 @@ bf16-pure engines, activation counts against what autograd keeps."""
 
 import gc
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -211,6 +212,10 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
     vocabularies = {row.split("|")[2].strip() for row in rows}  # the config's and Qwen3's own
     assert len(rows) == 4 and vocabularies == {f"{load_config('tiny').model.vocab_size:,}", "151,936"}
     assert "| bf16 " in out and "bf16 mixed precision: fp32 master weights" in out
+    assert [row[-1] for row in _table_rows(out)[1:]] == ["0.00"] * 4  # days
+    assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--tokens", "1e99"]) == 0
+    days = [row[-1] for row in _table_rows(capsys.readouterr().out)[1:]]
+    assert len(days) == 4 and all(re.fullmatch(r"\d\.\d\de\+\d\d", day) for day in days), days
     pure = ["--set", "train.precision=bf16-pure"]
     assert (
         main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--tokens", "1e9", *pure]) == 0

@@ -206,6 +206,8 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
     except ValidationError as err:
         where, message = first_problem(err)
         where = where or "sweep"
+        if err.errors()[0]["type"] == "missing":
+            message = f"missing; add `{where}: ...` (README: Sweeps)"
         if err.errors()[0]["type"] == "extra_forbidden":
             message = f"unknown key; allowed: {', '.join(SweepConfig.model_fields)}"
             if where in TOPOLOGY_KEYS:  # a sweep file written before the config had a topology section
