@@ -18,6 +18,9 @@ LOCAL_CPU_HEADROOM = 2
 PLACEMENT_GROUP_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 STATE_API_UNAVAILABLE = "State API may be temporarily unavailable"
 UNHANDLED_ERRORS_VARIABLE = "RAY_IGNORE_UNHANDLED_ERRORS"  # read by the driver each time it would print
+# A local instance has no node a cloud could preempt: Ray Train's preemption watcher, one more process to
+# start for every fit (each sweep trial's too), would have nothing to watch.
+LOCAL_INSTANCE_VARIABLES = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 _session_dir: str | None = None  # the Ray session this process started or joined (its logs)
 
 
@@ -71,9 +74,16 @@ def _init(num_cpus: int | None, verbose: bool) -> None:
     else:
         cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1) + LOCAL_CPU_HEADROOM
         # "local" starts a new instance even where `ray start` left a cluster that ray.init() would join.
+        local_instance_environment()
         hook = {"worker_process_setup_hook": drop_state_api_warnings}
         context = ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=hook, **logs)
     _session_dir = context.address_info["session_dir"]
+
+
+def local_instance_environment() -> None:
+    """What a local instance's processes inherit (set before it starts; a variable already set wins)."""
+    for name, value in LOCAL_INSTANCE_VARIABLES.items():
+        os.environ.setdefault(name, value)
 
 
 def logs_dir() -> str | None:

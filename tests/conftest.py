@@ -7,6 +7,7 @@ import servers
 
 from mhf_dist.config import Config, load_config
 from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.ray_utils import local_instance_environment
 from mhf_dist.signatures import SignatureTable
 
 servers.install_s3_environment()  # before any Ray instance starts: its workers inherit the endpoint
@@ -94,6 +95,7 @@ def ray_session(tmp_path_factory):
     # Workers import torch and DeepSpeed before they report ready; on a busy machine that can take longer
     # than Ray Train's 60 s default, which fails the fit instead of waiting.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
+    local_instance_environment()  # as `mhf` sets up the instances it starts
     ray.init(**RAY_INIT)
     yield ray
     ray.shutdown()
