@@ -17,8 +17,9 @@ demo: install
 
 # Two test processes, each with its own Ray instance and servers; a file's tests stay together (its module
 # fixtures are built once). Much of a Ray test's time is waiting on processes starting, not computing.
+# Files go out slowest first (tests/conftest.py), not xdist's default of most tests first.
 test: install
-	$(BIN)/pytest -q -n 2 --dist loadfile
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: install
 	$(BIN)/ruff check .
