@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -889,23 +890,16 @@ def test_a_word_outside_a_word_level_vocabulary_is_an_error_in_text_and_uncovere
     ],
 )
 def test_mhf_lm_eval_reports_a_bad_model_task_or_argument_in_one_line(
-    recall_model, tmp_path, model_args, tasks, message, monkeypatch, capfd
+    recall_model, tmp_path, model_args, tasks, message
 ):
-    """`mhf-lm-eval`'s command line run in this process (the console script's own start and exit are
-    test_mhf_lm_eval_reports_a_bad_flag_in_one_line_not_a_usage_block's)."""
     pytest.importorskip("lm_eval", reason="lm-eval is the optional extra mhf-dist[eval]")
-    from mhf_dist.eval.harness import cli
-
     args = model_args.format(missing=tmp_path / "nowhere", model=recall_model)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    argv = ["mhf-lm-eval", "--model", "mhf", "--model_args", args, *(["--tasks", tasks] if tasks else [])]
-    monkeypatch.setattr(sys, "argv", argv)
-    with pytest.raises(SystemExit) as exited:
-        cli()
-    stderr = capfd.readouterr().err
-    assert exited.value.code == 2, stderr[-2000:]
-    lines = stderr.strip().splitlines()  # lm-eval's INFO lines only with LMEVAL_LOG_LEVEL=INFO
+    command = [str(Path(sys.executable).parent / "mhf-lm-eval"), "--model", "mhf", "--model_args", args]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    command += ["--tasks", tasks] if tasks else []
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()  # lm-eval's INFO lines only with LMEVAL_LOG_LEVEL=INFO
     assert len(lines) == 1 and re.match(rf"error: {message}", lines[0]), lines
 
 
