@@ -20,7 +20,7 @@ from pydantic.fields import FieldInfo
 from mhf_dist.config import DATASET_PREFIX, MAX_SEED, MAX_VOCAB, MIN_VOCAB, check_corpus
 from mhf_dist.errors import MhfError
 from mhf_dist.sizes import byte_size
-from mhf_dist.storage import is_uri, local_path, unwritable
+from mhf_dist.storage import is_uri, local_path, path_text, unwritable
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,7 +105,7 @@ def _path(text: str, want: str) -> str:
         _fail(f"{text!r} cannot be created: {str(nearest)!r} is a file; choose a path under a directory")
     if want == "output" and (closed := unwritable(path.absolute())) is not None:
         _fail(f"{text!r} cannot be written: {str(closed)!r} is not writable; choose a writable place")
-    return str(path)
+    return path_text(path)
 
 
 def _corpus(text: str) -> str:

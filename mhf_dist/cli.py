@@ -183,7 +183,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 @command(
-    arg("--config", kinds.FILE, "the sweep YAML file (see README: Sweeps)", required=True),
+    arg("--config", kinds.FILE, "the sweep YAML file (see README: `mhf sweep`)", required=True),
     switch("--resume", "finish an interrupted sweep; keeps finished trials"),
     set_arg("a config override for every trial, on top of the file's set:"),
     arg(

@@ -44,6 +44,7 @@ _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 _URI = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+")
 WILDCARD = re.compile(r"[*?\[]")
 _STORE_SCHEME_TYPO = re.compile(r"^(s3|gs|gcs|hdfs|viewfs|abfss?):(?!//)", re.IGNORECASE)
+_SCHEME_LIKE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 
 
 class StorageError(MhfError):
@@ -199,26 +200,33 @@ def _gcs(emulator: str | None) -> pafs.FileSystem:
 
 def local_path(text: str) -> Path:
     """A local path as written or as a `file:` URI's path (`file:///x`, `file://localhost/x`), `~` expanded.
-    A `~user` without a home, a `file:` URI of another host or an object store's URI that lost a slash
-    (`s3:/bucket`, which would make a local folder named `s3:`) is one line."""
+    A `~user` without a home, a `file:` URI that is not one absolute path of this machine, or an object
+    store's URI that lost a slash (`s3:/bucket`, which would make a local folder named `s3:`) is one line."""
     if typo := _STORE_SCHEME_TYPO.match(text):
         scheme = typo.group(1).lower()
+        fixed = f"{scheme}://{text[typo.end() :].lstrip('/')}"
         raise StorageError(
-            f"{text!r} lacks a slash of {scheme}://; write {scheme}://BUCKET/PATH, or ./{text} if it is local"
+            f"{text!r} is missing a slash of {scheme}://: write {fixed}, or ./{text} if it is local"
         )
     path = text
     if text[:5].lower() == "file:":
         parts = urlsplit(text)
-        if parts.netloc not in ("", "localhost"):
-            raise StorageError(
-                f"{text!r} names the host {parts.netloc!r}; write file:///PATH for this machine"
-            )
+        if parts.netloc.lower() not in ("", "localhost") or not parts.path.startswith("/"):
+            raise StorageError(f"{text!r} is no absolute path on this machine; write file:///ABSOLUTE/PATH")
+        if parts.query or parts.fragment:
+            raise StorageError(f"{text!r}: a file: URI keeps no ? or #; write them as %3F and %23")
         path = unquote(parts.path)
     try:
         return Path(path).expanduser()
     except RuntimeError:  # what expanduser raises for a user it finds no home directory of
         home = path.split("/", 1)[0]
         raise StorageError(f"{text!r}: {home!r} has no home directory here; write the path out") from None
+
+
+def path_text(path: Path) -> str:
+    """`path` as text that `local_path` reads back as it: `./s3:x`, not the mistyped URI `s3:x`."""
+    text = str(path)
+    return f"./{text}" if not path.is_absolute() and _SCHEME_LIKE.match(text) else text
 
 
 def filesystem(location: str | Path) -> tuple[pafs.FileSystem, str]:

@@ -78,7 +78,7 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
             r"trial 'data.corpus=a_b-seed0' comes twice .*name the same directory",
         ),
         ({"name": "x", "kind": "matched", "sedes": [1]}, "sedes: unknown key; allowed: name, kind"),
-        ({"kind": "matched"}, r"^sweep: name: missing; add `name: ...` \(README: Sweeps\)$"),
+        ({"kind": "matched"}, r"^sweep: name: missing; add `name: ...` \(README: `mhf sweep`\)$"),
         ({"name": "x", "kind": "seeds", "set": {"train.stpes": 5}}, "unknown key 'train.stpes'"),
         (
             {"name": "x", "kind": "matched", "set": {**BYTES, "topology.workers": 3}},

@@ -1,9 +1,13 @@
 """Mistakes a user makes that once went through without a word, or as a traceback: each one line and
 exit 2, or said on the console (issue 43's classes; `test_contract.py` holds every argument to its kind)."""
 
+import re
+
 import pytest
 
+from mhf_dist.arguments import DIRECTORY
 from mhf_dist.cli import main
+from mhf_dist.storage import Location
 
 
 def test_continue_without_a_checkpoint_is_refused_with_the_fix_not_started_afresh(tmp_path, capsys):
@@ -176,3 +180,34 @@ def test_lm_eval_never_reads_past_the_models_positions(byte_model):
     assert str(refused.value) == (
         "max_length is 128, above the model's max_position_embeddings 64; pass max_length=64 or less"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (
+            "s3:/bucket/runs",
+            r"'s3:/bucket/runs' is missing a slash of s3://: write s3://bucket/runs, or \./s3:",
+        ),
+        (
+            "GS:bucket",
+            r"'GS:bucket' is missing a slash of gs://: write gs://bucket, or \./GS:bucket if it is",
+        ),
+        (
+            "file://otherhost/runs",
+            "'file://otherhost/runs' is no absolute path on this machine; write file:///",
+        ),
+        ("file:runs", "'file:runs' is no absolute path on this machine"),
+        ("file:///x/run#1", r"a file: URI keeps no \? or #; write them as %3F and %23"),
+    ],
+)
+def test_a_mistyped_uri_is_one_line_not_a_local_folder(text, says, tmp_path, monkeypatch, capsys):
+    """As a storage flag and as a config key alike; the local folder the advice names is then taken."""
+    monkeypatch.chdir(tmp_path)
+    for argv in (["compare", "--storage", text], ["train", "--set", f"topology.storage={text}"]):
+        assert main(argv) == 2
+        assert re.search(says, capsys.readouterr().err.strip().splitlines()[-1])
+    assert list(tmp_path.iterdir()) == []
+    assert Location.of("file://LOCALHOST/x/a%20b").path == Location.of("file:/x/a b").path == "/x/a b"
+    (tmp_path / "s3:" / "bucket").mkdir(parents=True)  # the advice's ./s3:/bucket, read back as it is
+    assert Location.of(DIRECTORY("./s3:/bucket")).path == str(tmp_path / "s3:" / "bucket")

@@ -155,8 +155,9 @@ def run_sweep(
                 max_concurrent_trials=spec.max_concurrent or _concurrency(configs.values()),
                 trial_name_creator=_trial_name,
                 trial_dirname_creator=_trial_name,
-                # A trial's process imports torch, DeepSpeed and MLflow: the next trial reuses it.
-                reuse_actors=True,
+                # A trial's process imports torch, DeepSpeed and MLflow: the next trial reuses it. Not under
+                # ASHA: a trial it stops goes on in its fit's thread, and Tune fails the trial handed over.
+                reuse_actors=spec.asha is None,
                 **_scheduler(spec, configs.values()),
             ),
             run_config=tune.RunConfig(name=TUNE_DIR, verbose=int(verbose), **tune_storage),

@@ -207,8 +207,8 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
         where, message = first_problem(err)
         where = where or "sweep"
         if err.errors()[0]["type"] == "missing":
-            message = f"missing; add `{where}: ...` (README: Sweeps)"
-        if err.errors()[0]["type"] == "extra_forbidden":
+            message = f"missing; add `{where.rsplit('.', 1)[-1]}: ...` (README: `mhf sweep`)"
+        elif err.errors()[0]["type"] == "extra_forbidden":
             message = f"unknown key; allowed: {', '.join(SweepConfig.model_fields)}"
             if where in TOPOLOGY_KEYS:  # a sweep file written before the config had a topology section
                 message += f"; the run topology is set per trial: `set: {{topology.{where}: ...}}`"

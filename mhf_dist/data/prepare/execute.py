@@ -148,6 +148,9 @@ SETTINGS = {
 }
 
 
+_CONSOLE_LEVELS: dict[logging.Handler, int] = {}  # Ray Data's console handlers' own levels
+
+
 @contextmanager
 def ray_data_settings(verbose: bool, *datasets: Any, preserve_order: bool = False) -> Iterator[None]:
     """The process's DataContext and the `datasets`' own (often the same) set for mhf, then restored.
@@ -161,8 +164,9 @@ def ray_data_settings(verbose: bool, *datasets: Any, preserve_order: bool = Fals
         ({name: getattr(c, name) for name in SETTINGS}, c.execution_options.preserve_order) for c in contexts
     ]
     for handler in logging.getLogger(RAY_DATA_LOGGER).handlers:
-        if not isinstance(handler, SessionFileHandler):  # INFO: Ray Data's own console level
-            handler.setLevel(logging.INFO if verbose else logging.CRITICAL + 1)
+        if not isinstance(handler, SessionFileHandler):
+            level = _CONSOLE_LEVELS.setdefault(handler, handler.level)  # before mhf first silenced it
+            handler.setLevel(level if verbose else logging.CRITICAL + 1)
     try:
         for context, (_, order) in zip(contexts, saved, strict=True):
             for name, value in SETTINGS.items():
