@@ -617,7 +617,7 @@ def cmd_count(args: argparse.Namespace) -> None:
 )
 def cmd_plan(args: argparse.Namespace) -> None:
     """per-GPU memory at ZeRO 0-3, stage, micro-batch and days for a cluster"""
-    from mhf_dist.plan import Cluster, check_fits, plan, plan_legend, plan_rows
+    from mhf_dist.plan import Cluster, check_fits, plan, plan_legend, plan_rows, readable
     from mhf_dist.tables import markdown_table
 
     cfg = _config(args)
@@ -633,7 +633,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(
         f"preset {cfg.preset or args.config}, {cfg.model.hash.spec}, seq_len {seq_len}; "
         f"{args.nodes} node(s) x {args.gpus} GPU(s) of {args.gpu_mem_gb:g} GB, "
-        f"{args.peak_tflops:g} TFLOP/s at MFU {args.mfu:g}; {tokens / 1e9:.1f}B tokens"
+        f"{args.peak_tflops:g} TFLOP/s at MFU {args.mfu:g}; {readable(tokens / 1e9, '.1f')}B tokens"
     )
     rows = plan_rows(plans)
     print(markdown_table(rows, list(rows[0])))

@@ -26,6 +26,7 @@ from pydantic import (
 from mhf_dist.errors import ConfigError, first_problem, problem_line
 from mhf_dist.plugins import BACKBONES, FAMILIES, Registry
 from mhf_dist.readers import DuplicateKeyError, load_yaml, read_yaml
+from mhf_dist.storage import Location
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -539,29 +540,30 @@ def validate_config(raw: Mapping[str, Any]) -> Config:
         raise ConfigError(_describe(err)) from None
 
 
-def _load_source(source: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = Path(source)
-    if path.suffix not in (".yaml", ".yml"):
-        path = PRESET_DIR / f"{source}.yaml"
-        if not path.is_file():
+def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A preset by name, or a YAML file (local or in a bucket) with the `preset:` chain it names."""
+    if Path(source).suffix not in (".yaml", ".yml"):
+        where = Location.of(PRESET_DIR / f"{source}.yaml")
+        if not where.is_file():
             raise ConfigError(
                 f"unknown preset {str(source)!r}; choose one of {', '.join(available_presets())} "
                 "or pass a path to a .yaml file"
             )
-    elif not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; check the path")
-    raw = read_yaml(path, ConfigError, "fix the YAML syntax")
+    elif not (where := Location.of(source)).is_file():
+        raise ConfigError(f"config file {str(where)!r} does not exist; check the path")
+    raw = read_yaml(where, ConfigError, "fix the YAML syntax")
     if not isinstance(raw, dict | None):
-        raise ConfigError(f"{path} must hold a mapping of config sections, not a {type(raw).__name__}")
+        raise ConfigError(f"{where} must hold a mapping of config sections, not a {type(raw).__name__}")
     raw = raw or {}
     base = raw.pop("preset", None)
+    preset = None if where.remote or Path(where.path).parent != PRESET_DIR else Path(where.path).stem
     if base is None:
-        return raw if path.parent != PRESET_DIR else {**raw, "preset": path.stem}
-    if path.parent == PRESET_DIR:
-        raise ConfigError(f"preset {path.stem!r} names another preset; presets must be self-contained")
-    chain = (*seen, path.resolve())
-    if Path(str(base)).resolve() in chain:
-        names = " -> ".join(str(link) for link in (*chain, Path(str(base)).resolve()))
+        return raw if preset is None else {**raw, "preset": preset}
+    if preset is not None:
+        raise ConfigError(f"preset {preset!r} names another preset; presets must be self-contained")
+    chain = (*seen, where.real)
+    if Location.of(str(base)).real in chain:
+        names = " -> ".join([*chain, Location.of(str(base)).real])
         raise ConfigError(f"config files name each other as `preset:` ({names}); end the chain at a preset")
     merged = _load_source(str(base), chain)
     _deep_merge(merged, raw)

@@ -281,11 +281,16 @@ def plan_rows(plans: list[Plan]) -> list[dict[str, object]]:
             "micro-batch": item.micro_batch,
             "GB/GPU": f"{item.per_gpu_gb:.1f}",
             "tokens/s": "-" if item.tokens_per_s is None else round(item.tokens_per_s),
-            # a million days and more (a mistyped --tokens) as 1.23e+95, not a 90-digit number
-            "days": "-" if item.days is None else f"{item.days:{'.2f' if item.days < 1e6 else '.2e'}}",
+            "days": "-" if item.days is None else readable(item.days, ".2f"),
         }
         for item in plans
     ]
+
+
+def readable(value: float, fixed: str) -> str:
+    """`value` in the `fixed` format, or from a million on (a mistyped --tokens) as 1.23e+95, not as a
+    90-digit number."""
+    return f"{value:{fixed}}" if abs(value) < 1e6 else f"{value:.2e}"
 
 
 def plan_legend(cfg: Config) -> str:

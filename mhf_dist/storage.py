@@ -43,7 +43,11 @@ CACHE_VARIABLE = "MHF_CACHE"  # where remote models are copied to before loading
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 _URI = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+")
 WILDCARD = re.compile(r"[*?\[]")
-_STORE_SCHEME_TYPO = re.compile(r"^(s3|gs|gcs|hdfs|viewfs|abfss?):(?!//)", re.IGNORECASE)
+# A URI that lost a slash: any scheme (not file:, whose `file:/x` is valid) with one, an object store's
+# with none. One letter is a Windows drive (`C:/x`), not a scheme.
+_URI_TYPO = re.compile(
+    r"^(?!file:)(?P<scheme>[a-z][a-z0-9+.-]+):/(?!/)|^(?P<store>s3|gs|gcs|hdfs|viewfs|abfss?):(?!/)", re.I
+)
 _SCHEME_LIKE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 
 
@@ -202,8 +206,8 @@ def local_path(text: str) -> Path:
     """A local path as written or as a `file:` URI's path (`file:///x`, `file://localhost/x`), `~` expanded.
     A `~user` without a home, a `file:` URI that is not one absolute path of this machine, or an object
     store's URI that lost a slash (`s3:/bucket`, which would make a local folder named `s3:`) is one line."""
-    if typo := _STORE_SCHEME_TYPO.match(text):
-        scheme = typo.group(1).lower()
+    if typo := _URI_TYPO.match(text):
+        scheme = (typo.group("scheme") or typo.group("store")).lower()
         fixed = f"{scheme}://{text[typo.end() :].lstrip('/')}"
         raise StorageError(
             f"{text!r} is missing a slash of {scheme}://: write {fixed}, or ./{text} if it is local"
@@ -216,6 +220,8 @@ def local_path(text: str) -> Path:
         if parts.query or parts.fragment:
             raise StorageError(f"{text!r}: a file: URI keeps no ? or #; write them as %3F and %23")
         path = unquote(parts.path)
+    if "\x00" in path:
+        raise StorageError(f"{text!r} holds a NUL byte (%00), which no path may; remove it")
     try:
         return Path(path).expanduser()
     except RuntimeError:  # what expanduser raises for a user it finds no home directory of
@@ -520,7 +526,8 @@ class Location:
 def matches(spec: str) -> list[tuple[Location, int]]:
     """The files (with sizes) the glob `spec` matches, `**` recursive; in a bucket, fnmatch on a listing."""
     if not is_uri(spec):
-        paths = sorted(Path(p).absolute() for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        found = glob.glob(str(local_path(spec)), recursive=True)  # a file: URI's, `~` expanded
+        paths = sorted(Path(p).absolute() for p in found if Path(p).is_file())
         return [(Location.of(path), path.stat().st_size) for path in paths]
     first = WILDCARD.search(spec)
     assert first is not None

@@ -183,6 +183,25 @@ def test_a_missing_bucket_is_a_storage_error_not_an_empty_corpus(s3_server):
         corpus_files(f"{MISSING}/x.jsonl")
 
 
+def test_a_config_and_a_sweep_file_are_read_from_a_bucket_too(s3_server):
+    from mhf_dist.config import load_config
+    from mhf_dist.errors import ConfigError
+    from mhf_dist.sweep.spec import load_sweep
+
+    bucket = Location.of(s3_server.make_bucket("configs"))
+    (bucket / "base.yaml").write_text("preset: tiny\ntrain: {steps: 7}\n")
+    (bucket / "run.yaml").write_text(f"preset: {bucket.uri}/base.yaml\ntrain: {{lr: 0.002}}\n")
+    cfg = load_config(f"{bucket.uri}/run.yaml")
+    assert (cfg.preset, cfg.train.steps, cfg.train.lr) == ("tiny", 7, 0.002)
+    (bucket / "loop.yaml").write_text(f"preset: {bucket.uri}/loop.yaml\n")
+    with pytest.raises(ConfigError, match=r"name each other as `preset:` \(s3://configs/loop.yaml -> s3://"):
+        load_config(f"{bucket.uri}/loop.yaml")
+    (bucket / "seeds.yaml").write_text("name: s\nkind: seeds\nconfig: tiny\nseeds: [0, 1]\n")
+    assert load_sweep(f"{bucket.uri}/seeds.yaml").seeds == [0, 1]
+    with pytest.raises(ConfigError, match=r"^sweep file 's3://configs/none.yaml' does not exist"):
+        load_sweep(f"{bucket.uri}/none.yaml")
+
+
 def cli_prepare(*args: str, environment: dict[str, str] | None = None) -> tuple[int, str, float]:
     start = time.monotonic()
     done = subprocess.run(

@@ -7,7 +7,7 @@ import pytest
 
 from mhf_dist.arguments import DIRECTORY
 from mhf_dist.cli import main
-from mhf_dist.storage import Location
+from mhf_dist.storage import Location, matches
 
 
 def test_continue_without_a_checkpoint_is_refused_with_the_fix_not_started_afresh(tmp_path, capsys):
@@ -199,6 +199,8 @@ def test_lm_eval_never_reads_past_the_models_positions(byte_model):
         ),
         ("file:runs", "'file:runs' is no absolute path on this machine"),
         ("file:///x/run#1", r"a file: URI keeps no \? or #; write them as %3F and %23"),
+        ("file:///x/%00", r"'file:///x/%00' holds a NUL byte \(%00\), which no path may; remove it"),
+        ("az:/container/x", r"'az:/container/x' is missing a slash of az://: write az://container/x, or"),
     ],
 )
 def test_a_mistyped_uri_is_one_line_not_a_local_folder(text, says, tmp_path, monkeypatch, capsys):
@@ -209,5 +211,8 @@ def test_a_mistyped_uri_is_one_line_not_a_local_folder(text, says, tmp_path, mon
         assert re.search(says, capsys.readouterr().err.strip().splitlines()[-1])
     assert list(tmp_path.iterdir()) == []
     assert Location.of("file://LOCALHOST/x/a%20b").path == Location.of("file:/x/a b").path == "/x/a b"
+    (tmp_path / "t.txt").write_text("a glob in a file: URI matches as the plain path's\n")
+    assert [where.path for where, _ in matches(f"file://{tmp_path}/*.txt")] == [str(tmp_path / "t.txt")]
+    (tmp_path / "t.txt").unlink()
     (tmp_path / "s3:" / "bucket").mkdir(parents=True)  # the advice's ./s3:/bucket, read back as it is
     assert Location.of(DIRECTORY("./s3:/bucket")).path == str(tmp_path / "s3:" / "bucket")

@@ -31,6 +31,7 @@ from mhf_dist.config import Config, Seed, StrictModel, check_topology, load_conf
 from mhf_dist.errors import ConfigError, MhfError, first_problem
 from mhf_dist.eval import WINDOW, WINDOWED
 from mhf_dist.readers import read_yaml
+from mhf_dist.storage import Location
 
 TOPOLOGY_KEYS = ("workers", "gpus_per_worker", "zero_stage")
 VARIANT_FORM = "a variant mapping {group: NAME, family: FAMILY, set: {key: value}} (NAME: [A-Za-z0-9._-])"
@@ -190,10 +191,11 @@ class Trial:
 
 
 def load_sweep(path: str | Path) -> SweepConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep file {str(path)!r} does not exist; check the path")
-    return parse_sweep(read_yaml(path, ConfigError, "fix the YAML syntax"), str(path))
+    """A sweep file, local or in a bucket."""
+    where = Location.of(path)
+    if not where.is_file():
+        raise ConfigError(f"sweep file {str(where)!r} does not exist; check the path")
+    return parse_sweep(read_yaml(where, ConfigError, "fix the YAML syntax"), str(where))
 
 
 def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
