@@ -204,6 +204,41 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_sess
         run_sweep(spec, log=lambda _: None)
 
 
+def test_asha_lets_a_trial_that_reaches_its_last_step_finish_and_ends_the_runs_it_stopped(
+    ray_session, tmp_path
+):
+    """One trial at a time: the better one runs to its last step (a checkpoint with its exported model,
+    its MLflow run FINISHED); the worse one ASHA stops at its first rung is STOPPED, its run KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    prepare(load_config("tiny", BYTES), tmp_path / "data", log=lambda _: None)
+    spec = parse_sweep(
+        {
+            "name": "halving",
+            "kind": "grid",
+            "set": {**BYTES, "data.path": str(tmp_path / "data"), "train.steps": 6, "train.log_every": 1,
+                    "topology.workers": 1},
+            "grid": {"train.lr": [0.01, 0.001]},  # 0.001's loss at step 2 is the higher
+            "storage": str(tmp_path / "sweeps"),
+            "asha": {"metric": "loss", "grace_period": 2, "reduction_factor": 2},
+            "max_concurrent": 1,
+        }
+    )  # fmt: skip
+    result = run_sweep(spec, log=lambda _: None)
+    assert {t["name"]: t["status"] for t in result.trials} == {
+        "train.lr=0.01-seed0": "FINISHED", "train.lr=0.001-seed0": "STOPPED"
+    }  # fmt: skip
+    client = MlflowClient(tracking_uri=result.tracking_uri)
+    runs = client.search_runs(
+        [client.get_experiment_by_name("mhf-sweeps").experiment_id],
+        f"tags.mlflow.parentRunId = '{result.parent_run_id}'",
+    )
+    status = {run.info.run_name: run.info.status for run in runs}
+    assert status == {"train.lr=0.01-seed0": "FINISHED", "train.lr=0.001-seed0": "KILLED"}
+    finished = newest_checkpoint(tmp_path / "sweeps" / "halving" / TRIALS_DIR / "train.lr=0.01-seed0")
+    assert finished.name.endswith("0006") and (finished / MODEL_DIR / "config.json").is_file()
+
+
 def test_an_interrupted_sweep_marks_killed_the_trials_it_stopped_and_keeps_an_earlier_failure(tmp_path):
     """A trial still RUNNING, or one that saw the stop as its fit failing (FAILED since the signal),
     was stopped by the interrupt; a trial that had failed before keeps FAILED."""

@@ -63,7 +63,7 @@ class SweepResult:
     parent_run_id: str
     tracking_uri: str
     directory: Location
-    trials: list[dict[str, Any]]  # name, group, family, seed, status
+    trials: list[dict[str, Any]]  # name, group, family, seed, status (FINISHED, STOPPED by ASHA, ERROR)
 
 
 def compare_sweep(spec: SweepConfig, result: SweepResult) -> Comparison:
@@ -170,10 +170,14 @@ def run_sweep(
     if grid is None or stop.signal is not None:
         stopped_at = stop.at or time.time()
         raise _stopped(stop.signal or signal.SIGINT, stopped_at, directory, configs, uri, parent_run_id)
+    if spec.asha is not None:  # the trials ASHA stopped early: Tune skipped their clean-up
+        end_stopped_children(uri, parent_run_id, time.time())
     outcomes = []
     for result in grid:
         trial = result.config["trial"]
-        status = "ERROR" if result.error else "FINISHED"
+        last = configs[trial["name"]].train.steps
+        reached = (result.metrics or {}).get("step") == last
+        status = "ERROR" if result.error else "FINISHED" if reached else "STOPPED"
         outcomes.append({key: trial[key] for key in ("name", "group", "family", "seed")} | {"status": status})
     failed = [outcome["name"] for outcome in outcomes if outcome["status"] == "ERROR"]
     end_run(uri, parent_run_id, "FAILED" if failed else "FINISHED")
@@ -346,7 +350,9 @@ def _scheduler(spec: SweepConfig, configs: Iterable[Config]) -> dict[str, Any]:
     steps = max(cfg.train.steps for cfg in configs)
     scheduler = ASHAScheduler(
         time_attr="step",
-        max_t=steps,
+        # One past the last step: a trial ASHA stops at max_t loses its last checkpoint, export and MLflow
+        # end to the stop, so none is stopped for having finished.
+        max_t=steps + 1,
         grace_period=spec.asha.grace_period,
         reduction_factor=spec.asha.reduction_factor,
     )
