@@ -556,14 +556,15 @@ def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, An
         raise ConfigError(f"{where} must hold a mapping of config sections, not a {type(raw).__name__}")
     raw = raw or {}
     base = raw.pop("preset", None)
-    preset = None if where.remote or Path(where.path).parent != PRESET_DIR else Path(where.path).stem
+    file = Path(where.path)
+    preset = None if where.remote or file.parent != PRESET_DIR else file.stem
     if base is None:
         return raw if preset is None else {**raw, "preset": preset}
     if preset is not None:
         raise ConfigError(f"preset {preset!r} names another preset; presets must be self-contained")
-    chain = (*seen, where.real)
-    if Location.of(str(base)).real in chain:
-        names = " -> ".join([*chain, Location.of(str(base)).real])
+    chain, named = (*seen, where.real), Location.of(str(base)).real
+    if named in chain:
+        names = " -> ".join([*chain, named])
         raise ConfigError(f"config files name each other as `preset:` ({names}); end the chain at a preset")
     merged = _load_source(str(base), chain)
     _deep_merge(merged, raw)

@@ -40,15 +40,16 @@ REQUEST_TIMEOUT_S = 20  # a store that stops answering fails a request after thi
 TIMEOUT_VARIABLE = "MHF_STORAGE_TIMEOUT_S"
 MAX_ATTEMPTS = 3  # per request: an unreachable endpoint fails in seconds
 CACHE_VARIABLE = "MHF_CACHE"  # where remote models are copied to before loading (default ~/.cache/mhf-dist)
-_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
-_URI = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+")
+_SCHEME_NAME = r"[a-zA-Z][a-zA-Z0-9+.-]*"  # RFC 3986's
+_SCHEME = re.compile(rf"^({_SCHEME_NAME})://")
+_URI = re.compile(rf"{_SCHEME_NAME}://[^\s'\"]+")
 WILDCARD = re.compile(r"[*?\[]")
 # A URI that lost a slash: any scheme (not file:, whose `file:/x` is valid) with one, an object store's
 # with none. One letter is a Windows drive (`C:/x`), not a scheme.
 _URI_TYPO = re.compile(
     r"^(?!file:)(?P<scheme>[a-z][a-z0-9+.-]+):/(?!/)|^(?P<store>s3|gs|gcs|hdfs|viewfs|abfss?):(?!/)", re.I
 )
-_SCHEME_LIKE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+_SCHEME_LIKE = re.compile(rf"^{_SCHEME_NAME}:")
 
 
 class StorageError(MhfError):
