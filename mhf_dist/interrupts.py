@@ -1,9 +1,9 @@
 """SIGINT (Ctrl-C) and SIGTERM stop a command with one line `interrupted: ...` (`errors.Interrupted`),
 exit 130 or 143. One entry point per phase: `started` (importing the command line: a signal ends the
-process at once), `importing` and `starting_ray` (held until torch's imports or ray.init return: an
-exception raised in their C++ callbacks aborts the process), `running` (SIGTERM unwinds as Ctrl-C does;
-Ray Train's and Tune's fits stop gracefully in `sigterm_as_sigint` and `tune_stops_gracefully`) and
-`finished`.
+process at once), `importing` (held until torch's imports return: an exception raised in their C++
+callbacks aborts the process), `starting_ray` (held while ray.init runs in a thread of its own), `running`
+(SIGTERM unwinds as Ctrl-C does; Ray Train's and Tune's fits stop gracefully in `sigterm_as_sigint` and
+`tune_stops_gracefully`) and `finished`.
 
 Holding is a Python handler that records the signal, not `pthread_sigmask`: a thread of torch's, pyarrow's
 or gRPC's would take the signal anyway, a child started meanwhile (every Ray process) would inherit the
@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -113,20 +114,23 @@ def importing() -> AbstractContextManager[None]:
     return deferred("while importing")
 
 
-@contextmanager
-def starting_ray() -> Iterator[None]:
-    """Around ray.init. Its SIGTERM handler (sys.exit, from its first line; no switch turns it off) is
-    kept out by patching its one registration point: the caller's handler stays."""
-    from ray._private import utils
+def starting_ray(start: Callable[[], None]) -> None:
+    """`start()` (ray.init) in a thread of its own while this one holds the signals: Ray sets its SIGTERM
+    handler (sys.exit, no line) only when started from the main thread, and no handler can raise inside
+    its C++ start-up. The thread then stays, idle: Ray's processes die with the thread that started them
+    (PR_SET_PDEATHSIG)."""
+    started: Future[None] = Future()
+
+    def start_and_stay() -> None:
+        try:
+            started.set_result(start())
+        except BaseException as error:  # raised in the caller's thread
+            started.set_exception(error)
+        threading.Event().wait()
 
     with deferred("while starting Ray"):
-        register, handler = utils.set_sigterm_handler, signal.getsignal(signal.SIGTERM)
-        utils.set_sigterm_handler = lambda handler: None
-        try:
-            yield
-        finally:
-            utils.set_sigterm_handler = register
-            signal.signal(signal.SIGTERM, handler)  # should a later Ray register elsewhere
+        threading.Thread(target=start_and_stay, name="ray-init", daemon=True).start()
+        started.result()
 
 
 @contextmanager
