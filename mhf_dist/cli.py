@@ -632,7 +632,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     ]
     print(
         f"preset {cfg.preset or args.config}, {cfg.model.hash.spec}, seq_len {seq_len}; "
-        f"{args.nodes} node(s) x {args.gpus} GPU(s) of {args.gpu_mem_gb:g} GB, "
+        f"{readable(args.nodes, '')} node(s) x {readable(args.gpus, '')} GPU(s) of {args.gpu_mem_gb:g} GB, "
         f"{args.peak_tflops:g} TFLOP/s at MFU {args.mfu:g}; {readable(tokens / 1e9, '.1f')}B tokens"
     )
     rows = plan_rows(plans)

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from mhf_dist.errors import ConfigError, first_problem, problem_line
+from mhf_dist.errors import ConfigError, first_problem, problem_line, refused_value
 from mhf_dist.plugins import BACKBONES, FAMILIES, Registry
 from mhf_dist.readers import DuplicateKeyError, load_yaml, read_yaml
 from mhf_dist.storage import Location
@@ -694,9 +694,7 @@ def _describe(err: ValidationError) -> str:
                 f"missing key {location!r}; give entry {first['loc'][at]} of {listed} a `{first['loc'][-1]}`"
             )
         return f"missing key {location!r}; add it to the config or pass --set {location}=..."
-    value = first.get("input")
-    shown = f" (got {value!r})" if location and not isinstance(value, dict) else ""
-    return problem_line(err) + shown
+    return problem_line(err) + refused_value(err)
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:

@@ -99,6 +99,13 @@ def first_problem(err: ValidationError) -> tuple[str, str]:
     return where, " ".join(problem["msg"].removeprefix("Value error, ").split())
 
 
+def refused_value(err: ValidationError) -> str:
+    """` (got VALUE)`: the key's value pydantic first refused; "" for a whole model's or mapping's."""
+    problem = err.errors()[0]
+    value = problem.get("input")
+    return f" (got {value!r})" if problem["loc"] and not isinstance(value, dict) else ""
+
+
 def problem_line(err: ValidationError) -> str:
     """`first_problem` as "key: message", or a whole-model check's message (which names its keys)."""
     where, message = first_problem(err)

@@ -218,6 +218,11 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
     assert out.splitlines()[0].endswith("; 1.00e+90B tokens")  # not a 90-digit number
     days = [row[-1] for row in _table_rows(out)[1:]]
     assert len(days) == 4 and all(re.fullmatch(r"\d\.\d\de\+\d\d", day) for day in days), days
+    huge = ["--gpus", "100000000000000000000", "--micro-batch", "100000000000000000000"]
+    assert main(["plan", "--config", "tiny", "--gpu-mem-gb", "1", *huge]) == 2
+    captured = capsys.readouterr()
+    assert "x 1.00e+20 GPU(s)" in captured.out and "micro-batch 1.00e+20)" in captured.err
+    assert {row[-4] for row in _table_rows(captured.out)[1:]} == {"1.00e+20"}  # the micro-batch column
     pure = ["--set", "train.precision=bf16-pure"]
     assert (
         main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--tokens", "1e9", *pure]) == 0

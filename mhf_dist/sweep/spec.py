@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mhf_dist.config import Config, Seed, StrictModel, check_topology, load_config
-from mhf_dist.errors import ConfigError, MhfError, first_problem
+from mhf_dist.errors import ConfigError, MhfError, first_problem, refused_value
 from mhf_dist.eval import WINDOW, WINDOWED
 from mhf_dist.readers import read_yaml
 from mhf_dist.storage import Location
@@ -214,6 +214,8 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
             message = f"unknown key; allowed: {', '.join(SweepConfig.model_fields)}"
             if where in TOPOLOGY_KEYS:  # a sweep file written before the config had a topology section
                 message += f"; the run topology is set per trial: `set: {{topology.{where}: ...}}`"
+        elif err.errors()[0]["type"] != "value_error":  # pydantic's own words: what came, where to look
+            message += f"{refused_value(err)}; see README: `mhf sweep`"
         raise ConfigError(f"{source}: {where}: {message}") from None
     if STORAGE_KEY in spec.set or STORAGE_KEY in spec.grid:
         raise ConfigError(
