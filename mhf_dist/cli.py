@@ -266,7 +266,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
         "--tokenizer",
         "data.tokenizer",
         kinds.NAME_OR_PATH,
-        "bpe | bytes | mistral-v0.3 | path to tokenizer.json",
+        "bpe | bytes | mistral-v0.3 | a tokenizer.json: path or s3:// / gs:// URI",
     ),
     key_flag("--out", "data.path", kinds.OUTPUT_DIRECTORY, "output directory, local or s3:// / gs://"),
     switch(

@@ -395,7 +395,7 @@ class DataConfig(StrictModel):
     tokenizer: str = Field(
         "bpe",
         description="bpe (trained to model.vocab_size) | bytes | mistral-v0.3 (Mistral-7B-v0.3's, 32768 "
-        "ids; the authors' models) | path to tokenizer.json",
+        "ids; the authors' models) | a tokenizer.json (path or URI)",
     )
     document_format: Literal["auto", "bos", "eos"] = Field(
         "auto",

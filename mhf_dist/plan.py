@@ -361,5 +361,6 @@ def check_fits(plans: list[Plan], cluster: Cluster) -> None:
     raise ConfigError(
         f"no family and vocabulary fits in {1 - MEMORY_RESERVE:.0%} of {cluster.gpu_mem_gb:g} GiB per GPU "
         f"(the least, {smallest.family} at V={smallest.vocab_size:,}, needs {readable(need, '.1f')} GiB at "
-        f"ZeRO-{stage}, micro-batch {readable(smallest.micro_batch, '')}); give {', '.join(fixes[:-1])} or {fixes[-1]}"
+        f"ZeRO-{stage}, micro-batch {readable(smallest.micro_batch, '')}); give {', '.join(fixes[:-1])} or "
+        f"{fixes[-1]}"
     )

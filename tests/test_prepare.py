@@ -872,3 +872,14 @@ def test_an_empty_corpus_says_it_is_empty_not_to_change_the_vocab_size(tmp_path)
             prepare(cfg, out, log=lambda _: None)
         assert "vocab_size" not in str(info.value)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "held-out.txt"]
+
+
+def test_a_tokenizer_json_is_read_from_a_file_uri_under_home_or_from_a_bucket(bucket, tmp_path, monkeypatch):
+    words = TextTokenizer.train_bpe(["one two three four"] * 20, 280)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for place in (tmp_path / "tok.json", f"{bucket}/tok.json"):
+        save_tokenizer(words, place)
+    for spec in (f"file://{tmp_path}/tok.json", "~/tok.json", f"{bucket}/tok.json"):
+        assert TextTokenizer.resolve(spec, 280, []).sha256 == words.sha256, spec
+    with pytest.raises(DataError, match=r"^tokenizer '~/nothing\.json' is neither 'bpe', .* nor an existing"):
+        TextTokenizer.resolve("~/nothing.json", 280, [])

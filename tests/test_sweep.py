@@ -103,7 +103,8 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
         ),
         (
             {"name": "x", "kind": "seeds", "evaluate": [{"task": "ppl", "data": "t", "seq_len": 1}]},
-            r"evaluate.0.seq_len: Input should be greater than or equal to 2 \(got 1\); see README: `mhf sweep`$",
+            r"evaluate.0.seq_len: Input should be greater than or equal to 2 \(got 1\); see README: `mhf "
+            r"sweep`$",
         ),
         (
             {"name": "x", "kind": "seeds", "seeds": 3},

@@ -18,6 +18,7 @@ from tokenizers import Encoding, Tokenizer, decoders, models, pre_tokenizers, tr
 from mhf_dist.data.recall import recall_vocabulary
 from mhf_dist.errors import DataError
 from mhf_dist.readers import read_text
+from mhf_dist.storage import Location
 
 EOS = "<|endoftext|>"
 EOS_CANDIDATES = (EOS, "</s>", "<eos>")
@@ -133,7 +134,7 @@ class TextTokenizer:
 
     @classmethod
     def resolve(cls, spec: str, vocab_size: int, training_texts: Iterable[str]) -> TextTokenizer:
-        """`bytes`, `bpe` (trained on `training_texts`), `mistral-v0.3` or a tokenizer.json path."""
+        """`bytes`, `bpe` (trained on `training_texts`), `mistral-v0.3` or a tokenizer.json path or URI."""
         from mhf_dist.data import mistral
 
         if spec == "bytes":
@@ -142,7 +143,7 @@ class TextTokenizer:
             return cls.train_bpe(training_texts, vocab_size)
         if spec == mistral.NAME:  # converted once from mistral-common and cached
             return cls(Tokenizer.from_str(mistral.tokenizer_json()), eos_token="</s>")
-        path = Path(spec)
+        path = Location.of(spec)
         if not path.is_file():
             raise DataError(
                 f"tokenizer {spec!r} is neither 'bpe', 'bytes', '{mistral.NAME}' nor an existing "
