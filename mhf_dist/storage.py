@@ -40,6 +40,10 @@ REQUEST_TIMEOUT_S = 20  # a store that stops answering fails a request after thi
 TIMEOUT_VARIABLE = "MHF_STORAGE_TIMEOUT_S"
 MAX_ATTEMPTS = 3  # per request: an unreachable endpoint fails in seconds
 CACHE_VARIABLE = "MHF_CACHE"  # where remote models are copied to before loading (default ~/.cache/mhf-dist)
+NAME_MAX = 255  # bytes in a file name on Linux's file systems (ext4, XFS, btrfs, tmpfs)
+# A local output is written beside itself first, under its name and at most 14 more bytes: `.NAME.<12 hex>`
+# (`staged_directory`), `.NAME.partial` (prepare's work area), `.NAME.old-<8 hex>` (`publish_directory`).
+STAGING_ROOM = 14
 _SCHEME_NAME = r"[a-zA-Z][a-zA-Z0-9+.-]*"  # RFC 3986's
 _SCHEME = re.compile(rf"^({_SCHEME_NAME})://")
 _URI = re.compile(rf"{_SCHEME_NAME}://[^\s'\"]+")
@@ -356,6 +360,11 @@ class Location:
             self.check_bucket()
         elif (closed := unwritable(self.local.parent)) is not None:
             raise error(f"cannot write in {str(closed)!r} (not a writable directory); {fix}")
+        elif (length := len(os.fsencode(self.local.name))) > NAME_MAX - STAGING_ROOM:
+            raise error(
+                f"the name {self.local.name[:24]!r}... is {length} bytes, and it is written beside itself "
+                f"under a longer name first, so it may have at most {NAME_MAX - STAGING_ROOM}; {fix}"
+            )
 
     def info(self) -> pafs.FileInfo:
         with storage_errors(self):

@@ -111,12 +111,18 @@ def test_damaged_export_files_are_one_line_errors_naming_the_file(small_cfg, tok
         load_exported(tmp_path / "model")
 
 
-def test_an_export_where_nothing_can_be_written_is_a_one_line_error(small_cfg, tokenizer_file):
-    """/proc refuses new entries even to root, whom os.access tells it may write there."""
+def test_an_export_where_nothing_can_be_written_is_a_one_line_error(small_cfg, tokenizer_file, tmp_path):
+    """/proc refuses new entries even to root, whom os.access tells it may write there. A name is staged
+    beside itself under a longer one, which must fit the file system's 255 bytes."""
     cfg = small_cfg.model.model_copy(update={"vocab_size": 259})
     table = SignatureTable.build(TextTokenizer.bytes().vocabulary(), 2, 64)
     with pytest.raises(ExportError, match=r"cannot write in '/proc' \(.*\); pick another directory"):
         export_model(build_model(cfg, table), cfg, table, tokenizer_file, "/proc/mhf-model")
+    (tmp_path / "models").mkdir()
+    with pytest.raises(ExportError, match=r"is 242 bytes, .* may have at most 241; pick another directory$"):
+        export_model(build_model(cfg, table), cfg, table, tokenizer_file, tmp_path / "models" / ("m" * 242))
+    assert not any((tmp_path / "models").iterdir())
+    export_model(build_model(cfg, table), cfg, table, tokenizer_file, tmp_path / "models" / ("m" * 241))
 
 
 @pytest.mark.parametrize("where", ["local", "bucket"])
