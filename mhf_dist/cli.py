@@ -631,7 +631,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         for family in args.family or ["mhf", "qwen3"]
     ]
     print(
-        f"preset {cfg.preset or args.config}, {cfg.model.hash.spec}, seq_len {seq_len}; "
+        f"preset {cfg.preset or args.config}, {cfg.model.hash.spec}, seq_len {readable(seq_len, '')}; "
         f"{readable(args.nodes, '')} node(s) x {readable(args.gpus, '')} GPU(s) of {args.gpu_mem_gb:g} GB, "
         f"{args.peak_tflops:g} TFLOP/s at MFU {args.mfu:g}; {readable(tokens / 1e9, '.1f')}B tokens"
     )

@@ -3,6 +3,7 @@ an `Interrupted` it prints as `interrupted: <message>`, exit 128 + the signal)."
 
 from __future__ import annotations
 
+import reprlib
 import shlex
 import signal
 from collections.abc import Iterator, Sequence
@@ -103,7 +104,7 @@ def refused_value(err: ValidationError) -> str:
     """` (got VALUE)`: the key's value pydantic first refused; "" for a whole model's or mapping's."""
     problem = err.errors()[0]
     value = problem.get("input")
-    return f" (got {value!r})" if problem["loc"] and not isinstance(value, dict) else ""
+    return f" (got {reprlib.repr(value)})" if problem["loc"] and not isinstance(value, dict) else ""
 
 
 def problem_line(err: ValidationError) -> str:

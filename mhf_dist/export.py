@@ -105,9 +105,9 @@ def export_model(
 
 def check_new_output(where: Location, error: type[MhfError], fix: str) -> None:
     """`where` does not exist yet and can be written (checked before any work, not at the upload after it)."""
+    where.check_writable(error, f"pick {fix}")
     if where.exists():
         raise error(f"output {str(where)!r} already exists; remove it or pick {fix}")
-    where.check_writable(error, f"pick {fix}")
 
 
 def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

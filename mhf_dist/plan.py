@@ -273,14 +273,14 @@ def plan_rows(plans: list[Plan]) -> list[dict[str, object]]:
         {
             "family": item.family,
             "V": item.vocab_size,
-            "params (M)": readable(item.params / 1e6, ".1f"),
+            "params (M)": f"{item.params / 1e6:.1f}",
             "precision": item.precision,
             **{f"ZeRO-{stage} GB": readable(gb, ".2f") for stage, gb in item.state_gb.items()},
             "act GB/seq": readable(item.activation_gb_per_sequence, ".2f"),
             "stage": "none fits" if item.stage is None else item.stage,
             "micro-batch": readable(item.micro_batch, ","),
             "GB/GPU": readable(item.per_gpu_gb, ".1f"),
-            "tokens/s": "-" if item.tokens_per_s is None else readable(item.tokens_per_s, ",.0f"),
+            "tokens/s": "-" if item.tokens_per_s is None else round(item.tokens_per_s),
             "days": "-" if item.days is None else readable(item.days, ".2f"),
         }
         for item in plans
@@ -288,9 +288,9 @@ def plan_rows(plans: list[Plan]) -> list[dict[str, object]]:
 
 
 def readable(value: float, fixed: str) -> str:
-    """`value` in the `fixed` format, or past any real cluster's numbers (a mistyped --tokens or
-    --micro-batch) as 1.23e+95, not as a 90-digit number."""
-    return f"{value:{fixed}}" if abs(value) < 1e12 else f"{value:.2e}"
+    """`value` in the `fixed` format, or from a million on (a mistyped --tokens, --gpus or --micro-batch)
+    as 1.23e+95, not as a 90-digit number."""
+    return f"{value:{fixed}}" if abs(value) < 1e6 else f"{value:.2e}"
 
 
 def plan_legend(cfg: Config) -> str:
@@ -361,6 +361,6 @@ def check_fits(plans: list[Plan], cluster: Cluster) -> None:
     raise ConfigError(
         f"no family and vocabulary fits in {1 - MEMORY_RESERVE:.0%} of {cluster.gpu_mem_gb:g} GiB per GPU "
         f"(the least, {smallest.family} at V={smallest.vocab_size:,}, needs {readable(need, '.1f')} GiB at "
-        f"ZeRO-{stage}, micro-batch {readable(smallest.micro_batch, '')}); give {', '.join(fixes[:-1])} or "
+        f"ZeRO-{stage}, micro-batch {readable(smallest.micro_batch, ',')}); give {', '.join(fixes[:-1])} or "
         f"{fixes[-1]}"
     )

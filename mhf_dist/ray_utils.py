@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -118,6 +119,7 @@ def drop_state_api_warnings() -> None:
     _drop_lines(PLACEMENT_GROUP_CLEANER_LOGGER, STATE_API_UNAVAILABLE)
 
 
+@functools.cache  # once per process
 def _drop_lines(logger: str, text: str) -> None:
     """A Ray log line that does not apply to how mhf runs it: no type tells it, its text does (a test
     per text fails where Ray rewords it)."""

@@ -355,16 +355,20 @@ class Location:
             raise StorageError(f"the bucket of {str(self)!r} does not exist; create it or fix the URI")
 
     def check_writable(self, error: type[MhfError], fix: str) -> None:
-        """Before any work: its bucket exists, or its local folder takes new entries."""
+        """Before any work: its bucket exists, or its local folder takes new entries and every name on its
+        path fits the file system, its own with room for the staging name beside it."""
         if self.remote:
             self.check_bucket()
-        elif (closed := unwritable(self.local.parent)) is not None:
+            return
+        *folders, name = self.local.parts
+        for part, limit in [*((folder, NAME_MAX) for folder in folders), (name, NAME_MAX - STAGING_ROOM)]:
+            if (length := len(os.fsencode(part))) > limit:
+                why = "the file system's limit" if limit == NAME_MAX else "it is first written beside itself"
+                raise error(
+                    f"the name {part[:24]!r}... is {length} bytes; it may have at most {limit} ({why}); {fix}"
+                )
+        if (closed := unwritable(self.local.parent)) is not None:
             raise error(f"cannot write in {str(closed)!r} (not a writable directory); {fix}")
-        elif (length := len(os.fsencode(self.local.name))) > NAME_MAX - STAGING_ROOM:
-            raise error(
-                f"the name {self.local.name[:24]!r}... is {length} bytes, and it is written beside itself "
-                f"under a longer name first, so it may have at most {NAME_MAX - STAGING_ROOM}; {fix}"
-            )
 
     def info(self) -> pafs.FileInfo:
         with storage_errors(self):

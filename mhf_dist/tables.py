@@ -9,6 +9,8 @@ from typing import Any
 def _cell(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if isinstance(value, int | float) and abs(value) >= 1e12:  # no 25-digit numbers
+        return f"{value:.2e}"
     if isinstance(value, float):
         if abs(value) >= 1e4:
             return f"{value:,.0f}"

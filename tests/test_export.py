@@ -119,8 +119,13 @@ def test_an_export_where_nothing_can_be_written_is_a_one_line_error(small_cfg, t
     with pytest.raises(ExportError, match=r"cannot write in '/proc' \(.*\); pick another directory"):
         export_model(build_model(cfg, table), cfg, table, tokenizer_file, "/proc/mhf-model")
     (tmp_path / "models").mkdir()
-    with pytest.raises(ExportError, match=r"is 242 bytes, .* may have at most 241; pick another directory$"):
-        export_model(build_model(cfg, table), cfg, table, tokenizer_file, tmp_path / "models" / ("m" * 242))
+    for where, length, limit in [(("m" * 242,), 242, 241), (("é" * 128, "m"), 256, 255)]:  # 2 bytes an é
+        with pytest.raises(
+            ExportError, match=rf"is {length} bytes; it may have at most {limit} \(.*\); pick"
+        ):
+            export_model(
+                build_model(cfg, table), cfg, table, tokenizer_file, tmp_path.joinpath("models", *where)
+            )
     assert not any((tmp_path / "models").iterdir())
     export_model(build_model(cfg, table), cfg, table, tokenizer_file, tmp_path / "models" / ("m" * 241))
 

@@ -223,6 +223,11 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
     captured = capsys.readouterr()
     assert "x 1.00e+20 GPU(s)" in captured.out and "micro-batch 1.00e+20)" in captured.err
     assert {row[-4] for row in _table_rows(captured.out)[1:]} == {"1.00e+20"}  # the micro-batch column
+    assert main(["plan", "--config", "tiny", "--gpu-mem-gb", "1", "--gpus", "100000000000000000000"]) == 0
+    tokens_per_s = [row[-2] for row in _table_rows(capsys.readouterr().out)[1:]]
+    assert len(tokens_per_s) == 4 and all(re.fullmatch(r"\d\.\d\de\+\d\d", cell) for cell in tokens_per_s)
+    assert main(["plan", "--config", "tiny", "--gpus", "1", "--gpu-mem-gb", "80", "--tokens", "1e17"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("; 1.00e+08B tokens")
     pure = ["--set", "train.precision=bf16-pure"]
     assert (
         main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--tokens", "1e9", *pure]) == 0

@@ -883,3 +883,14 @@ def test_a_tokenizer_json_is_read_from_a_file_uri_under_home_or_from_a_bucket(bu
         assert TextTokenizer.resolve(spec, 280, []).sha256 == words.sha256, spec
     with pytest.raises(DataError, match=r"^tokenizer '~/nothing\.json' is neither 'bpe', .* nor an existing"):
         TextTokenizer.resolve("~/nothing.json", 280, [])
+
+
+def test_the_longest_output_name_the_check_lets_through_is_prepared_and_overwritten(tmp_path):
+    """Its work area `.NAME.partial` and the old dataset set aside, `.NAME.old-<8 hex>`, fit in 255 bytes."""
+    with pytest.raises(DataError, match=r"is 242 bytes; it may have at most 241 \(.*\); choose another"):
+        prepare(recall_cfg(), tmp_path / ("o" * 242), log=lambda _: None)
+    assert not any(tmp_path.iterdir())
+    out = tmp_path / ("o" * 241)
+    prepare(recall_cfg(), out, log=lambda _: None)
+    assert prepare(recall_cfg(60), out, overwrite=True, log=lambda _: None).splits["train"].rows == 60
+    assert [path.name for path in tmp_path.iterdir()] == [out.name]

@@ -111,6 +111,14 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
             r"^sweep: seeds: .* \(got 3\); see README: `mhf sweep`$",
         ),
         (
+            {"name": "x", "kind": "seeds", "evaluate": [{"task": "ppl", "data": "t", "bogus": 1}]},
+            r"^sweep: evaluate.0.bogus: unknown key; allowed: task, data, limit, seq_len$",
+        ),
+        (
+            {"name": "x", "kind": "grid", "asha": {"metrc": "loss"}},
+            r"asha.metrc: unknown key; allowed: metric,",
+        ),
+        (
             {"name": "x", "kind": "seeds", "evaluate": [{"task": "lambada", "data": "t", "seq_len": 64}]},
             r"seq_len is read by ppl and bpb only; drop it for task 'lambada'",
         ),

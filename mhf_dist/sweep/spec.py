@@ -23,9 +23,9 @@ import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from mhf_dist.config import Config, Seed, StrictModel, check_topology, load_config
 from mhf_dist.errors import ConfigError, MhfError, first_problem, refused_value
@@ -198,6 +198,20 @@ def load_sweep(path: str | Path) -> SweepConfig:
     return parse_sweep(read_yaml(where, ConfigError, "fix the YAML syntax"), str(where))
 
 
+def _section_at(loc: tuple[Any, ...]) -> type[BaseModel]:
+    """The model whose key `loc` names (`evaluate.0.bogus`: an evaluate entry's)."""
+    model: type[BaseModel] = SweepConfig
+    for part in loc[:-1]:
+        if isinstance(part, str):  # an int is a list's entry, of the list's section
+            annotation = model.model_fields[part].annotation
+            model = next(
+                t
+                for t in (annotation, *get_args(annotation))
+                if isinstance(t, type) and issubclass(t, BaseModel)
+            )
+    return model
+
+
 def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
     if not isinstance(raw, dict):
         raise ConfigError(
@@ -211,7 +225,7 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
         if err.errors()[0]["type"] == "missing":
             message = f"missing; add `{where.rsplit('.', 1)[-1]}: ...` (README: `mhf sweep`)"
         elif err.errors()[0]["type"] == "extra_forbidden":
-            message = f"unknown key; allowed: {', '.join(SweepConfig.model_fields)}"
+            message = f"unknown key; allowed: {', '.join(_section_at(err.errors()[0]['loc']).model_fields)}"
             if where in TOPOLOGY_KEYS:  # a sweep file written before the config had a topology section
                 message += f"; the run topology is set per trial: `set: {{topology.{where}: ...}}`"
         elif err.errors()[0]["type"] != "value_error":  # pydantic's own words: what came, where to look
