@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import reprlib
 import sys
 import urllib.parse
 from collections.abc import Callable
@@ -17,7 +18,15 @@ from typing import Annotated, Any, NoReturn
 from pydantic import Field, TypeAdapter
 from pydantic.fields import FieldInfo
 
-from mhf_dist.config import DATASET_PREFIX, MAX_SEED, MAX_VOCAB, MIN_VOCAB, check_corpus
+from mhf_dist.config import (
+    DATASET_PREFIX,
+    DIRECTORY_NAME,
+    DIRECTORY_NAME_RULE,
+    MAX_SEED,
+    MAX_VOCAB,
+    MIN_VOCAB,
+    check_corpus,
+)
 from mhf_dist.errors import MhfError
 from mhf_dist.sizes import byte_size
 from mhf_dist.storage import is_uri, local_path, path_text, unwritable
@@ -41,6 +50,8 @@ class Kind:
             _fail(f"{text.encode('utf-8', 'surrogateescape')!r} is not valid UTF-8 text; give it as UTF-8")
         except (ValueError, MhfError) as err:  # pydantic's ValidationError; the library's own check's line
             _fail(str(err) if isinstance(err, MhfError) else f"{text!r}: {self.takes}")
+        except OverflowError:  # an integer no float holds, in pydantic's finiteness check
+            _fail(f"{reprlib.repr(text)}: a {len(text)}-digit number; {self.takes}")
 
 
 def _fail(message: str) -> NoReturn:
@@ -56,7 +67,7 @@ def number(takes: str, kind: type = int, **bounds: float) -> Kind:
     step = 1 if kind is int else 0.5
     outside, inside = {"ge": -1, "gt": 0, "le": 1, "lt": 0}, {"ge": 0, "gt": step, "le": 0, "lt": -step}
     bad = [str(value + outside[bound]) for bound, value in bounds.items()]
-    bad += ["x", "", *(["1.5"] if kind is int else ["nan", "inf", "1e400"])]
+    bad += ["x", "", *(["1.5", "9" * 400] if kind is int else ["nan", "inf", "1e400"])]
     good = [str(value + inside[bound]) for bound, value in bounds.items()] or ["-2", "0", "3"]
     return Kind(takes, lambda text: adapter.validate_python(kind(text)), tuple(bad), tuple(good))
 
@@ -138,10 +149,7 @@ TEXT = Kind("give some text", _nonempty)
 # A name or path the command resolves itself, and checks there (a preset or YAML file; a run or checkpoint).
 NAME_OR_PATH = Kind("give a name or a path", _nonempty)
 # A run's name is a directory under the storage path and its MLflow run name: one path component.
-RUN_NAME = matching(
-    "use letters, digits and . _ - = , + (one directory name, starting with a letter or digit)",
-    r"^[A-Za-z0-9][A-Za-z0-9_.=,+-]{0,199}$",
-)
+RUN_NAME = matching(DIRECTORY_NAME_RULE, DIRECTORY_NAME)
 # Ray names a job's log files and records by it: no `/`, no space (such a job stays PENDING for good).
 SUBMISSION_ID = matching(
     "use letters, digits, '-', '_' and '.', starting with a letter or digit",

@@ -71,11 +71,27 @@ Corpus = Annotated[str, AfterValidator(check_corpus)]
 Overrides = Mapping[str, Any] | Iterable[str]
 
 
+# A name mhf makes one directory of (a run, a sweep): one path component, never `.` or `..`.
+DIRECTORY_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.=,+-]{0,199}$"
+DIRECTORY_NAME_RULE = (
+    "use letters, digits and . _ - = , + (one directory name: at most 200 characters, starting with a "
+    "letter or digit)"
+)
+
+
 class StrictModel(BaseModel):
     """Rejects unknown keys (a typo is an error, not an ignored setting), numbers that are not finite, and
     values of another type (`true` is no number, `"50"` no integer: YAML 1.2 has already typed them)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+    @field_validator("*")
+    @classmethod
+    def _fits_64_bits(cls, value: Any) -> Any:
+        """What torch, numpy and Arrow hold: a 400-digit integer is a typo, not a setting."""
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            raise ValueError(f"a {len(str(abs(value)))}-digit number; use a 64-bit integer")
+        return value
 
 
 # The paper's K-names whose B is not a multiple of 1024 (HUIYINXUE/MHF README: "MHF(H3B10K)" is the
@@ -111,17 +127,22 @@ def format_hash_spec(num_hashes: int, num_buckets: int) -> str:
     return f"H{num_hashes}B{num_buckets}"
 
 
+# Far past any published language model (Llama 3.1 405B: width 16,384, 126 layers), yet finite: a mistyped
+# size is an error, not a parameter count that overflows (or a plan that builds a million layers).
+MAX_WIDTH, MAX_LAYERS = 65_536, 1_024
+
+
 class BackboneConfig(StrictModel):
     """The model's stack: a Qwen3 decoder (QK-norm, grouped-query attention, RoPE, SwiGLU MLP) unless
     `kind` names a triple-latent stack, which reuses the widths, layers, MLP and norms."""
 
     kind: BackboneKind = Field("qwen3", description="family mhf: the stack between hash encoder and decoder")
-    hidden_size: int = Field(gt=0)
-    num_layers: int = Field(gt=0)
-    num_heads: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0, le=MAX_WIDTH)
+    num_layers: int = Field(gt=0, le=MAX_LAYERS)
+    num_heads: int = Field(gt=0, le=MAX_WIDTH)
+    num_kv_heads: int = Field(gt=0, le=MAX_WIDTH)
+    head_dim: int = Field(gt=0, le=MAX_WIDTH)
+    intermediate_size: int = Field(gt=0, le=16 * MAX_WIDTH)
     rope_theta: float = Field(1_000_000.0, gt=0)
     rms_norm_eps: float = Field(1e-6, gt=0)
     max_position_embeddings: int = Field(32768, gt=0)

@@ -249,6 +249,18 @@ def test_flat_keys_match_override_paths():
         ("tiny", ["model.hash=X9"], r"^model.hash: bad hash spec 'X9'; write H<hashes>B<buckets>"),
         ("tiny", ["model.family=gpt"], "model.family: unknown model family 'gpt'; registered: mhf, qwen3"),
         ("tiny", ["train.steps=-1"], "train.steps: Input should be greater than 0"),
+        (
+            "tiny",
+            [f"train.steps={'9' * 400}"],
+            r"^train.steps: a 400-digit number; use a 64-bit integer \(got",
+        ),
+        (
+            "tiny",
+            ["model.backbone.num_layers=100000"],
+            "num_layers: Input should be less than or equal to 1024",
+        ),
+        ("tiny", ["model.backbone.hidden_size=10**14"], "hidden_size: Input should be a valid integer"),
+        ("tiny", ["model.backbone.hidden_size=100000"], "hidden_size: Input should be less than or equal to"),
         ("tiny", ["train.seq_len=1"], "train.seq_len: Input should be greater than or equal to 2"),
         ("tiny", ["model.backbone=3"], "model.backbone is a section; set one of its keys"),
         (

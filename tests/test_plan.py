@@ -4,7 +4,6 @@ bf16-pure engines, activation counts against what autograd keeps."""
 import gc
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -102,26 +101,26 @@ def test_bf16_pure_model_states_are_the_live_bytes_of_a_bf16_pure_engine(one_pro
     assert measured < 0.55 * mixed  # no fp32 master weights, gradients or moments
 
 
-def _measure_on_worker(rank, port, stages, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank))
-    os.environ["WORLD_SIZE"] = "2"
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+def _measure_on_worker(rank, rendezvous, stages, results):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    # A file, not a free port probed beforehand, which another test's process could take meanwhile.
+    torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     for stage in stages:
         results.put((rank, stage, *_pure_bf16_state_bytes(stage, world_size=2, rank=rank)))
     torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_bf16_pure_partitions_are_what_two_workers_hold():
+def test_bf16_pure_partitions_are_what_two_workers_hold(tmp_path):
     """Two gloo workers (about 25 s): what ZeRO-2 and ZeRO-3 partition over N, which one worker cannot
     show. (ZeRO-1 holds 6.1 B/param here after DeepSpeed's reduce; the plan's 7 counts the whole
     gradients the backward produces before it.)"""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     context = torch.multiprocessing.get_context("spawn")
     results = context.Queue()
-    workers = [context.Process(target=_measure_on_worker, args=(r, port, (2, 3), results)) for r in range(2)]
+    rendezvous = tmp_path / "rendezvous"
+    workers = [
+        context.Process(target=_measure_on_worker, args=(r, rendezvous, (2, 3), results)) for r in range(2)
+    ]
     for worker in workers:
         worker.start()
     for worker in workers:

@@ -91,6 +91,7 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
         ({"name": "x", "kind": "seeds", "set": {"topology.storage": "s"}}, "topology.storage is the sweep's"),
         ({"name": "x", "kind": "grid"}, "a grid sweep needs `grid"),
         ({"name": "x y", "kind": "seeds"}, "name: use letters, digits"),
+        ({"name": "..", "kind": "seeds"}, r"name: use letters, digits .*starting with a letter or digit\)$"),
         (["not", "a", "mapping"], "must be a YAML mapping"),
         ({"name": "x", "kind": "seeds", "evaluate": [{"task": "mmlu"}]}, "unknown task 'mmlu'"),
         (

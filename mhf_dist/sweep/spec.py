@@ -27,7 +27,15 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from mhf_dist.config import Config, Seed, StrictModel, check_topology, load_config
+from mhf_dist.config import (
+    DIRECTORY_NAME,
+    DIRECTORY_NAME_RULE,
+    Config,
+    Seed,
+    StrictModel,
+    check_topology,
+    load_config,
+)
 from mhf_dist.errors import ConfigError, MhfError, first_problem, refused_value
 from mhf_dist.eval import WINDOW, WINDOWED
 from mhf_dist.readers import read_yaml
@@ -113,8 +121,8 @@ class SweepConfig(StrictModel):
     @field_validator("name")
     @classmethod
     def _safe_name(cls, name: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-            raise ValueError("use letters, digits, '.', '_' and '-' only (it names directories)")
+        if not re.fullmatch(DIRECTORY_NAME, name):
+            raise ValueError(DIRECTORY_NAME_RULE)
         return name
 
     @field_validator("seeds")
