@@ -665,16 +665,23 @@ def describe_failure(location: str, err: BaseException) -> str:
     """One line for a failed request: which location, what went wrong, what to do."""
     where = redact(location)
     problem = store_problem(location, err)
+    google = location.startswith("gs://")
     if problem == UNREACHABLE:
+        if google:
+            return (
+                f"cannot reach Google Cloud Storage for {where!r}; check the network or STORAGE_EMULATOR_HOST"
+            )
         endpoint = _endpoint() or "the default endpoint"
         return f"cannot reach the object store at {endpoint} for {where!r}; check AWS_ENDPOINT_URL"
     if problem == NO_BUCKET:
         return f"the bucket of {where!r} does not exist; create it or fix the URI"
     if problem == REFUSED:
-        return (
-            f"the object store refused the credentials for {where!r}; check AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY (or the instance role)"
+        check = (
+            "GOOGLE_APPLICATION_CREDENTIALS (or the instance's service account)"
+            if google
+            else "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the instance role)"
         )
+        return f"the object store refused the credentials for {where!r}; check {check}"
     text = redact_text(str(err)).strip()
     first = text.splitlines()[0] if text else "unknown error"
     return f"cannot use {where!r} ({first[:200]})"

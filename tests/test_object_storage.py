@@ -184,7 +184,8 @@ def refusing_gcs(monkeypatch):
 CLOSED = "http://127.0.0.1:9"  # discard: nothing listens
 NO_BUCKET = "the bucket of '{uri}' does not exist; create it or fix the URI"
 UNREACHABLE = "cannot reach the object store at "
-REFUSED = "the object store refused the credentials for '{uri}'; check AWS_ACCESS_KEY_ID and"
+GCS_UNREACHABLE = "cannot reach Google Cloud Storage for '{uri}'; check the network or STORAGE_EMULATOR_HOST"
+GCS_REFUSED = "the object store refused the credentials for '{uri}'; check GOOGLE_APPLICATION_CREDENTIALS"
 
 
 @pytest.mark.parametrize(
@@ -196,8 +197,8 @@ REFUSED = "the object store refused the credentials for '{uri}'; check AWS_ACCES
         ("AWS Error NETWORK_CONNECTION during ", "s3://b/x", {"AWS_ENDPOINT_URL": CLOSED}, "read",
          UNREACHABLE),
         ("google::cloud::Status(UNAVAILABLE: ", "gs://b/x", {"STORAGE_EMULATOR_HOST": CLOSED}, "read",
-         UNREACHABLE),
-        (PermissionError, "gs://b/x", "refusing_gcs", "read", REFUSED),
+         GCS_UNREACHABLE),
+        (PermissionError, "gs://b/x", "refusing_gcs", "read", GCS_REFUSED),
         ("Unrecognized filesystem type", "nosuchscheme://b/x", {}, "open", "pyarrow knows no filesystem for"),
     ],
 )  # fmt: skip
