@@ -72,10 +72,11 @@ Overrides = Mapping[str, Any] | Iterable[str]
 
 
 # A name mhf makes one directory of (a run, a sweep): one path component, never `.` or `..`.
-DIRECTORY_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.=,+-]{0,199}$"
+MAX_NAME = 200
+DIRECTORY_NAME = rf"^[A-Za-z0-9][A-Za-z0-9_.=,+-]{{0,{MAX_NAME - 1}}}$"
 DIRECTORY_NAME_RULE = (
-    "use letters, digits and . _ - = , + (one directory name: at most 200 characters, starting with a "
-    "letter or digit)"
+    f"use letters, digits and . _ - = , + (one directory name: at most {MAX_NAME} characters, starting "
+    "with a letter or digit)"
 )
 
 

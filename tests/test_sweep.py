@@ -92,6 +92,10 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
         ({"name": "x", "kind": "grid"}, "a grid sweep needs `grid"),
         ({"name": "x y", "kind": "seeds"}, "name: use letters, digits"),
         ({"name": "..", "kind": "seeds"}, r"name: use letters, digits .*starting with a letter or digit\)$"),
+        (
+            {"name": "x", "kind": "grid", "grid": {"data.path": ["d" * 250]}},
+            r"^sweep: trial 'data.path=d+'... is named by 266 characters, over the 200 of a run name; give",
+        ),
         (["not", "a", "mapping"], "must be a YAML mapping"),
         ({"name": "x", "kind": "seeds", "evaluate": [{"task": "mmlu"}]}, "unknown task 'mmlu'"),
         (

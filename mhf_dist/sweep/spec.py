@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from mhf_dist.config import (
     DIRECTORY_NAME,
     DIRECTORY_NAME_RULE,
+    MAX_NAME,
     Config,
     Seed,
     StrictModel,
@@ -254,6 +255,12 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
         raise ConfigError(
             f"{source}: trial {twice!r} comes twice (a family, group or grid value given twice, or two that "
             "name the same directory); give each once"
+        )
+    long = next((name for name in names if len(name) > MAX_NAME), None)
+    if long is not None:  # its run's directory and MLflow name; the characters are already made safe
+        raise ConfigError(
+            f"{source}: trial {long[:40]!r}... is named by {len(long)} characters, over the {MAX_NAME} of a "
+            "run name; give the grid shorter values (or a variant a shorter group)"
         )
     return spec
 
