@@ -97,6 +97,8 @@ def first_problem(err: ValidationError) -> tuple[str, str]:
     """Where pydantic's validation first failed (dotted keys; "" for the whole model) and its message."""
     problem = err.errors()[0]
     where = ".".join(str(part) for part in problem["loc"])
+    if problem["type"] == "model_type":  # pydantic's words name the class: a section is a mapping
+        return where, "Input should be a mapping of its keys"
     return where, " ".join(problem["msg"].removeprefix("Value error, ").split())
 
 

@@ -124,6 +124,10 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
             r"asha.metrc: unknown key; allowed: metric,",
         ),
         (
+            {"name": "x", "kind": "grid", "asha": "fast"},
+            r"asha: Input should be a mapping of its keys \(got 'fast'\)",
+        ),
+        (
             {"name": "x", "kind": "seeds", "evaluate": [{"task": "lambada", "data": "t", "seq_len": 64}]},
             r"seq_len is read by ppl and bpb only; drop it for task 'lambada'",
         ),

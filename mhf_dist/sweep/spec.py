@@ -224,7 +224,7 @@ def _section_at(loc: tuple[Any, ...]) -> type[BaseModel]:
 def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
     if not isinstance(raw, dict):
         raise ConfigError(
-            f"{source} must be a YAML mapping with name, kind and seeds; see `mhf sweep --help`"
+            f"{source} must be a YAML mapping with at least name and kind; see README: `mhf sweep`"
         )
     try:
         spec = SweepConfig.model_validate(raw)
