@@ -40,6 +40,7 @@ REQUEST_TIMEOUT_S = 20  # a store that stops answering fails a request after thi
 TIMEOUT_VARIABLE = "MHF_STORAGE_TIMEOUT_S"
 MAX_ATTEMPTS = 3  # per request: an unreachable endpoint fails in seconds
 CACHE_VARIABLE = "MHF_CACHE"  # where remote models are copied to before loading (default ~/.cache/mhf-dist)
+GOOGLE_SCHEMES = ("gs", "gcs")  # Google Cloud Storage's, as pyarrow reads them
 NAME_MAX = 255  # bytes in a file name on Linux's file systems (ext4, XFS, btrfs, tmpfs)
 # A local output is written beside itself first, under its name and at most 14 more bytes: `.NAME.<12 hex>`
 # (`staged_directory`), `.NAME.partial` (prepare's work area), `.NAME.old-<8 hex>` (`publish_directory`).
@@ -258,7 +259,7 @@ def filesystem(location: str | Path) -> tuple[pafs.FileSystem, str]:
     if scheme == "s3" and not parts.query and "@" not in parts.netloc:
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         return _s3(_endpoint(), region), inside
-    if scheme in ("gs", "gcs") and not parts.query and "@" not in parts.netloc:
+    if scheme in GOOGLE_SCHEMES and not parts.query and "@" not in parts.netloc:
         return _gcs(os.environ.get("STORAGE_EMULATOR_HOST")), inside
     try:
         fs, path = pafs.FileSystem.from_uri(text)
@@ -665,7 +666,7 @@ def describe_failure(location: str, err: BaseException) -> str:
     """One line for a failed request: which location, what went wrong, what to do."""
     where = redact(location)
     problem = store_problem(location, err)
-    google = location.startswith("gs://")
+    google = urlsplit(location).scheme.lower() in GOOGLE_SCHEMES
     if problem == UNREACHABLE:
         if google:
             return (

@@ -198,6 +198,8 @@ GCS_REFUSED = "the object store refused the credentials for '{uri}'; check GOOGL
          UNREACHABLE),
         ("google::cloud::Status(UNAVAILABLE: ", "gs://b/x", {"STORAGE_EMULATOR_HOST": CLOSED}, "read",
          GCS_UNREACHABLE),
+        ("google::cloud::Status(UNAVAILABLE: ", "gcs://b/x", {"STORAGE_EMULATOR_HOST": CLOSED}, "read",
+         GCS_UNREACHABLE),
         (PermissionError, "gs://b/x", "refusing_gcs", "read", GCS_REFUSED),
         ("Unrecognized filesystem type", "nosuchscheme://b/x", {}, "open", "pyarrow knows no filesystem for"),
     ],

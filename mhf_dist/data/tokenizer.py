@@ -82,7 +82,7 @@ class TextTokenizer:
         self.unknown_word = model.unk_token if fixed_words else None
 
     @classmethod
-    def load(cls, path: str | Path) -> TextTokenizer:
+    def load(cls, path: str | Path | Location) -> TextTokenizer:
         """A tokenizer.json file; EOS is the first of EOS_CANDIDATES in its vocabulary."""
         fix = "pass a tokenizer.json file"
         text = read_text(path, DataError, fix)
