@@ -78,9 +78,6 @@ def bounded_as(field: FieldInfo, takes: str) -> Kind:
     return number(takes, field.annotation, **bounds)
 
 
-_nonempty = TypeAdapter(Annotated[str, Field(pattern=r"\S")]).validate_strings  # text, not only spaces
-
-
 def matching(takes: str, pattern: str) -> Kind:
     """Text in which pydantic finds the regular expression `pattern` (anchor it with ^ and $)."""
     return Kind(takes, TypeAdapter(Annotated[str, Field(pattern=pattern)]).validate_strings)
@@ -98,7 +95,7 @@ def _jobs_api(text: str) -> str:
 def _path(text: str, want: str) -> str:
     """The local path `text` names, if it is an existing "file", "directory" or "file or directory", a
     "place" (a directory, or one that can be created) or an "output" (a place this user may write in)."""
-    if is_uri(_nonempty(text)):
+    if is_uri(TEXT.parse(text)):
         return text
     path = local_path(text)
     try:
@@ -125,7 +122,7 @@ def _corpus(text: str) -> str:
     from mhf_dist.data.recall import CORPUS as RECALL
 
     if text.startswith("hf:"):
-        return "hf:" + _nonempty(text.removeprefix("hf:"))
+        return "hf:" + TEXT.parse(text.removeprefix("hf:"))
     if text.startswith(DATASET_PREFIX):
         return check_corpus(text)
     if text in (BUILTIN_NAME, RECALL) or glob.has_magic(text):
@@ -135,7 +132,7 @@ def _corpus(text: str) -> str:
 
 COUNT = number("use a whole number of at least 1", ge=1)
 NATURAL = number("use a whole number, 0 or more", ge=0)
-SEED = number("use a whole number from 0 to 2**64 - 1", ge=0, le=MAX_SEED)
+SEED = number("use a whole number from 0 to 2**63 - 1", ge=0, le=MAX_SEED)
 INTEGER = number("use a whole number")
 POSITIVE = number("use a finite number above 0", float, gt=0)
 NON_NEGATIVE = number("use a finite number, 0 or more", float, ge=0)
@@ -145,9 +142,9 @@ PORT = number("use a TCP port, 1-65535", ge=1, le=65535)
 WINDOW = number("use a whole number of at least 2 tokens", ge=2)
 RETRIES = number("use a number of restarts, 0 or more, or -1 for no limit", ge=-1)
 VOCABULARY = number(f"use a vocabulary size from {MIN_VOCAB} to {MAX_VOCAB:,}", ge=MIN_VOCAB, le=MAX_VOCAB)
-TEXT = Kind("give some text", _nonempty)
+TEXT = matching("give some text", r"\S")  # text, not only spaces
 # A name or path the command resolves itself, and checks there (a preset or YAML file; a run or checkpoint).
-NAME_OR_PATH = Kind("give a name or a path", _nonempty)
+NAME_OR_PATH = Kind("give a name or a path", TEXT.parse)
 # A run's name is a directory under the storage path and its MLflow run name: one path component.
 RUN_NAME = matching(DIRECTORY_NAME_RULE, DIRECTORY_NAME)
 # Ray names a job's log files and records by it: no `/`, no space (such a job stays PENDING for good).

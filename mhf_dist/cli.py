@@ -29,7 +29,6 @@ from mhf_dist.config import (
     check_topology,
     load_config,
     parse_overrides,
-    split_assignment,
 )
 from mhf_dist.errors import ConfigError, Interrupted, MhfError, TrainingError
 from mhf_dist.eval import LAYER as EVAL_LAYER
@@ -114,8 +113,8 @@ TOPOLOGY_FLAGS = {
         TopologyConfig.model_fields[name].description,
     )
     for name, kind in {
-        "workers": "use a whole number of at least 1",
-        "gpus_per_worker": "use a whole number, 0 or more",
+        "workers": kinds.COUNT.takes,
+        "gpus_per_worker": kinds.NATURAL.takes,
         "zero_stage": "use a ZeRO stage: 0, 1, 2 or 3",
         "storage": kinds.OUTPUT_DIRECTORY,
     }.items()
@@ -238,12 +237,12 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 )
 def cmd_compare(args: argparse.Namespace) -> None:
     """compare runs across seeds from MLflow: table, CSV, plots"""
-    from mhf_dist.compare import compare_runs
+    from mhf_dist.compare import COMPARE_DIR, compare_runs
     from mhf_dist.storage import Location
     from mhf_dist.tracking import browse_hint, reading_uri
 
     uri = reading_uri(args.storage)  # an absent embedded store is an error, not created
-    out = args.out or Location.of(args.storage) / "compare" / (args.sweep or args.experiment)
+    out = args.out or Location.of(args.storage) / COMPARE_DIR / (args.sweep or args.experiment)
     comparison = compare_runs(
         uri, args.experiment, out, args.metric, args.sweep, args.unstable_cv, args.group_by or ()
     )
@@ -505,7 +504,7 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
 
 
 @command(
-    arg("--model", kinds.DIRECTORY, "an exported model directory: a path or s3:// gs://", required=True),
+    arg("--model", kinds.DIRECTORY, EXPORTED_MODEL, required=True),
     arg("--prompt", kinds.TEXT, "the text to continue", required=True),
     with_default("--max-new-tokens", kinds.COUNT, "tokens to add", 64),
     arg("--temperature", kinds.NON_NEGATIVE, "0 is greedy (default)", default=0.0),
@@ -522,10 +521,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     exported = load_exported(args.model)
     tokenizer = exported.tokenizer
-    try:
-        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)  # its bounds: the flags' kinds
     prompt = tokenizer.encode_batch([args.prompt])[0]
     if not prompt:
         raise ConfigError("the prompt is empty; give --prompt some text")
@@ -567,13 +563,7 @@ def cmd_count(args: argparse.Namespace) -> None:
 
     cfg = _config(args)
     scheme = scheme_for_config(cfg.model.hash)
-    short = scheme.shortfall(cfg.model.vocab_size)
-    if short is not None and cfg.model.hash.signature_scheme == "murmur32":
-        raise ConfigError(f"{short}, collision-free); use more hashes or buckets")
-    if short is not None and scheme.capacity == 2:  # the reference scheme at B=2: no table can be built
-        raise ConfigError(
-            f"{short}): at B=2 every token but the padding one has one signature; use more buckets"
-        )
+    short = scheme.room_for(cfg.model.vocab_size)
     rows, unmatched = family_counts(cfg)
     print(
         f"preset {cfg.preset or args.config}, V={cfg.model.vocab_size}, {cfg.model.hash.spec}, "
@@ -661,18 +651,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from mhf_dist.submit import follow_job, job_message, load_job_spec, submit_job
 
     spec = load_job_spec(args.spec)
-    env = dict(split_assignment(item, "--env", "MHF_STORAGE=/shared/mhf") for item in args.env)
+    env = dict(item.split("=", 1) for item in args.env)  # NAME=VALUE: kinds.VARIABLE
     address = f"--address {args.address}"
     # An interrupt's advice: rerunning could submit a second copy; the job goes on without its follower.
     with errors.advising(f"the job may be submitted already: look with `ray job list {address}`"):
         client, job_id = submit_job(spec, args.address, args.extra, env, args.submission_id)
     print(f"submitted job {job_id} to {args.address}", flush=True)
+    logs = f"ray job logs {address} --follow {job_id}"
     if not args.wait:
-        print(f"follow it: ray job logs {address} --follow {job_id}")
+        print(f"follow it: {logs}")
         return 0
-    follow = f"follow it with `ray job logs {address} --follow {job_id}`"
     stop = f"stop it with `ray job stop {address} {job_id}`"
-    with errors.advising(f"job {job_id} goes on; {follow}, {stop}"):
+    with errors.advising(f"job {job_id} goes on; follow it with `{logs}`, {stop}"):
         status = follow_job(client, job_id, lambda text: print(text, end="", flush=True))
     message = job_message(client, job_id)
     print(f"job {job_id} {status}" + (f": {message}" if message else ""), file=sys.stderr)

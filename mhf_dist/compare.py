@@ -26,6 +26,7 @@ from mhf_dist.storage import Location, redact
 from mhf_dist.tables import markdown_table
 from mhf_dist.tracking import (
     connect,
+    every_run,
     find_run,
     log_files,
     require_store,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 STATISTICS = ("mean", "std", "min", "max", "spread", "cv", "unstable")  # of a group's final values
 COLUMNS = ("group", "family", "objective", "n_seeds", *STATISTICS, "params", "param_residual", "tokens_seen")
+COMPARE_DIR = "compare"  # `mhf compare`'s files: <storage>/compare/<sweep or experiment>, <sweep>/compare
 SWEEPS_LISTED = 5  # an unknown --sweep's error line lists the experiment's newest sweeps
 
 
@@ -99,8 +101,7 @@ def read_runs(
         if sweep_run_id:
             check_sweep(uri, found, sweep_run_id)
             query += f" and tags.mlflow.parentRunId = '{sweep_run_id}'"
-        runs = client.search_runs([found.experiment_id], filter_string=query, max_results=10_000)
-        runs = [run for run in runs if "family" in run.data.tags]  # not a sweep's parent run
+        runs = [run for run in every_run(client, found.experiment_id, query) if "family" in run.data.tags]
         histories = [client.get_metric_history(run.info.run_id, metric) for run in runs]
     curves = []
     for run, unsorted in zip(runs, histories, strict=True):
@@ -292,21 +293,16 @@ def finals_png(curves: list[RunCurve], metric: str) -> bytes:
 
 
 def _new_figure() -> tuple[Any, Any]:
-    import matplotlib
+    from matplotlib.figure import Figure  # not pyplot's: files only, no display, nothing to close
 
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(figsize=(7, 4.5))
+    figure = Figure(figsize=(7, 4.5))
+    return figure, figure.subplots()
 
 
 def _png(figure: Any) -> bytes:
-    import matplotlib.pyplot as plt
-
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=110)
-    plt.close(figure)
     return buffer.getvalue()
 
 

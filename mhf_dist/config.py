@@ -50,7 +50,7 @@ BackboneKind = Annotated[str, _registered(BACKBONES)]
 # which `mhf plan` and `mhf count` can afford a table row per token.
 MAX_VOCAB = 2**24
 MIN_VOCAB = 2  # an id to predict besides one other: a model of one token has nothing to learn
-MAX_SEED = 2**64 - 1  # the largest seed torch.manual_seed takes
+MAX_SEED = 2**63 - 1  # the largest 64-bit integer: what every config integer fits (`StrictModel`)
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 HASH_SPEC = re.compile(r"^H(\d+)B(\d+)(K?)$")
 # A Dataset source's callable: `package.module:function`, returning a ray.data.Dataset of documents.
@@ -641,12 +641,9 @@ def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> None:
         child = _field_section(section, key, len(parents))
         if child is None:
             node[last] = value
-        elif isinstance(value, Mapping):  # key by key: a shorthand deeper down is read as its section does
-            apply_overrides(raw, {f"{key}.{sub_key}": sub_value for sub_key, sub_value in value.items()})
-        else:
-            merged = _section_keys(child, node.get(last) or {}, key)
-            _deep_merge(merged, _section_keys(child, value, key))
-            node[last] = merged
+        else:  # key by key: a shorthand, here or deeper down, is read as its section does
+            keys = _section_keys(child, value, key)
+            apply_overrides(raw, {f"{key}.{sub_key}": sub_value for sub_key, sub_value in keys.items()})
 
 
 def _field_section(model_cls: type[BaseModel], key: str, depth: int) -> type[BaseModel] | None:
@@ -656,7 +653,8 @@ def _field_section(model_cls: type[BaseModel], key: str, depth: int) -> type[Bas
     if parts[depth] not in fields:
         where = ".".join(parts[:depth]) or "the top level"
         raise ConfigError(f"unknown key {key!r}; keys under {where}: {', '.join(fields)}")
-    return _submodel(fields[parts[depth]].annotation)
+    annotation = fields[parts[depth]].annotation
+    return None if get_origin(annotation) is list else _submodel(annotation)  # data.sources: set whole
 
 
 def _section_keys(section: type[BaseModel], value: Any, path: str) -> dict[str, Any]:
@@ -674,8 +672,6 @@ def _section_keys(section: type[BaseModel], value: Any, path: str) -> dict[str, 
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:
-    if get_origin(annotation) is list:  # a list of sections (`data.sources`) is set as one value
-        return None
     candidates = getattr(annotation, "__args__", (annotation,))
     return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
 
@@ -700,11 +696,10 @@ def _describe(err: ValidationError) -> str:
     first = err.errors()[0]
     location, _ = first_problem(err)
     if first["type"] == "extra_forbidden":
-        parent = _model_at(first["loc"][:-1])
-        allowed = ", ".join(parent.model_fields) if parent else "see the preset files"
+        allowed = ", ".join(section_model(first["loc"][:-1]).model_fields)
         return f"unknown key {location!r}; allowed keys there: {allowed}"
     if first["type"] == "missing":
-        if _model_at(first["loc"]) is not None:  # a whole section: what a preset gives
+        if section_model(first["loc"]) is not None:  # a whole section: what a preset gives
             return (
                 f"missing section {location!r}; start the file with `preset: NAME` (one of "
                 f"{', '.join(available_presets())}) or write the section"
@@ -719,9 +714,13 @@ def _describe(err: ValidationError) -> str:
     return problem_line(err) + refused_value(err)
 
 
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    model_cls: type[BaseModel] | None = Config
+def section_model(loc: Iterable[str | int], root: type[BaseModel] = Config) -> type[BaseModel] | None:
+    """The section a validation error's `loc` names under `root` (an index names an entry of a list of
+    sections), None for a plain value."""
+    model_cls: type[BaseModel] | None = root
     for part in loc:
+        if isinstance(part, int):
+            continue
         if model_cls is None or part not in model_cls.model_fields:
             return None
         model_cls = _submodel(model_cls.model_fields[part].annotation)

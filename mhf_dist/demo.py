@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mhf_dist.compare import Comparison
+from mhf_dist.compare import COMPARE_DIR, Comparison
 from mhf_dist.config import Config, Overrides, load_config, parse_overrides
 from mhf_dist.data.prepare import prepare
 from mhf_dist.errors import Resumable
@@ -19,7 +19,7 @@ from mhf_dist.export import load_exported
 from mhf_dist.models.generation import Sampling, generate
 from mhf_dist.models.registry import resolved_config
 from mhf_dist.sweep.runner import TRIALS_DIR, compare_sweep, run_sweep
-from mhf_dist.sweep.spec import family_groups, parse_sweep
+from mhf_dist.sweep.spec import expand_trials, parse_sweep
 from mhf_dist.tracking import browse_hint
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 
@@ -88,16 +88,16 @@ def run_demo(
         ) from None
 
     stage("[3/3] comparing the runs from MLflow")
-    out_dir = result.directory / "compare"
+    out_dir = result.directory / COMPARE_DIR
     comparison = compare_sweep(spec, result)
     sampling = Sampling(**SAMPLING, seed=seeds[0])
-    for _, group in family_groups(spec.families):
-        checkpoint = newest_checkpoint(result.directory / TRIALS_DIR / f"{group}-seed{seeds[0]}")
+    for trial in [trial for trial in expand_trials(spec) if trial.seed == seeds[0]]:
+        checkpoint = newest_checkpoint(result.directory / TRIALS_DIR / trial.name)
         exported = load_exported(checkpoint / MODEL_DIR)
         prompt = exported.tokenizer.encode_batch([PROMPT])[0]
         tokens = list(generate(exported.model, prompt, max_new_tokens=24, sampling=sampling))
         sample = exported.tokenizer.decode(prompt + tokens)
-        log(f"{group} (seed {seeds[0]}, temperature {SAMPLING['temperature']}) sample: {sample!r}")
+        log(f"{trial.group} (seed {seeds[0]}, temperature {SAMPLING['temperature']}) sample: {sample!r}")
     log("\n" + comparison.report)
     log(
         f"{spec.metric}: exact validation NLL per token over the real vocabulary (mhf renormalised over "

@@ -93,6 +93,12 @@ def console_line(stop: Interrupted, argv: Sequence[str]) -> str:
     return f"{stop}; {stop.lead}: {shlex.join(words)}"
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of `err`'s message, or its type's name where it has none: for a one-line error."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def first_problem(err: ValidationError) -> tuple[str, str]:
     """Where pydantic's validation first failed (dotted keys; "" for the whole model) and its message."""
     problem = err.errors()[0]

@@ -32,7 +32,7 @@ from transformers import Qwen3Config
 from mhf_dist.config import ModelConfig, format_hash_spec
 from mhf_dist.data.shards import TOKENIZER_FILE
 from mhf_dist.data.tokenizer import TextTokenizer
-from mhf_dist.errors import MhfError, first_problem
+from mhf_dist.errors import MhfError, first_line, first_problem
 from mhf_dist.export import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -79,6 +79,8 @@ def import_hf(source: str | Path | Location, out: str | Path | Location) -> Expo
     tokenizer_file = local_copy(source / TOKENIZER_FILE)
     tokenizer = TextTokenizer.load(tokenizer_file)
     weights = _read_weights(source)
+    if hf_config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # save_pretrained may write the tied copy
     convert = _from_reference if hasattr(hf_config, "num_hashes") else _from_qwen3
     model_cfg, table, state = convert(hf_config, weights, tokenizer)
     model = build_model(model_cfg, table)
@@ -111,8 +113,9 @@ def _read_hf_config(source: Location) -> Qwen3Config:
     try:
         return Qwen3Config.from_dict(config)
     except (StrictDataclassError, ValueError, TypeError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise LayoutError(f"{path} is not a valid Qwen3 config ({reason}); fix or re-download it") from None
+        raise LayoutError(
+            f"{path} is not a valid Qwen3 config ({first_line(err)}); fix or re-download it"
+        ) from None
 
 
 def _read_weights(source: Location) -> dict[str, torch.Tensor]:
@@ -220,8 +223,6 @@ def _from_reference(
             f"model.embed_tokens.weight has shape {shape} but num_hashes x num_buckets, hidden_size in "
             f"config.json say {expected}; the weights and config.json are from different models"
         )
-    if model_cfg.backbone.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)  # save_pretrained may write the tied copy
     return model_cfg, table, _renamed(weights, _to_ours)
 
 
@@ -263,8 +264,6 @@ def _from_qwen3(
                     "the tokenizer and the weights are from different models"
                 )
             weights[name] = weights[name][:vocab]
-    if model_cfg.backbone.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
     # Every exported model carries a table; for the qwen3 families it records the vocabulary only.
     table = build_for_config(model_cfg.hash, tokenizer.vocabulary(), tokenizer.pad_token)
     return model_cfg, table, _renamed(weights, lambda name: f"model.{name}")

@@ -3,7 +3,8 @@ exit 130 or 143. One entry point per phase: `started` (importing the command lin
 process at once), `importing` (held until torch's imports return: an exception raised in their C++
 callbacks aborts the process), `starting_ray` (held while ray.init runs in a thread of its own), `running`
 (SIGTERM unwinds as Ctrl-C does; Ray Train's and Tune's fits stop gracefully in `sigterm_as_sigint` and
-`tune_stops_gracefully`) and `finished`.
+`tune_stops_gracefully`) and `finished`. A signal the process was started to ignore (a shell's background
+job), or one handled outside Python (None), is left alone in each.
 
 Holding is a Python handler that records the signal, not `pthread_sigmask`: a thread of torch's, pyarrow's
 or gRPC's would take the signal anyway, a child started meanwhile (every Ray process) would inherit the
@@ -30,12 +31,12 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Tune stops gracefully on SIGUSR1; its SIGINT handler (which would not say SIGINT came) is switched off.
 TUNE_STOP_SIGNAL = signal.SIGUSR1
 TUNE_SIGINT_VARIABLE = "TUNE_DISABLE_SIGINT_HANDLER"
+_holding = False  # whether a `deferred` block is running
 
 
-def answered(handler: Any) -> bool:
-    """Not a signal the process was started to ignore (a shell's background job), nor one handled
-    outside Python (None)."""
-    return handler not in (signal.SIG_IGN, None)
+def _answering(handler: Any, signals: tuple[int, ...] = SIGNALS) -> dict[int, Any]:
+    """`handler` for each of `signals` that the process answers (see the module's docstring)."""
+    return {sig: handler for sig in signals if signal.getsignal(sig) not in (signal.SIG_IGN, None)}
 
 
 def _end(line: str, signum: int) -> None:
@@ -45,6 +46,10 @@ def _end(line: str, signum: int) -> None:
     os._exit(128 + signum)
 
 
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()  # the only one Python signals
+
+
 def started(module: str, name: str) -> Callable[[], Any]:
     """The console scripts' start: `module.name`, imported while a signal ends the process at once."""
     delivered_again_when_swallowed()
@@ -52,7 +57,7 @@ def started(module: str, name: str) -> Callable[[], Any]:
     def ended(signum: int, frame: object) -> None:
         _end(f"{signal.Signals(signum).name} while starting; nothing was done", signum)
 
-    with _handling({sig: ended for sig in SIGNALS if answered(signal.getsignal(sig))}):
+    with _handling(_answering(ended)):
         return getattr(importlib.import_module(module), name)
 
 
@@ -75,18 +80,10 @@ def delivered_again_when_swallowed() -> None:
     sys.unraisablehook = hook
 
 
-def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()  # the only one Python signals
-
-
-_holding = False  # whether a `deferred` block is running
-
-
 @contextmanager
 def deferred(during: str) -> Iterator[None]:
     """Hold SIGINT and SIGTERM until the block ends (also by an exception), then deliver the first to the
-    handlers before it; a second ends the process at once, `during` the block. Nested blocks are one;
-    an ignored signal, or one handled outside Python, is left alone."""
+    handlers before it; a second ends the process at once, `during` the block. Nested blocks are one."""
     global _holding
     if not _in_main_thread() or _holding:
         yield
@@ -98,10 +95,9 @@ def deferred(during: str) -> Iterator[None]:
             _end(str(stopped(signum, f"stopped {during}")), signum)
         held.append(signum)
 
-    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
     _holding = True
     try:
-        with _handling({sig: hold if answered(handler) else handler for sig, handler in previous.items()}):
+        with _handling(_answering(hold)):
             yield
     finally:
         _holding = False
@@ -136,13 +132,12 @@ def starting_ray(start: Callable[[], None]) -> None:
 @contextmanager
 def running() -> Iterator[None]:
     """Around a command: SIGTERM raises `Interrupted` as Ctrl-C raises KeyboardInterrupt (staging is
-    removed as it unwinds), unless the process was started to ignore it."""
+    removed as it unwinds)."""
 
     def terminated(signum: int, frame: object) -> None:
         raise stopped(signal.SIGTERM)
 
-    previous = signal.getsignal(signal.SIGTERM)
-    with _handling({signal.SIGTERM: terminated if answered(previous) else previous}):
+    with _handling(_answering(terminated, (signal.SIGTERM,))):
         yield
 
 
@@ -180,24 +175,22 @@ def tune_stops_gracefully() -> Iterator[Stop]:
         return
 
     def on_signal(signum: int, frame: Any) -> None:
-        if stop.signal is not None:
+        # TUNE_STOP_SIGNAL reaches this handler only before Tune's own has replaced it
+        if stop.signal is not None or signum == TUNE_STOP_SIGNAL:
             raise KeyboardInterrupt
         stop.signal, stop.at = signum, time.time()
         signal.raise_signal(TUNE_STOP_SIGNAL)
 
-    def before_tune(signum: int, frame: Any) -> None:  # Tune's own handler replaces it
-        raise KeyboardInterrupt
-
-    with _handling({signal.SIGINT: on_signal, signal.SIGTERM: on_signal, TUNE_STOP_SIGNAL: before_tune}):
-        tune_sigint = os.environ.get(TUNE_SIGINT_VARIABLE)
-        os.environ[TUNE_SIGINT_VARIABLE] = "1"
-        try:
+    tune_sigint = os.environ.get(TUNE_SIGINT_VARIABLE)
+    os.environ[TUNE_SIGINT_VARIABLE] = "1"
+    try:
+        with _handling(dict.fromkeys((*SIGNALS, TUNE_STOP_SIGNAL), on_signal)):
             yield stop
-        finally:
-            if tune_sigint is None:
-                os.environ.pop(TUNE_SIGINT_VARIABLE)
-            else:
-                os.environ[TUNE_SIGINT_VARIABLE] = tune_sigint
+    finally:
+        if tune_sigint is None:
+            os.environ.pop(TUNE_SIGINT_VARIABLE)
+        else:
+            os.environ[TUNE_SIGINT_VARIABLE] = tune_sigint
 
 
 @contextmanager

@@ -29,6 +29,7 @@ from mhf_dist.errors import MhfError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.interrupts import deferred
 from mhf_dist.readers import read_json
+from mhf_dist.storage import reachable
 
 STATE_FILE = "cluster.json"
 HOST = "127.0.0.1"
@@ -147,11 +148,8 @@ def start_local_cluster(
             f"a local cluster is already recorded in {directory}; "
             f"stop it first (mhf cluster stop --dir {directory})"
         )
-    if workers < 1:
-        raise ClusterError(f"--workers must be at least 1 (a head plus worker nodes), got {workers}")
-    with socket.socket() as probe:
-        if probe.connect_ex((HOST, dashboard_port)) == 0:
-            raise ClusterError(f"port {dashboard_port} is in use; pass another --dashboard-port")
+    if reachable(f"tcp://{HOST}:{dashboard_port}"):
+        raise ClusterError(f"port {dashboard_port} is in use; pass another --dashboard-port")
     token = auth_token()
     logs = directory / "logs"
     logs.mkdir(parents=True, exist_ok=True)

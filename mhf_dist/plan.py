@@ -295,9 +295,8 @@ def readable(value: float, fixed: str) -> str:
 
 def plan_legend(cfg: Config) -> str:
     """What `plan_rows`' columns hold, for `cfg`'s precision and activation checkpointing."""
-    checkpointing = {"none": "no checkpointing", "layers": "layers checkpointed"}[
-        cfg.train.activation_checkpointing
-    ]
+    layers = cfg.train.activation_checkpointing == "layers"
+    checkpointing = "layers checkpointed" if layers else "no checkpointing"
     states = (
         "bf16-pure: bf16 weights, grads and Adam moments, no fp32 copy"
         if cfg.train.precision == "bf16-pure"

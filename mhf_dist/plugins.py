@@ -82,7 +82,7 @@ class Registry(Mapping[str, Any]):
         return iter([*self.builtin, *self.outside()])
 
     def __len__(self) -> int:
-        return len(list(iter(self)))
+        return len(list(iter(self)))  # not list(self): that asks __len__ for a size hint
 
 
 FAMILIES = Registry("model family", "register_family", BUILTIN_FAMILIES)

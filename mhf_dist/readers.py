@@ -80,7 +80,6 @@ def read_jsonl_located(
 ) -> list[tuple[str, dict[str, Any]]]:
     """`read_jsonl`'s rows, each after its `file:line` (for errors a caller finds in a row later)."""
     where = Location.of(path)
-    fields = fields or {}
     rows = []
     for number, line in enumerate(read_text(where, error, fix).splitlines(), start=1):
         if not line.strip():
@@ -94,7 +93,7 @@ def read_jsonl_located(
             raise error(f"{at}: the key {err.args[0]!r} is given twice; keep one of the two") from None
         if not isinstance(row, dict):
             raise error(f"{at}: {json_kind(row)}, not a JSON object; {fix}")
-        for name, kind in fields.items():
+        for name, kind in (fields or {}).items():
             if name not in row:
                 raise error(f"{at}: missing field {name!r}; each line needs {', '.join(fields)}")
             value = row[name]
@@ -129,13 +128,7 @@ def _core_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int:
     return int(text[2:] if base != 10 else text, base)
 
 
-def _core_float(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> float:
-    text = loader.construct_scalar(node).lower()
-    return float(text.replace(".inf", "inf").replace(".nan", "nan"))
-
-
-_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _core_int)
-_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _core_float)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _core_int)  # SafeLoader's reads `010` as 8
 
 
 class DuplicateKeyError(yaml.constructor.ConstructorError):

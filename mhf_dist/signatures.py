@@ -131,6 +131,11 @@ class Scheme(ABC):
             f"H={self.num_hashes}, B={self.num_buckets} ({self.name} scheme"
         )
 
+    def room_for(self, vocab_size: int) -> str | None:
+        """`shortfall` as a warning (tokens will share signatures), or SignatureError where no table of
+        `vocab_size` tokens can be built."""
+        return self.shortfall(vocab_size)
+
     def padding_id(self, tokens: Sequence[str], pad_token: str | None) -> int:
         """The id whose signature this scheme keeps all zeros (NO_PAD: none, as here)."""
         return NO_PAD
@@ -161,6 +166,14 @@ class ReferenceScheme(Scheme):
     def capacity(self) -> int:
         """Distinct signatures, the padding token's included (the rule itself may repeat some)."""
         return (self.num_buckets - 1) ** self.num_hashes + 1
+
+    def room_for(self, vocab_size: int) -> str | None:
+        short = self.shortfall(vocab_size)
+        if short is not None and self.capacity == 2:
+            raise SignatureError(
+                f"{short}): at B=2 every token but the padding one has one signature; use more buckets"
+            )
+        return short
 
     def padding_id(self, tokens: Sequence[str], pad_token: str | None) -> int:
         return tokens.index(pad_token) if pad_token in tokens else NO_PAD
@@ -231,11 +244,15 @@ class Murmur32Scheme(Scheme):
     def capacity(self) -> int:
         return self.num_buckets**self.num_hashes
 
-    def draw(self, earlier: np.ndarray, tokens: Sequence[str], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """Each token's first salted draw that no earlier token holds."""
-        short = self.shortfall(len(earlier) + len(tokens))
+    def room_for(self, vocab_size: int) -> str | None:
+        short = self.shortfall(vocab_size)
         if short is not None:
             raise SignatureError(f"{short}, collision-free); use more hashes or buckets")
+        return None
+
+    def draw(self, earlier: np.ndarray, tokens: Sequence[str], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each token's first salted draw that no earlier token holds."""
+        self.room_for(len(earlier) + len(tokens))
         taken = {tuple(row) for row in earlier.tolist()}
         rows, salts = [], []
         for token in tokens:
@@ -332,25 +349,12 @@ class SignatureTable:
             self.pad_id,
         )
 
-    @property
-    def num_hashes(self) -> int:
-        return self.scheme.num_hashes
-
-    @property
-    def num_buckets(self) -> int:
-        return self.scheme.num_buckets
-
-    @property
-    def seed(self) -> int:
-        return self.scheme.seed
-
-    @property
-    def num_lsh(self) -> int:
-        return self.scheme.num_lsh
-
-    @property
-    def spec(self) -> str:
-        return self.scheme.spec
+    # the scheme's shape, read through the table
+    num_hashes = property(lambda self: self.scheme.num_hashes)
+    num_buckets = property(lambda self: self.scheme.num_buckets)
+    seed = property(lambda self: self.scheme.seed)
+    num_lsh = property(lambda self: self.scheme.num_lsh)
+    spec = property(lambda self: self.scheme.spec)
 
     def check_follows(
         self,
@@ -372,9 +376,7 @@ class SignatureTable:
         tokens = tuple(tokens)
         if tokens == self.tokens:
             return None
-        differ = next(
-            (i for i, pair in enumerate(zip(tokens, self.tokens, strict=False)) if pair[0] != pair[1]), None
-        )
+        differ = next((i for i, (a, b) in enumerate(zip(tokens, self.tokens, strict=False)) if a != b), None)
         if differ is None:
             return f"{len(tokens)} tokens there, {len(self.tokens)} in the signature table"
         return f"id {differ} is {tokens[differ]!r} there, {self.tokens[differ]!r} in the signature table"

@@ -1,9 +1,8 @@
 """Where mhf-dist reads and writes: a local path or an object-store URI (`s3://`, `gs://`), through one
-`pyarrow.fs` filesystem either way (`Location.of`).
-
-Endpoint and credentials come from the standard environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...,
-the instance role; for GCS the default credentials and `STORAGE_EMULATOR_HOST`) or a URI's query options.
-Requests time out and retry a bounded number of times, so an unreachable endpoint fails within seconds.
+`pyarrow.fs` filesystem either way (`Location.of`). Endpoint and credentials come from the standard
+environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ..., the instance role; for GCS the default
+credentials and `STORAGE_EMULATOR_HOST`) or a URI's query options; requests time out and retry a few
+times, so an unreachable endpoint fails within seconds.
 
 A write that others may read is published whole: staged privately, then renamed into place on a local
 disk; an object store has no rename, so a directory's files are uploaded with its marker file last and a
@@ -35,10 +34,8 @@ import pyarrow.fs as pafs
 
 from mhf_dist.errors import MhfError
 
-CONNECT_TIMEOUT_S = 5
 REQUEST_TIMEOUT_S = 20  # a store that stops answering fails a request after this (MHF_STORAGE_TIMEOUT_S)
 TIMEOUT_VARIABLE = "MHF_STORAGE_TIMEOUT_S"
-MAX_ATTEMPTS = 3  # per request: an unreachable endpoint fails in seconds
 CACHE_VARIABLE = "MHF_CACHE"  # where remote models are copied to before loading (default ~/.cache/mhf-dist)
 GOOGLE_SCHEMES = ("gs", "gcs")  # Google Cloud Storage's, as pyarrow reads them
 NAME_MAX = 255  # bytes in a file name on Linux's file systems (ext4, XFS, btrfs, tmpfs)
@@ -54,7 +51,6 @@ WILDCARD = re.compile(r"[*?\[]")
 _URI_TYPO = re.compile(
     r"^(?!file:)(?P<scheme>[a-z][a-z0-9+.-]+):/(?!/)|^(?P<store>s3|gs|gcs|hdfs|viewfs|abfss?):(?!/)", re.I
 )
-_SCHEME_LIKE = re.compile(rf"^{_SCHEME_NAME}:")
 
 
 class StorageError(MhfError):
@@ -191,10 +187,10 @@ def request_timeout() -> float:
 @functools.lru_cache(maxsize=16)
 def _s3(endpoint: str | None, region: str | None) -> pafs.FileSystem:
     return pafs.S3FileSystem(
-        connect_timeout=CONNECT_TIMEOUT_S,
+        connect_timeout=5,
         request_timeout=request_timeout(),
-        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=MAX_ATTEMPTS),
-        endpoint_override=endpoint or None,  # None: pyarrow's default, as if left out
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=3),  # an unreachable endpoint fails fast
+        endpoint_override=endpoint,  # None: pyarrow's default, as if left out
         region=region or None,
     )
 
@@ -238,39 +234,7 @@ def local_path(text: str) -> Path:
 def path_text(path: Path) -> str:
     """`path` as text that `local_path` reads back as it: `./s3:x`, not the mistyped URI `s3:x`."""
     text = str(path)
-    return f"./{text}" if not path.is_absolute() and _SCHEME_LIKE.match(text) else text
-
-
-def filesystem(location: str | Path) -> tuple[pafs.FileSystem, str]:
-    """The filesystem holding `location` and the path inside it."""
-    text = str(location)
-    if not is_uri(text):
-        return pafs.LocalFileSystem(), str(local_path(text).absolute())
-    parts = urlsplit(text)
-    scheme = parts.scheme.lower()
-    inside = (parts.netloc.rsplit("@", 1)[-1] + parts.path).rstrip("/")
-    if not parts.netloc:
-        raise StorageError(f"{redact(text)!r} names no bucket; write {scheme}://BUCKET/PATH")
-    folders = parts.path.removeprefix("/").removesuffix("/")
-    if folders and any(part in ("", ".", "..") for part in folders.split("/")):
-        raise StorageError(
-            f"{redact(text)!r} has an empty, . or .. folder in its path; write {scheme}://BUCKET/PATH"
-        )
-    if scheme == "s3" and not parts.query and "@" not in parts.netloc:
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        return _s3(_endpoint(), region), inside
-    if scheme in GOOGLE_SCHEMES and not parts.query and "@" not in parts.netloc:
-        return _gcs(os.environ.get("STORAGE_EMULATOR_HOST")), inside
-    try:
-        fs, path = pafs.FileSystem.from_uri(text)
-    except (ValueError, OSError) as err:  # pyarrow.ArrowInvalid is a ValueError
-        # No type or code tells an unknown scheme from a bad option: pyarrow's words (a test pins them).
-        if str(err).startswith("Unrecognized filesystem type"):
-            raise StorageError(
-                f"{redact(text)!r}: pyarrow knows no filesystem for {scheme}://; use a local path, s3:// or gs://"
-            ) from None
-        raise StorageError(f"{redact(text)!r}: {redact_text(str(err)).splitlines()[0]}") from None
-    return fs, path
+    return f"./{text}" if not path.is_absolute() and re.match(f"{_SCHEME_NAME}:", text) else text
 
 
 def unwritable(path: Path) -> Path | None:
@@ -294,11 +258,38 @@ class Location:
 
     @classmethod
     def of(cls, location: str | Path | Location) -> Location:
+        """`location` (a local path, a `file:` URI or a store's URI) with the filesystem holding it."""
         if isinstance(location, Location):
             return location
         text = str(location)
-        fs, path = filesystem(text)
-        return cls(text if is_uri(text) else path, fs, path)
+        if not is_uri(text):
+            path = str(local_path(text).absolute())
+            return cls(path, pafs.LocalFileSystem(), path)
+        parts = urlsplit(text)
+        scheme = parts.scheme.lower()
+        inside = (parts.netloc.rsplit("@", 1)[-1] + parts.path).rstrip("/")
+        if not parts.netloc:
+            raise StorageError(f"{redact(text)!r} names no bucket; write {scheme}://BUCKET/PATH")
+        folders = parts.path.removeprefix("/").removesuffix("/")
+        if folders and any(part in ("", ".", "..") for part in folders.split("/")):
+            raise StorageError(
+                f"{redact(text)!r} has an empty, . or .. folder in its path; write {scheme}://BUCKET/PATH"
+            )
+        if scheme == "s3" and not parts.query and "@" not in parts.netloc:
+            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            return cls(text, _s3(_endpoint(), region), inside)
+        if scheme in GOOGLE_SCHEMES and not parts.query and "@" not in parts.netloc:
+            return cls(text, _gcs(os.environ.get("STORAGE_EMULATOR_HOST")), inside)
+        try:
+            return cls(text, *pafs.FileSystem.from_uri(text))
+        except (ValueError, OSError) as err:  # pyarrow.ArrowInvalid is a ValueError
+            # No type or code tells an unknown scheme from a bad option: pyarrow's words (a test pins them).
+            if str(err).startswith("Unrecognized filesystem type"):
+                raise StorageError(
+                    f"{redact(text)!r}: pyarrow knows no filesystem for {scheme}://; "
+                    "use a local path, s3:// or gs://"
+                ) from None
+            raise StorageError(f"{redact(text)!r}: {redact_text(str(err)).splitlines()[0]}") from None
 
     def __str__(self) -> str:
         return redact(self.uri)
@@ -348,11 +339,8 @@ class Location:
 
     def check_bucket(self) -> None:
         """A remote location's bucket exists (a missing one reads as empty, fails a write late)."""
-        if not self.remote:
-            return
-        bucket = self.path.split("/", 1)[0]
-        root = Location(urlunsplit(urlsplit(self.uri)._replace(path="")), self.fs, bucket)
-        if not root.is_dir():
+        root = Location(urlunsplit(urlsplit(self.uri)._replace(path="")), self.fs, self.path.split("/", 1)[0])
+        if self.remote and not root.is_dir():
             raise StorageError(f"the bucket of {str(self)!r} does not exist; create it or fix the URI")
 
     def check_writable(self, error: type[MhfError], fix: str) -> None:
@@ -404,19 +392,18 @@ class Location:
             stream.write(data)
 
     @contextlib.contextmanager
-    def staged_file(self, suffix: str = ".tmp") -> Iterator[Path]:
-        """A local file to write that replaces this one in one step on success, removed on any error.
-        `suffix` keeps the extension that writers such as matplotlib choose a format by."""
+    def staged_file(self) -> Iterator[Path]:
+        """A local file to write that replaces this one in one step on success, removed on any error."""
         if self.remote:
             with tempfile.TemporaryDirectory(prefix="mhf-staged-") as tmp:
-                staging = Path(tmp) / f"file{suffix}"
+                staging = Path(tmp) / "file.tmp"
                 staging.touch()
                 yield staging
                 self.write_bytes(staging.read_bytes())
             return
         path = self.local
         path.parent.mkdir(parents=True, exist_ok=True)
-        staging = _staging_name(path, suffix)
+        staging = _staging_name(path, ".tmp")
         os.close(os.open(staging, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask applies
         mode = staging.stat().st_mode & 0o777
         try:
@@ -493,9 +480,7 @@ class Location:
             return []
         with storage_errors(self):
             infos = self.fs.get_file_info(pafs.FileSelector(self.path))
-        return [
-            self / info.path.rstrip("/").rsplit("/", 1)[-1] for info in sorted(infos, key=lambda i: i.path)
-        ]
+        return [self / info.base_name for info in sorted(infos, key=lambda i: i.path)]
 
     def make_dirs(self) -> None:
         with storage_errors(self):
@@ -616,8 +601,7 @@ def local_copy(location: str | Path | Location, marker: str | None = None) -> Pa
 def _version(where: Location) -> str:
     """An object's version as its store tells it: the ETag (S3, GCS), else its modification time."""
     with storage_errors(where), where.fs.open_input_stream(where.path, compression=None) as stream:
-        metadata = {key.lower(): value for key, value in (stream.metadata() or {}).items()}
-    etag = metadata.get("etag")
+        etag = next((value for key, value in (stream.metadata() or {}).items() if key.lower() == "etag"), "")
     if etag:
         return etag.decode() if isinstance(etag, bytes) else str(etag)
     return str(where.info().mtime_ns)
@@ -656,8 +640,7 @@ def store_problem(location: str, err: BaseException) -> str | None:
     # GCS's 401 and 403; a local file's (a cache, a copy's target) names its file
     if is_uri(location) and isinstance(err, PermissionError) and err.filename is None:
         return REFUSED
-    match = _CODE.search(str(err))
-    if match:
+    if match := _CODE.search(str(err)):
         return _PROBLEMS.get(match.group(1) or match.group(2))
     return NO_BUCKET if _NO_BUCKET_TO_CREATE in str(err) else None
 
@@ -667,11 +650,9 @@ def describe_failure(location: str, err: BaseException) -> str:
     where = redact(location)
     problem = store_problem(location, err)
     google = urlsplit(location).scheme.lower() in GOOGLE_SCHEMES
+    if problem == UNREACHABLE and google:
+        return f"cannot reach Google Cloud Storage for {where!r}; check the network or STORAGE_EMULATOR_HOST"
     if problem == UNREACHABLE:
-        if google:
-            return (
-                f"cannot reach Google Cloud Storage for {where!r}; check the network or STORAGE_EMULATOR_HOST"
-            )
         endpoint = _endpoint() or "the default endpoint"
         return f"cannot reach the object store at {endpoint} for {where!r}; check AWS_ENDPOINT_URL"
     if problem == NO_BUCKET:

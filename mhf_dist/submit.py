@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from mhf_dist.errors import ConfigError, MhfError, first_problem
+from mhf_dist.errors import ConfigError, MhfError, first_line, first_problem
 from mhf_dist.ray_utils import ray_answers
 from mhf_dist.readers import read_yaml
 
@@ -113,13 +113,11 @@ def _client(address: str) -> Any:
     from ray.exceptions import AuthenticationError, RpcError
     from ray.job_submission import JobSubmissionClient
 
+    advice = "; start a cluster (mhf cluster start) or pass --address"
     target = os.environ.get("RAY_ADDRESS", "auto") if address == "auto" else address
     if not ray_answers(target):
         named = f"RAY_ADDRESS={target}" if target != address else target
-        raise JobError(
-            f"cannot reach the Ray Jobs API at {named} (nothing answers there); start a cluster (mhf "
-            "cluster start) or pass --address"
-        )
+        raise JobError(f"cannot reach the Ray Jobs API at {named} (nothing answers there){advice}")
     try:
         return JobSubmissionClient(address)
     except AuthenticationError:
@@ -128,10 +126,8 @@ def _client(address: str) -> Any:
             "(the token comes from ~/.ray/auth_token or RAY_AUTH_TOKEN)"
         ) from None
     except (ConnectionError, RuntimeError, ValueError, RpcError) as err:  # RpcError: a GCS (ray://, auto)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise JobError(
-            f"cannot reach the Ray Jobs API at {address} ({first[:160]}); start a cluster "
-            "(mhf cluster start) or pass --address"
+            f"cannot reach the Ray Jobs API at {address} ({first_line(err)[:160]}){advice}"
         ) from None
 
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 MLFLOW_TABLES = {"alembic_version", "experiments", "runs"}  # what MLflow's SQLite schema has at least
 CUT_NOTE = "\n\n(cut at MLflow's limit for a description: the whole table is the artifact compare.md)"
 URI_VARIABLE = "MLFLOW_TRACKING_URI"
+STORE_FIX = f"give the --storage a run wrote to, or set {URI_VARIABLE}"  # for a missing or foreign store
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 RUNS_VIEW = "workflowType=machine_learning"  # MLflow 3's Model-training view of an experiment
 DATASET_DIGEST_LENGTH = 12  # of the manifest's content sha256, as `mhf prepare` prints it (MLflow: <= 36)
@@ -84,9 +85,7 @@ def require_store(uri: str) -> None:
         if os.environ.get(URI_VARIABLE) == uri:
             fix = f"fix {URI_VARIABLE} to the store a run wrote to, or unset it to read --storage's"
             raise TrackingError(f"no MLflow store at {str(store)!r} ({URI_VARIABLE}); {fix}")
-        raise TrackingError(
-            f"no MLflow store at {str(store)!r}; give the --storage a run wrote to, or set {URI_VARIABLE}"
-        )
+        raise TrackingError(f"no MLflow store at {str(store)!r}; {STORE_FIX}")
     try:
         with closing(sqlite3.connect(f"{store.as_uri()}?mode=ro", uri=True)) as db:
             tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -95,10 +94,7 @@ def require_store(uri: str) -> None:
     else:
         why = "it has no MLflow tables"
     if MLFLOW_TABLES - tables:
-        raise TrackingError(
-            f"{str(store)!r} is not an MLflow store ({why}); give the --storage a run wrote to, or set "
-            f"{URI_VARIABLE}"
-        )
+        raise TrackingError(f"{str(store)!r} is not an MLflow store ({why}); {STORE_FIX}")
 
 
 def find_run(uri: str, run_id: str) -> Run | None:
@@ -348,6 +344,16 @@ def end_run(uri: str, run_id: str, status: str) -> None:
         connect(uri).set_terminated(run_id, status=status)
 
 
+def every_run(client: MlflowClient, experiment_id: str, query: str) -> list[Run]:
+    """Every run of the experiment that `query` (MLflow's filter) matches, page after page."""
+    page = client.search_runs([experiment_id], query)
+    runs = list(page)
+    while page.token:
+        page = client.search_runs([experiment_id], query, page_token=page.token)
+        runs += page
+    return runs
+
+
 def end_stopped_children(uri: str, parent_run_id: str, stopped_at: float) -> None:
     """Mark KILLED the sweep trials an interrupt at `stopped_at` (epoch seconds) stopped: those still
     RUNNING (Tune skipped their clean-up) or FAILED since then (they saw the stop as a failed fit)."""
@@ -356,13 +362,8 @@ def end_stopped_children(uri: str, parent_run_id: str, stopped_at: float) -> Non
     with tracking_errors(uri):
         client = connect(uri)
         experiment = client.get_run(parent_run_id).info.experiment_id
-        query = f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}'"
-        page = client.search_runs([experiment], query)
-        runs = list(page)
-        while page.token:  # every page first: ending a run could move it between pages
-            page = client.search_runs([experiment], query, page_token=page.token)
-            runs += page
-        for run in runs:
+        # every page first: ending a run could move it between pages
+        for run in every_run(client, experiment, f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}'"):
             failed_since = run.info.status == "FAILED" and (run.info.end_time or 0) >= stopped_at * 1000
             if run.info.status == "RUNNING" or failed_since:
                 client.set_terminated(run.info.run_id, status="KILLED")

@@ -8,6 +8,7 @@ import pytest
 
 from mhf_dist.cli import main
 from mhf_dist.config import (
+    MAX_SEED,
     available_presets,
     format_hash_spec,
     load_config,
@@ -28,6 +29,10 @@ def test_every_preset_loads_with_qwen3_backbone_settings(preset):
 
 def test_presets_exist():
     assert {"tiny", "100m", "1b", "3b"} <= set(available_presets())
+
+
+def test_the_largest_seed_every_seed_argument_names_loads():
+    assert load_config("tiny", [f"train.seed={MAX_SEED}"]).train.seed == MAX_SEED == 2**63 - 1
 
 
 # Every name in the authors' README (HUIYINXUE/MHF) with the B of its checkpoint, e.g. MHF(H3B10K) is
@@ -253,6 +258,11 @@ def test_flat_keys_match_override_paths():
             "tiny",
             [f"train.steps={'9' * 400}"],
             r"^train.steps: a 400-digit number; use a 64-bit integer \(got",
+        ),
+        (
+            "tiny",
+            [f"train.seed={2**63}"],
+            r"^train.seed: Input should be less than or equal to 9223372036854775807 ",
         ),
         (
             "tiny",

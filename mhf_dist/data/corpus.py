@@ -12,6 +12,7 @@ counts invalid UTF-8 sequences replaced by U+FFFD (text files only: the other ki
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import pydoc_data.topics
@@ -105,8 +106,7 @@ def corpus_files(spec: str, log: Callable[[str], None] | None = None) -> list[Co
         )
     where = Location.of(spec)
     if where.is_dir():
-        listed = where.files(links=True)
-        found = [(where / name, size) for name, size in listed if file_kind(name)]
+        found = [(where / name, size) for name, size in where.files(links=True) if file_kind(name)]
         if not found:
             raise DataError(f"corpus directory {str(where)!r} holds no {SUFFIXES_TEXT} files")
     elif where.is_file():
@@ -157,12 +157,11 @@ def read_documents(
     """The documents of one corpus file as tables {"text": string, "replaced": int64} of at most about
     BATCH_BYTES of text each, in file order (`row_groups`: only parquet row groups [first, end)).
     Records without text or with empty text are no documents: left out, and counted in `skipped`."""
-    skipped = skipped if skipped is not None else Skipped()
+    records = Records(file, skipped if skipped is not None else Skipped())
     if file.kind == "builtin":
-        yield _documents(pa.array(builtin_documents(), pa.string()), Records(file, skipped))
+        yield _documents(pa.array(builtin_documents(), pa.string()), records)
         return
     where = Location.of(file.uri)
-    records = Records(file, skipped)
     try:
         if file.kind == "parquet":
             yield from _parquet_documents(where, text_field, row_groups, records)
@@ -241,17 +240,9 @@ def record_place(file: CorpusFile, index: int) -> str:
     if file.kind != "json":
         return f"{where}: row {index + 1}"
     with _input_stream(where, file.compression) as stream:
-        records = (number for number, line in enumerate(_lines(stream), start=1) if line.strip())
+        lines = io.BufferedReader(stream, 1 << 20)  # pyarrow's streams cannot read lines themselves
+        records = (number for number, line in enumerate(lines, start=1) if line.strip())
         return f"{where}:{next(itertools.islice(records, index, None), '?')}"
-
-
-def _lines(stream: Any) -> Iterator[bytes]:
-    carry = b""
-    while chunk := stream.read(1 << 20):
-        *lines, carry = (carry + chunk).split(b"\n")
-        yield from lines
-    if carry:
-        yield carry
 
 
 def bounded_ranges(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:

@@ -194,19 +194,13 @@ def thresholds(
 
 
 def source_records(
-    mixed: list[Source],
-    taken: list[dict[str, int]],
-    staged: list[int | None] | None = None,
-    skipped: list[Any] | None = None,
+    mixed: list[Source], taken: list[dict[str, int]], staged: list[int | None], skipped: list[Any]
 ) -> list[dict[str, Any]]:
     """The manifest's `sources`: what each source gave (`taken`), what a Dataset source was staged from
     and how many documents (`staged`), and the records left out (`skipped`)."""
     total = sum(counts["tokens"] for counts in taken)
     records = []
-    none = [None] * len(mixed)
-    for source, counts, documents, left_out in zip(
-        mixed, taken, staged or none, skipped or none, strict=True
-    ):
+    for source, counts, documents, left_out in zip(mixed, taken, staged, skipped, strict=True):
         record = {
             "name": source.name,
             "corpus": redact(source.corpus),
@@ -216,9 +210,9 @@ def source_records(
             "share": counts["tokens"] / total if total else 0.0,
             "validation_documents": counts["validation_documents"],
             "validation_tokens": counts["validation_tokens"],
+            "missing_text": left_out.missing,
+            "empty": left_out.empty,
         }
-        if left_out is not None:
-            record |= {"missing_text": left_out.missing, "empty": left_out.empty}
         if source.dataset is not None:
             record["staged"] = {
                 "dataset": source.dataset.callable or GIVEN_IN_PYTHON,

@@ -37,11 +37,12 @@ import pyarrow.parquet as pq
 
 from mhf_dist.config import Config, DataConfig
 from mhf_dist.data.shard_cache import ShardCache
-from mhf_dist.data.shards import check_shard, read_manifest, split_shards
-from mhf_dist.errors import DataError
+from mhf_dist.data.shards import check_shard, read_manifest, reprepare, split_shards
+from mhf_dist.errors import DataError, first_line
 from mhf_dist.storage import Location, storage_errors
 
 CACHE_SHARDS = 2 * DataConfig.model_fields["shuffle_window"].default  # the window read and the next
+OPEN_FILES = 64  # local shards kept open (their footers parsed once)
 
 
 class RowReader:
@@ -54,7 +55,6 @@ class RowReader:
         path: str | Path | Location,
         split: str,
         signatures: bool = True,
-        open_files: int = 64,
         source_tokens: bool = False,
         cache_shards: int = CACHE_SHARDS,
     ) -> None:
@@ -70,7 +70,6 @@ class RowReader:
         self.columns = ["input_ids", "signatures"] if signatures else ["input_ids"]
         if source_tokens and len(self.sources) > 1:  # shards of several sources carry the column
             self.columns.append("source_tokens")
-        self.open_files = open_files
         self._handles: OrderedDict[int, pq.ParquetFile] = OrderedDict()
         self.rows_decoded = 0
         self.cache = ShardCache(self.directory, self.shards, cache_shards) if self.directory.remote else None
@@ -99,8 +98,7 @@ class RowReader:
             raise IndexError(f"row index out of range 0..{self.num_rows - 1}")
         batch = {"tokens": np.empty((len(rows), self.width), dtype=np.int64)}
         if "signatures" in self.columns:
-            shape = (len(rows), self.width, self.num_hashes)
-            batch["signatures"] = np.empty(shape, dtype=self.signature_dtype)
+            batch["signatures"] = np.empty((len(rows), self.width, self.num_hashes), self.signature_dtype)
         if "source_tokens" in self.columns:
             batch["source_tokens"] = np.empty((len(rows), len(self.sources)), dtype=np.int32)
         shards = self.shard_of(rows)
@@ -141,15 +139,14 @@ class RowReader:
         try:
             return handle.read_row_groups(groups, columns=self.columns)
         except (OSError, pa.ArrowException) as err:
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise DataError(
-                f"shard {self.directory / self.shards[shard].file} is damaged ({reason}); "
-                f"re-run `mhf prepare --overwrite --out {self.directory}`"
+                f"shard {self.directory / self.shards[shard].file} is damaged ({first_line(err)}); "
+                f"{reprepare(self.directory)}"
             ) from None
 
     def _handle(self, shard: int) -> pq.ParquetFile:
-        """A bucket's shard: the cache's copy. A local one: open files are kept (their footers parsed once),
-        the least recently used closed past the limit."""
+        """A bucket's shard: the cache's copy. A local one: open files are kept, the least recently used
+        closed past OPEN_FILES."""
         if self.cache is not None:
             return self.cache.local(shard)
         if shard in self._handles:
@@ -161,7 +158,7 @@ class RowReader:
         with storage_errors(where):
             handle = pq.ParquetFile(where.fs.open_input_file(where.path), metadata=metadata, pre_buffer=True)
         self._handles[shard] = handle
-        if len(self._handles) > self.open_files:
+        if len(self._handles) > OPEN_FILES:
             self._handles.popitem(last=False)[1].close()
         return handle
 

@@ -34,15 +34,13 @@ COPY_CHUNK = 8 << 20  # bytes per ranged GET of a download: 3 for a 100m-preset 
 
 class ShardCache:
     """At most `capacity` of `shards` (the entries of one split in `directory`) on the local disk,
-    downloaded in the background `threads` at a time; `fetched` lists the downloads made, in order."""
+    downloaded in the background FETCH_THREADS at a time; `fetched` lists the downloads made, in order."""
 
-    def __init__(
-        self, directory: Location, shards: list[ShardEntry], capacity: int, threads: int = FETCH_THREADS
-    ) -> None:
+    def __init__(self, directory: Location, shards: list[ShardEntry], capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"a shard cache holds at least 1 shard, not {capacity}")
-        self.directory, self.shards, self.capacity, self.threads = directory, shards, capacity, threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fetch-shard")
+        self.directory, self.shards, self.capacity = directory, shards, capacity
+        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="fetch-shard")
         self._lock = threading.Lock()
         # Shards on disk, least recently used first: their open copies; None while downloading.
         self._on_disk: OrderedDict[int, pq.ParquetFile | None] = OrderedDict()
@@ -93,7 +91,7 @@ class ShardCache:
     def _hand_out(self) -> None:
         """Give queued shards to idle threads. The pool never holds more than it has threads, so a process
         exiting waits for the downloads under way only (Python joins a pool's threads after its queue)."""
-        while self._queue and self._running < self.threads:
+        while self._queue and self._running < FETCH_THREADS:
             try:
                 self._pool.submit(self._download, self._queue[0])
             except RuntimeError:  # closed, or the interpreter is exiting: nothing more is downloaded
@@ -112,25 +110,22 @@ class ShardCache:
             future = self._fetching[shard]
             self._make_room()
             self._on_disk[shard] = None
+        copy, failure = None, None
         try:
             copy = self._copy(self.shards[shard])
         except BaseException as err:
-            with self._lock:
-                del self._on_disk[shard], self._fetching[shard]
-                self._finished()
-            future.set_exception(err)
-            return
+            failure = err
         with self._lock:
-            self._on_disk[shard] = copy
-            self._on_disk.move_to_end(shard)
-            del self._fetching[shard]
-            self.fetched.append(shard)
-            self._finished()
-        future.set_result(copy)
-
-    def _finished(self) -> None:
-        self._running -= 1
-        self._hand_out()
+            del self._on_disk[shard], self._fetching[shard]
+            if failure is None:
+                self._on_disk[shard] = copy  # the most recently used
+                self.fetched.append(shard)
+            self._running -= 1
+            self._hand_out()
+        if failure is None:
+            future.set_result(copy)
+        else:
+            future.set_exception(failure)
 
     def _make_room(self) -> None:
         """Drop the least recently used shards no coming step reads until one more fits (a step that

@@ -17,6 +17,7 @@ Fields added after version 2 was first written default to what manifests written
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
@@ -64,17 +65,17 @@ def file_sha256(path: Path | Location) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-class _Record(BaseModel):
+class Record(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
-class ShardEntry(_Record):
+class ShardEntry(Record):
     file: FileName
     rows: int
     sha256: str
 
 
-class MixtureSource(_Record):
+class MixtureSource(Record):
     """One corpus of a replay mixture: the main corpus, then the replayed one (`mhf_dist.data.mixture`)."""
 
     corpus: str
@@ -85,7 +86,7 @@ class MixtureSource(_Record):
     candidate_tokens: int | None = Field(None, exclude_if=lambda value: value is None)
 
 
-class Mixture(_Record):
+class Mixture(Record):
     requested_fraction: float
     realised_fraction: float
     threshold: int
@@ -93,14 +94,14 @@ class Mixture(_Record):
     tokens: str  # what the token counts count
 
 
-class CorpusFileInfo(_Record):
+class CorpusFileInfo(Record):
     """A corpus file a source was read from (redacted) and its size."""
 
     path: str
     bytes: int
 
 
-class StagedInfo(_Record):
+class StagedInfo(Record):
     """What a Dataset source was staged from (`mhf_dist.data.prepare.staging`)."""
 
     dataset: str  # its "package.module:function", or "given in Python"
@@ -108,7 +109,7 @@ class StagedInfo(_Record):
     documents: int  # documents staged (before the split and the mixture's choice)
 
 
-class SourceInfo(_Record):
+class SourceInfo(Record):
     """One source of the text, in the order of `source_tokens`; tokens with their boundary tokens."""
 
     name: str
@@ -125,7 +126,7 @@ class SourceInfo(_Record):
     empty: int = Field(0, exclude_if=lambda value: value == 0)  # records of empty text, left out
 
 
-class SplitInfo(_Record):
+class SplitInfo(Record):
     rows: int
     target_tokens: int
     shards: list[ShardEntry]
@@ -141,7 +142,7 @@ class SplitInfo(_Record):
         return self
 
 
-class TokenizerInfo(_Record):
+class TokenizerInfo(Record):
     file: FileName
     sha256: str
     vocab_size: int
@@ -149,7 +150,7 @@ class TokenizerInfo(_Record):
     bos_id: int | None = None  # only for bos-format documents
 
 
-class SignaturesInfo(_Record):
+class SignaturesInfo(Record):
     file: FileName
     spec: str
     num_hashes: int
@@ -162,7 +163,7 @@ class SignaturesInfo(_Record):
     duplicate_signatures: int = 0
 
 
-class PreparedWith(_Record):
+class PreparedWith(Record):
     """The settings the shards were prepared with, as they were then (a record, not a config to run:
     sections stay free-form so that later config changes leave old manifests readable)."""
 
@@ -171,7 +172,7 @@ class PreparedWith(_Record):
     model_hash: dict[str, Any]
 
 
-class Manifest(_Record):
+class Manifest(Record):
     format: Literal["mhf-shards"]
     version: Literal[2]
     seq_len: int
@@ -254,18 +255,14 @@ def write_shard(
     source_tokens: np.ndarray | None = None,
 ) -> ShardEntry:
     """Write packed rows [n, T+1], their signatures and tokens per source; returns the manifest entry."""
-    width = rows.shape[1]
-    signatures = table.lookup(rows)  # [n, T+1, H], the table's own small dtype
-    columns = {
-        "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1).astype(np.int32)), width),
-        "signatures": pa.FixedSizeListArray.from_arrays(
-            pa.array(signatures.reshape(-1)), width * table.num_hashes
-        ),
-    }
+
+    def per_row(values: np.ndarray) -> pa.FixedSizeListArray:  # [n, ...] -> n fixed-size lists
+        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), math.prod(values.shape[1:]))
+
+    # signatures: [n, T+1, H], in the table's own small dtype
+    columns = {"input_ids": per_row(rows.astype(np.int32)), "signatures": per_row(table.lookup(rows))}
     if source_tokens is not None:
-        columns["source_tokens"] = pa.FixedSizeListArray.from_arrays(
-            pa.array(source_tokens.reshape(-1).astype(np.int32)), source_tokens.shape[1]
-        )
+        columns["source_tokens"] = per_row(source_tokens.astype(np.int32))
     path = Location.of(directory) / name
     sink = pa.BufferOutputStream()  # whole in memory (one shard), then one upload: no partial object
     pq.write_table(
@@ -311,7 +308,7 @@ def read_manifest(path: str | Path | Location) -> Manifest:
         if not directory.is_dir():
             raise DataError(f"prepared data {path!r} does not exist; run `mhf prepare` first")
         raise DataError(f"{path!r} is not a complete prepared dataset (no {MANIFEST}); rerun `mhf prepare`")
-    fix = _reprepare(path)
+    fix = reprepare(path)
     raw = read_json(manifest_path, DataError, fix)
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise DataError(
@@ -380,7 +377,7 @@ def check_shard(directory: Path | Location, shard: ShardEntry) -> pq.FileMetaDat
     (deleted, truncated, swapped for another run's); `verify_shards` reads every byte, on demand."""
     directory = Location.of(directory)
     path = directory / shard.file
-    fix = _reprepare(directory)
+    fix = reprepare(directory)
     if not path.is_file():
         raise DataError(f"shard {path} is missing; {fix}")
     try:
@@ -402,9 +399,9 @@ def check_tokenizer(path: str | Path | Location, manifest: Manifest) -> None:
     model is exported with it). One an earlier mhf-dist saved pretty is compared by what it parses to."""
     directory = Location.of(path)
     where = directory / manifest.tokenizer.file
-    mismatch = DataError(f"{where} does not match the manifest's sha256; {_reprepare(directory)}")
+    mismatch = DataError(f"{where} does not match the manifest's sha256; {reprepare(directory)}")
     if not where.is_file():
-        raise DataError(f"{where} is missing; {_reprepare(directory)}")
+        raise DataError(f"{where} is missing; {reprepare(directory)}")
     data = where.read_bytes()
     if hashlib.sha256(data).hexdigest() == manifest.tokenizer.sha256:
         return
@@ -429,14 +426,14 @@ def verify_shards(path: str | Path | Location) -> int:
         table = load_table(table_path)
     except SignatureError:
         raise DataError(
-            f"signature table {table_path} is damaged or not one mhf-dist wrote; {_reprepare(directory)}"
+            f"signature table {table_path} is damaged or not one mhf-dist wrote; {reprepare(directory)}"
         ) from None
     _check_recorded(directory, signatures_info(table), manifest.signatures, {"file"})
     difference = table.vocabulary_difference(tokenizer.vocabulary())
     if difference is not None:
         raise DataError(
             f"signature table {table_path} is of another vocabulary than {manifest.tokenizer.file} "
-            f"({difference}); {_reprepare(directory)}"
+            f"({difference}); {reprepare(directory)}"
         )
     folder = directory / manifest.folder if manifest.folder else directory
     shards = [shard for split in SPLITS for shard in manifest.splits[split].shards]
@@ -447,27 +444,27 @@ def verify_shards(path: str | Path | Location) -> int:
     if stray is not None:  # a reader of the manifest would never see it: a copy or a leftover
         raise DataError(
             f"{str(folder)!r} holds {stray.name}, a shard its manifest does not list; remove it, or "
-            f"{_reprepare(directory)}"
+            f"{reprepare(directory)}"
         )
     for shard in shards:
         metadata = check_shard(directory, shard)
         if file_sha256(directory / shard.file) != shard.sha256:
             raise DataError(
                 f"shard {directory / shard.file} differs from the one prepared (sha256 mismatch); "
-                f"{_reprepare(directory)}"
+                f"{reprepare(directory)}"
             )
         _check_columns(directory, shard.file, metadata.schema.to_arrow_schema(), manifest)
     return len(shards)
 
 
-def _check_recorded(directory: Location, have: _Record, recorded: Any, exclude: set[str]) -> None:
+def _check_recorded(directory: Location, have: Record, recorded: Any, exclude: set[str]) -> None:
     """What a file of `directory` is (`have`) against what the manifest records of it, field by field."""
     actual, wanted = have.model_dump(exclude=exclude), recorded.model_dump(exclude=exclude)
     for field, value in actual.items():
         if value != wanted[field]:
             raise DataError(
                 f"{directory / recorded.file} has {field} {value!r} but the manifest says "
-                f"{wanted[field]!r}; {_reprepare(directory)}"
+                f"{wanted[field]!r}; {reprepare(directory)}"
             )
 
 
@@ -490,16 +487,17 @@ def _check_columns(directory: Location, name: str, schema: pa.Schema, manifest: 
     if sorted(schema.names) != sorted(wanted):
         raise DataError(
             f"shard {path} has the columns {', '.join(schema.names)}, not the manifest's "
-            f"{', '.join(wanted)}; {_reprepare(directory)}"
+            f"{', '.join(wanted)}; {reprepare(directory)}"
         )
     for column, (value_type, size, meaning) in wanted.items():
         have = schema.field(column).type
         if not pa.types.is_fixed_size_list(have) or (have.value_type, have.list_size) != (value_type, size):
             raise DataError(
                 f"shard {path} column {column} is {have}, but the manifest means {meaning} a row; "
-                f"{_reprepare(directory)}"
+                f"{reprepare(directory)}"
             )
 
 
-def _reprepare(directory: str | Path | Location) -> str:
+def reprepare(directory: str | Path | Location) -> str:
+    """The advice for prepared data that is damaged or of an older mhf-dist."""
     return f"re-run `mhf prepare --overwrite --out {directory}`"

@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Encoding, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mhf_dist.data.recall import recall_vocabulary
-from mhf_dist.errors import DataError
+from mhf_dist.errors import DataError, first_line
 from mhf_dist.readers import read_text
 from mhf_dist.storage import Location
 
@@ -89,8 +89,7 @@ class TextTokenizer:
         try:
             tokenizer = Tokenizer.from_str(text)
         except Exception as err:  # tokenizers raises a bare Exception for a damaged file
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise DataError(f"cannot read tokenizer {str(path)!r}: {reason}; {fix}") from None
+            raise DataError(f"cannot read tokenizer {str(path)!r}: {first_line(err)}; {fix}") from None
         eos = next((token for token in EOS_CANDIDATES if tokenizer.token_to_id(token) is not None), None)
         if eos is None:
             raise DataError(
@@ -258,8 +257,8 @@ class TextTokenizer:
 
     def check_extends(self, old: TextTokenizer) -> None:
         """Every old id must keep its string: new tokens may only be appended."""
-        old_vocab, new_vocab = old.vocabulary(), self.vocabulary()
-        for index, token in enumerate(old_vocab):
+        new_vocab = self.vocabulary()
+        for index, token in enumerate(old.vocabulary()):
             if index >= len(new_vocab) or new_vocab[index] != token:
                 now = new_vocab[index] if index < len(new_vocab) else "nothing"
                 raise DataError(

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from mhf_dist.errors import MhfError
 from mhf_dist.models.base import CausalLM, split_rows, usable
@@ -43,10 +44,8 @@ def length_batches(lengths: Sequence[int], batch_size: int) -> Iterator[list[int
 
 def right_padded(sequences: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """[len(sequences), longest] ids, each row padded after its end with PAD_ID."""
-    padded = torch.full((len(sequences), max(map(len, sequences))), PAD_ID, dtype=torch.long)
-    for row, ids in enumerate(sequences):
-        padded[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-    return padded.to(device)
+    rows = [torch.as_tensor(ids, dtype=torch.long) for ids in sequences]
+    return pad_sequence(rows, batch_first=True, padding_value=PAD_ID).to(device)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -192,9 +192,7 @@ def eval_hellaswag(exported: ExportedModel, path: Location, limit: int, batch_si
     for (_, record), tied in zip(records, indistinct, strict=True):
         endings, label = record["endings"], record["label"]
         scores = [next(logprobs)[0] for _ in endings]
-        normed = [
-            score / max(1, len((" " + e).encode("utf-8"))) for score, e in zip(scores, endings, strict=True)
-        ]
+        normed = [score / len((" " + e).encode("utf-8")) for score, e in zip(scores, endings, strict=True)]
         correct += not tied and max(range(len(scores)), key=scores.__getitem__) == label
         correct_norm += not tied and max(range(len(normed)), key=normed.__getitem__) == label
     return {
@@ -287,18 +285,13 @@ def _check_correlatable(path: Location, cosines: list[float], gold: list[float])
 
 
 def eval_recall(
-    exported: ExportedModel,
-    limit: int,
-    settings: RecallDataConfig,
-    seq_len: int,
-    batch_size: int,
-    seed: int = EVAL_SEED,
+    exported: ExportedModel, limit: int, settings: RecallDataConfig, seq_len: int, batch_size: int
 ) -> dict[str, float]:
     check_positions(
         exported, seq_len, "recall rows have a seq_len of", "recall needs a model of that many positions"
     )
     data = make_recall(
-        limit or 32, settings.num_pairs, settings.num_queries, seq_len, exported.config.vocab_size, seed
+        limit or 32, settings.num_pairs, settings.num_queries, seq_len, exported.config.vocab_size, EVAL_SEED
     )
     _, greedy = score_rows(exported.model, data.rows, data.query_mask, batch_size)
     return {"acc": float(np.mean(greedy)), "queries": len(greedy), "examples": len(data.rows)}

@@ -68,12 +68,12 @@ class SweepResult:
 
 def compare_sweep(spec: SweepConfig, result: SweepResult) -> Comparison:
     """`mhf compare` on a finished sweep with its own metric and threshold; files in <sweep>/compare."""
-    from mhf_dist.compare import compare_runs
+    from mhf_dist.compare import COMPARE_DIR, compare_runs
 
     return compare_runs(
         result.tracking_uri,
         spec.experiment,
-        result.directory / "compare",
+        result.directory / COMPARE_DIR,
         spec.metric,
         result.parent_run_id,
         spec.unstable_cv,

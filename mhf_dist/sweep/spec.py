@@ -23,9 +23,9 @@ import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mhf_dist.config import (
     DIRECTORY_NAME,
@@ -34,15 +34,17 @@ from mhf_dist.config import (
     Config,
     Seed,
     StrictModel,
+    TopologyConfig,
     check_topology,
     load_config,
+    section_model,
 )
 from mhf_dist.errors import ConfigError, MhfError, first_problem, refused_value
 from mhf_dist.eval import WINDOW, WINDOWED
+from mhf_dist.plugins import FAMILIES
 from mhf_dist.readers import read_yaml
 from mhf_dist.storage import Location
 
-TOPOLOGY_KEYS = ("workers", "gpus_per_worker", "zero_stage")
 VARIANT_FORM = "a variant mapping {group: NAME, family: FAMILY, set: {key: value}} (NAME: [A-Za-z0-9._-])"
 STORAGE_KEY = "topology.storage"  # every trial's: the sweep's trials directory
 
@@ -159,8 +161,6 @@ class SweepConfig(StrictModel):
     @field_validator("families")
     @classmethod
     def _known_families(cls, families: list[str | FamilyVariant]) -> list[str | FamilyVariant]:
-        from mhf_dist.models import FAMILIES
-
         names = [entry.family if isinstance(entry, FamilyVariant) else entry for entry in families]
         unknown = [family for family in names if family not in FAMILIES]
         if unknown:
@@ -207,20 +207,6 @@ def load_sweep(path: str | Path) -> SweepConfig:
     return parse_sweep(read_yaml(where, ConfigError, "fix the YAML syntax"), str(where))
 
 
-def _section_at(loc: tuple[Any, ...]) -> type[BaseModel]:
-    """The model whose key `loc` names (`evaluate.0.bogus`: an evaluate entry's)."""
-    model: type[BaseModel] = SweepConfig
-    for part in loc[:-1]:
-        if isinstance(part, str):  # an int is a list's entry, of the list's section
-            annotation = model.model_fields[part].annotation
-            model = next(
-                t
-                for t in (annotation, *get_args(annotation))
-                if isinstance(t, type) and issubclass(t, BaseModel)
-            )
-    return model
-
-
 def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
     if not isinstance(raw, dict):
         raise ConfigError(
@@ -234,8 +220,9 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
         if err.errors()[0]["type"] == "missing":
             message = f"missing; add `{where.rsplit('.', 1)[-1]}: ...` (README: `mhf sweep`)"
         elif err.errors()[0]["type"] == "extra_forbidden":
-            message = f"unknown key; allowed: {', '.join(_section_at(err.errors()[0]['loc']).model_fields)}"
-            if where in TOPOLOGY_KEYS:  # a sweep file written before the config had a topology section
+            allowed = section_model(err.errors()[0]["loc"][:-1], SweepConfig).model_fields
+            message = f"unknown key; allowed: {', '.join(allowed)}"
+            if where in TopologyConfig.model_fields:  # a sweep file older than the config's `topology:`
                 message += f"; the run topology is set per trial: `set: {{topology.{where}: ...}}`"
         elif err.errors()[0]["type"] != "value_error":  # pydantic's own words: what came, where to look
             message += f"{refused_value(err)}; see README: `mhf sweep`"

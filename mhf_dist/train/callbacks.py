@@ -28,28 +28,12 @@ class StepCallback:
         """After step `metrics["step"]`; may add entries to `metrics`."""
 
 
-def due(step: int, every: int, last_step: int) -> bool:
-    """Every `every` steps (0: never) and at this run's last step."""
-    return step == last_step or bool(every and step % every == 0)
-
-
-@dataclass(frozen=True)
-class Moment:
-    """What a step is to the callbacks (the one place the cadence lives): a log step (every
-    `train.log_every` and the last of `train.steps`), a checkpoint step (every `train.checkpoint_every`
-    and this run's last step), this run's last step."""
-
-    log: bool
-    checkpoint: bool
-    last: bool
-
-
-def moment(step: int, cfg: TrainConfig, last_step: int) -> Moment:
-    return Moment(
-        log=step % cfg.log_every == 0 or step == cfg.steps,
-        checkpoint=due(step, cfg.checkpoint_every, last_step),
-        last=step == last_step,
-    )
+def due(step: int, last_step: int, *every: int) -> bool:
+    """Whether a callback acts at `step`: at this run's last step and every `every` steps, for each
+    interval given (0: never). The one place the cadence lives: validation every `train.eval_every`,
+    logging every `train.log_every`, checkpoints every `train.checkpoint_every`, each also at the last step.
+    """
+    return step == last_step or any(n and step % n == 0 for n in every)
 
 
 def format_progress(metrics: Metrics, steps: int) -> str:
@@ -77,7 +61,7 @@ class Validation(StepCallback):
     last_step: int
 
     def on_step_end(self, metrics: Metrics) -> None:
-        if due(int(metrics["step"]), self.every, self.last_step):
+        if due(int(metrics["step"]), self.last_step, self.every):
             metrics.update(self.validate())
 
 
@@ -96,8 +80,7 @@ class MemoryMetrics(StepCallback):
         step = int(metrics["step"])
         if step == self.first_step:
             metrics.update(self.model_state())
-        now = moment(step, self.cfg, self.last_step)
-        if now.log or now.last:
+        if due(step, self.last_step, self.cfg.log_every):
             metrics.update(self.peak_memory())
 
 
@@ -112,44 +95,43 @@ class History(StepCallback):
         self.entries.append(metrics)
 
 
+@dataclass
 class SourceTokens(StepCallback):
     """Training tokens seen from each source of a mixture, cumulative: `tokens_seen.<name>` at every log
     and checkpoint step. `pending()` is this worker's counts since the last call, `total(counts)` their
     sum over the workers (an all-reduce: every rank runs this); a resumed run continues its history's."""
 
-    def __init__(
-        self,
-        names: list[str],
-        pending: Callable[[], list[int]],
-        total: Callable[[list[int]], list[int]],
-        history: list[Metrics],
-        last_step: int,
-        cfg: TrainConfig,
-    ) -> None:
-        self.keys = [f"tokens_seen.{name}" for name in names]
-        self.pending, self.total, self.last_step, self.cfg = pending, total, last_step, cfg
-        counted = [entry for entry in history if self.keys[0] in entry]
+    names: list[str]
+    pending: Callable[[], list[int]]
+    total: Callable[[list[int]], list[int]]
+    history: list[Metrics]
+    last_step: int
+    cfg: TrainConfig
+
+    def __post_init__(self) -> None:
+        self.keys = [f"tokens_seen.{name}" for name in self.names]
+        counted = [entry for entry in self.history if self.keys[0] in entry]
         self.seen = [int(counted[-1][key]) for key in self.keys] if counted else [0] * len(self.keys)
 
     def on_step_end(self, metrics: Metrics) -> None:
-        now = moment(int(metrics["step"]), self.cfg, self.last_step)
-        if now.log or now.checkpoint:
+        if due(int(metrics["step"]), self.last_step, self.cfg.log_every, self.cfg.checkpoint_every):
             self.seen = [a + b for a, b in zip(self.seen, self.total(self.pending()), strict=True)]
             metrics.update(zip(self.keys, map(float, self.seen), strict=True))
 
 
 @dataclass
 class ProgressLines(StepCallback):
-    """One `format_progress` line per log step."""
+    """One `format_progress` line every `train.log_every` steps and at the last of `train.steps`."""
 
     cfg: TrainConfig
     log: Callable[[str], None] = print
 
     def on_step_end(self, metrics: Metrics) -> None:
-        if moment(int(metrics["step"]), self.cfg, self.cfg.steps).log:
+        if due(int(metrics["step"]), self.cfg.steps, self.cfg.log_every):
             self.log(format_progress(metrics, self.cfg.steps))
 
 
+@dataclass
 class MLflowSteps(StepCallback):
     """The run's metrics to MLflow at every log step and checkpoint, each step exactly once.
 
@@ -157,27 +139,24 @@ class MLflowSteps(StepCallback):
     before: the last step logged is kept in the run directory (`LOGGED_FILE`) and not logged again.
     """
 
-    def __init__(
-        self,
-        uri: str,
-        run_id: str,
-        run_dir: Location | str,
-        history: History,
-        start_step: int,
-        last_step: int,
-        cfg: TrainConfig,
-    ) -> None:
-        self.uri, self.run_id, self.record = uri, run_id, Location.of(run_dir) / LOGGED_FILE
-        self.history, self.last_step, self.cfg = history, last_step, cfg
+    uri: str
+    run_id: str
+    run_dir: Location | str
+    history: History
+    start_step: int
+    last_step: int
+    cfg: TrainConfig
+
+    def __post_init__(self) -> None:
+        self.record = Location.of(self.run_dir) / LOGGED_FILE
         logged = json.loads(self.record.read_text()) if self.record.exists() else {}
-        self.logged = max(start_step, logged.get("step", 0) if logged.get("run_id") == run_id else 0)
-        self.seen = start_step  # history.entries[:seen] were looked at before
+        same_run = logged.get("run_id") == self.run_id
+        self.logged = max(self.start_step, logged.get("step", 0) if same_run else 0)
+        self.seen = self.start_step  # history.entries[:seen] were looked at before
 
     def on_step_end(self, metrics: Metrics) -> None:
-        now = moment(int(metrics["step"]), self.cfg, self.last_step)
-        if not (now.log or now.checkpoint):
+        if not due(int(metrics["step"]), self.last_step, self.cfg.log_every, self.cfg.checkpoint_every):
             return
-        # Only the entries added since last time are looked at.
         entries = self.history.entries
         new = [entry for entry in entries[self.seen :] if entry["step"] > self.logged]
         self.seen = len(entries)
@@ -200,8 +179,7 @@ class Checkpoints(StepCallback):
 
     def on_step_end(self, metrics: Metrics) -> None:
         step = int(metrics["step"])
-        now = moment(step, self.cfg, self.last_step)
-        if now.checkpoint:
+        if due(step, self.last_step, self.cfg.checkpoint_every):
             self.save(step, metrics)
-        elif now.log:
+        elif due(step, self.last_step, self.cfg.log_every):
             self.report(metrics)

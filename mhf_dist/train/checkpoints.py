@@ -181,8 +181,7 @@ def resolve_resume(target: str, storage: Path | Location) -> Location:
         return path
     candidates = [path] if path.remote else [path, storage / target]
     for run_dir in candidates:
-        newest = newest_checkpoint(run_dir)
-        if newest is not None:
+        if (newest := newest_checkpoint(run_dir)) is not None:
             return newest
     raise TrainingError(
         f"--resume {redact(target)!r} is neither a checkpoint directory nor a run with checkpoints under "
@@ -220,8 +219,7 @@ def check_resumable(path: Path | Location, cfg: Config, fingerprint: str) -> Non
             f"checkpoint {str(path)!r} was trained with train.trainable={saved} (frozen parameters have "
             f"no optimizer state); resume with --set 'train.trainable={saved}'"
         )
-    changed = _model_difference(run.model, cfg)
-    if changed:
+    if changed := _model_difference(run.model, cfg):
         raise TrainingError(
             f"checkpoint {str(path)!r} was trained with a different model config ({changed}); "
             "resume with the same model settings"
@@ -246,8 +244,7 @@ def check_initial_model(path: Path, cfg: Config, fingerprint: str) -> None:
             f"the data has {fingerprint[:12]}; prepare the data with the model's tokenizer.json and "
             f"--set data.signatures={path}"
         )
-    changed = _model_difference(description.model, cfg)
-    if changed:
+    if changed := _model_difference(description.model, cfg):
         raise TrainingError(
             f"model {path!r} has another model config than the run ({changed}); start from a matching "
             "model or change the run's model settings"

@@ -24,7 +24,6 @@ Batch = dict[str, torch.Tensor]
 class Stepper(Protocol):
     def step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch`; returns its metrics (loss, lr, grad_norm, ...)."""
-        ...
 
 
 class TorchStepper:

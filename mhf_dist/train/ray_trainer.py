@@ -1,11 +1,6 @@
-"""`mhf train` on the driver: a Ray Train V2 TorchTrainer whose workers each drive a DeepSpeed engine.
-
-`train` runs in stages: the driver checks the config, the data and any model or checkpoint to start from
-before Ray starts (`_checked_inputs`), opens the MLflow run before any worker starts (`_tracking_run`, so
-an unreachable server fails fast), builds the trainer (`_trainer`: `worker.train_loop_per_worker` on each
-worker), runs it (`_fit`: a worker's one-line error becomes one here, an interrupt a resumable stop) and
-prunes the checkpoints and logs the last one (`_finish`).
-Checkpoints go through the storage's own pyarrow filesystem, so a cluster needs no shared disk.
+"""`mhf train` on the driver: a Ray Train V2 TorchTrainer whose workers each drive a DeepSpeed engine
+(`worker.train_loop_per_worker`). Checkpoints go through the storage's own pyarrow filesystem, so a
+cluster needs no shared disk.
 """
 
 from __future__ import annotations
@@ -127,8 +122,9 @@ def train(
 ) -> TrainResult:
     """Train `cfg` on `cfg.topology`, tracked in MLflow; returns where the results are.
 
-    `callbacks` are Ray Train's (a sweep passes Tune's report callback); `worker_callbacks` run on every
-    worker before the built-in ones (tests inject faults with them).
+    What can be checked is before Ray starts, and the MLflow run is opened before any worker starts (an
+    unreachable server fails fast). `callbacks` are Ray Train's (a sweep passes Tune's report callback);
+    `worker_callbacks` run on every worker before the built-in ones (tests inject faults with them).
     """
     inputs = _checked_inputs(cfg, options)
     ensure_ray(verbose=options.verbose)
@@ -155,7 +151,7 @@ def train(
         registrations=outside_registrations(),
     )
     trainer = _trainer(spec, cfg, options, inputs.storage, callbacks)
-    return _fit(trainer, relay, uri, run_id, inputs, options, cfg.train.keep_checkpoints)
+    return _fit(trainer, relay, spec, inputs, options.name)
 
 
 def _check_tracking_reaches_workers(uri: str, nodes: list[dict[str, Any]]) -> None:
@@ -239,23 +235,14 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
     check_tokenizer(cfg.data.path, manifest)  # the exported model carries it
     storage = Location.of(cfg.topology.storage)
     storage.make_dirs()  # a missing bucket or an unreachable endpoint fails here, in one line
-    fingerprint = manifest.signatures.fingerprint
-    check_compatible(manifest, cfg, fingerprint)
+    check_compatible(manifest, cfg, manifest.signatures.fingerprint)
     run_dir = storage / options.name
     if newest_checkpoint(run_dir) is not None and not options.continue_run:
         raise TrainingError(
             f"run directory {str(run_dir)!r} already holds checkpoints; continue it with --resume "
             f"{options.name} --name <new name>, continue it with --continue, or pick another --name"
         )
-    init_from = Location.of(options.init_from).uri if options.init_from is not None else None
-    if init_from is not None:
-        check_initial_model(init_from, cfg, fingerprint)
-        check_model_documents(init_from, manifest, cfg.data.path)
-    resume = None
-    if options.resume is not None:
-        resume = resolve_resume(options.resume, storage)
-        check_resumable(resume, cfg, fingerprint)
-        check_model_documents((resume / MODEL_DIR).uri, manifest, cfg.data.path)
+    init_from, resume = _checked_start(cfg, options, storage, manifest)
     # Workers run in their own working directories: hand them absolute paths (or URIs).
     data = cfg.data.model_copy(update={"path": Location.of(cfg.data.path).uri})
     topology = cfg.topology.model_copy(update={"storage": storage.uri})
@@ -269,20 +256,35 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
     return _Inputs(manifest, storage, run_dir, worker_cfg, init_from, resume, split)
 
 
+def _checked_start(
+    cfg: Config, options: TrainOptions, storage: Location, manifest: Manifest
+) -> tuple[str | None, Location | None]:
+    """--init-from's model (its URI) and --resume's checkpoint, each checked against the run's model and
+    data. A model continued (`--init-from`, `mhf cpt`, a resume) trains only on documents framed as its own.
+    """
+    from mhf_dist.export import check_documents_fit
+
+    fingerprint, shards = manifest.signatures.fingerprint, f"shards {redact(cfg.data.path)!r}"
+    init_from = Location.of(options.init_from).uri if options.init_from is not None else None
+    if init_from is not None:
+        check_initial_model(init_from, cfg, fingerprint)
+        check_documents_fit(init_from, manifest.document_format, shards, TrainingError)
+    resume = resolve_resume(options.resume, storage) if options.resume is not None else None
+    if resume is not None:
+        check_resumable(resume, cfg, fingerprint)
+        check_documents_fit((resume / MODEL_DIR).uri, manifest.document_format, shards, TrainingError)
+    return init_from, resume
+
+
 def _fit(
-    trainer: TorchTrainer,
-    relay: ConsoleRelay | None,
-    uri: str,
-    run_id: str,
-    inputs: _Inputs,
-    options: TrainOptions,
-    keep: int,
+    trainer: TorchTrainer, relay: ConsoleRelay | None, spec: WorkerSpec, inputs: _Inputs, name: str
 ) -> TrainResult:
     """The trainer's fit, then `_finish`; a stopped run is `Interrupted`, a failed one a one-line error
     where it can be."""
+    uri, run_id, keep = spec.tracking_uri, spec.run_id, spec.config.train.keep_checkpoints
     # Ray Train routes the workers' print() through logging and, with stdout redirected as Ray's workers
     # have it, also prints it: every progress line twice. Off, each line reaches the console once.
-    os.environ[PRINT_PATCH_VARIABLE] = "1" if options.verbose else "0"
+    os.environ[PRINT_PATCH_VARIABLE] = "1" if spec.verbose else "0"
     with sigterm_as_sigint() as stop:  # SIGTERM takes Ray Train's graceful SIGINT path
         try:
             with relay or nullcontext():
@@ -291,8 +293,7 @@ def _fit(
             # Ray Train's own SIGINT handler aborts the run and exits (before it is installed, Ctrl-C is a
             # KeyboardInterrupt): the run is stopped on purpose, not failed.
             end_run(uri, run_id, "KILLED")
-            sig = stop.signal or signal.SIGINT
-            raise _interrupted(sig, inputs.run_dir, options.name, keep) from None
+            raise _interrupted(stop.signal or signal.SIGINT, inputs.run_dir, name, keep) from None
         except BaseException as err:
             end_run(uri, run_id, "FAILED")
             unreachable = _storage_failure(err, inputs.storage)
@@ -307,7 +308,7 @@ def _fit(
             last_good = newest_checkpoint(inputs.run_dir)
             kept = f"; last good checkpoint: {last_good}" if last_good else "; no checkpoint was written"
             raise TrainingError(f"{user_error}{kept}") from None
-    return _finish(result, uri, run_id, inputs.run_dir, options.name, keep)
+    return _finish(result, uri, run_id, inputs.run_dir, name, keep)
 
 
 def _finish(result: Result, uri: str, run_id: str, run_dir: Location, name: str, keep: int) -> TrainResult:
@@ -369,13 +370,9 @@ def _tracking_run(
 
 def _storage_failure(err: BaseException, storage: Location) -> StorageError | None:
     """A run's storage that stopped answering, out of Ray Train's controller or worker wrappers."""
-    from ray.train import ControllerError, WorkerGroupError
+    from ray.train import ControllerError
 
-    causes: list[BaseException] = []
-    if isinstance(err, ControllerError):
-        causes.append(err.controller_failure)
-    elif isinstance(err, WorkerGroupError):
-        causes += [getattr(failure, "_base_exc", failure) for failure in err.worker_failures.values()]
+    causes = [err.controller_failure] if isinstance(err, ControllerError) else _worker_failures(err).values()
     for cause in causes:
         if isinstance(cause, StorageError) and cause.problem == UNREACHABLE:
             return cause  # any other (a file gone, refused credentials) is a worker's one-line error
@@ -384,19 +381,24 @@ def _storage_failure(err: BaseException, storage: Location) -> StorageError | No
     return None
 
 
+def _worker_failures(err: BaseException) -> dict[int, BaseException]:
+    """Each failed worker's exception by rank: Ray Train wraps user exceptions with their traceback text
+    (UserExceptionWithTraceback)."""
+    from ray.train import WorkerGroupError
+
+    if not isinstance(err, WorkerGroupError):
+        return {}
+    return {rank: getattr(failure, "_base_exc", failure) for rank, failure in err.worker_failures.items()}
+
+
 def _worker_user_error(err: BaseException) -> MhfError | None:
     """The one-line error a worker raised, out of Ray Train's wrappers; out of memory as what to change."""
     import torch
     from ray.exceptions import OutOfMemoryError
-    from ray.train import WorkerGroupError
 
-    if not isinstance(err, WorkerGroupError):
-        return None
-    for rank, failure in sorted(err.worker_failures.items()):
-        # Ray Train wraps user exceptions with their traceback text (UserExceptionWithTraceback), and a
-        # worker that died (Ray's memory monitor killed it) in a failed health check.
-        cause = getattr(failure, "_base_exc", failure)
-        cause = getattr(cause, "health_check_failure", cause)
+    for rank, failure in sorted(_worker_failures(err).items()):
+        # A worker that died (Ray's memory monitor killed it) is in a failed health check.
+        cause = getattr(failure, "health_check_failure", failure)
         if isinstance(cause, MhfError):
             return cause
         if isinstance(cause, torch.OutOfMemoryError | OutOfMemoryError) or OOM_KILLED in str(cause):
@@ -407,10 +409,3 @@ def _worker_user_error(err: BaseException) -> MhfError | None:
                 "`mhf plan` shows what fits"
             )
     return None
-
-
-def check_model_documents(model_dir: str, manifest: Manifest, data_path: str) -> None:
-    """A model continued (`--init-from`, `mhf cpt`, a resume) trains only on documents framed as its own."""
-    from mhf_dist.export import check_documents_fit
-
-    check_documents_fit(model_dir, manifest.document_format, f"shards {redact(data_path)!r}", TrainingError)

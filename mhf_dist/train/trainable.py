@@ -64,10 +64,7 @@ def _aliases(name: str, lengths: dict[str, int]) -> list[str]:
     choices = []
     for index, part in enumerate(parts):
         length = lengths.get(".".join(parts[:index]))
-        if part.isdigit() and length is not None:
-            choices.append((part, str(int(part) - length)))
-        else:
-            choices.append((part,))
+        choices.append((part, str(int(part) - length)) if part.isdigit() and length is not None else (part,))
     return [".".join(combo) for combo in itertools.product(*choices)]
 
 
@@ -95,7 +92,9 @@ def select_trainable(model: nn.Module, patterns: Sequence[str] | None) -> set[in
     return selected
 
 
-def split_of(model: nn.Module, selected: set[int]) -> TrainableSplit:
+def trainable_split(model: nn.Module, patterns: Sequence[str] | None) -> TrainableSplit:
+    """What `apply_trainable` would freeze, without changing the model."""
+    selected = select_trainable(model, patterns)
     params = list(model.named_parameters())  # each tied tensor once
     return TrainableSplit(
         trainable_params=sum(p.numel() for _, p in params if id(p) in selected),
@@ -104,18 +103,14 @@ def split_of(model: nn.Module, selected: set[int]) -> TrainableSplit:
     )
 
 
-def trainable_split(model: nn.Module, patterns: Sequence[str] | None) -> TrainableSplit:
-    """What `apply_trainable` would freeze, without changing the model."""
-    return split_of(model, select_trainable(model, patterns))
-
-
 def apply_trainable(model: nn.Module, patterns: Sequence[str] | None) -> TrainableSplit:
     """Freeze every parameter `patterns` do not match (None or []: none is touched)."""
-    selected = select_trainable(model, patterns)
+    split = trainable_split(model, patterns)
     if patterns:
+        frozen = {id(model.get_parameter(name)) for name in split.frozen}
         for param in model.parameters():
-            param.requires_grad_(id(param) in selected)
-    return split_of(model, selected)
+            param.requires_grad_(id(param) not in frozen)
+    return split
 
 
 def config_split(

@@ -64,10 +64,11 @@ GIB = 2**30
 
 
 class SourceCounter:
-    """Tokens per source (`data.sources`) of the batches handed to training since the last `take()`."""
+    """Tokens per source (`data.sources`, by `names`) of the batches handed to training since the last
+    `take()`."""
 
-    def __init__(self, sources: int) -> None:
-        self.counts = np.zeros(sources, dtype=np.int64)
+    def __init__(self, names: list[str]) -> None:
+        self.names, self.counts = names, np.zeros(len(names), dtype=np.int64)
 
     def add(self, source_tokens: np.ndarray) -> None:
         self.counts += source_tokens.sum(axis=0)
@@ -186,8 +187,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     stepper, lineage = _build_stepper(spec, table, world_size)
     start_step, history = _restore(stepper, spec, rank)
     last_step = min(cfg.train.steps, spec.stop_at_step or cfg.train.steps)
-    sources = [source.name for source in manifest.sources] if len(manifest.sources) > 1 else []
-    counter = SourceCounter(len(sources)) if sources else None
+    names = [source.name for source in manifest.sources]
+    counter = SourceCounter(names) if len(names) > 1 else None
     run_record = RunRecord(
         model=cfg.model.model_dump(mode="json"),
         fingerprint=table.fingerprint,
@@ -201,10 +202,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     saver = CheckpointSaver(
         stepper, cfg, table, tokenizer_file, run_record, Location.of(spec.run_dir), rank, world_size, history
     )
-    callbacks = [
-        *spec.callbacks,
-        *_built_in_callbacks(spec, stepper, saver, start_step, last_step, rank, world_size, sources, counter),
-    ]
+    callbacks = [*spec.callbacks, *_built_in_callbacks(spec, saver, start_step, last_step, counter)]
     throughput = Throughput(
         tokens_per_step=cfg.train.batch_size * cfg.train.seq_len,
         flops_per_token=train_flops_per_token(cfg.model, cfg.train.seq_len),
@@ -216,45 +214,35 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 def _built_in_callbacks(
-    spec: WorkerSpec,
-    stepper: DeepSpeedStepper,
-    saver: CheckpointSaver,
-    start_step: int,
-    last_step: int,
-    rank: int,
-    world_size: int,
-    sources: list[str],
-    counter: SourceCounter | None,
+    spec: WorkerSpec, saver: CheckpointSaver, start_step: int, last_step: int, counter: SourceCounter | None
 ) -> list[StepCallback]:
     """The step callbacks every worker runs after the spec's own."""
     import ray.train
 
-    cfg = spec.config
+    cfg, stepper, rank, world_size = spec.config.train, saver.stepper, saver.rank, saver.world_size
     # Validation, memory and tokens per source on all ranks (they all-reduce), then the history, rank
     # 0's progress lines and MLflow steps, then checkpoints (all ranks save their shards). Validation
     # comes first so that the history, MLflow and the checkpoint each see this step's validation loss.
     callbacks: list[StepCallback] = []
-    validator = Validator(cfg, rank, world_size, micro_batch_size(cfg.train, world_size))
+    validator = Validator(spec.config, rank, world_size, micro_batch_size(cfg, world_size))
     if rank == 0 and not validator:
         spec.say("no validation rows: val_nll is not computed (prepare with data.val_percent > 0)")
     if validator:
-        callbacks.append(Validation(partial(validator, stepper), cfg.train.eval_every, last_step))
+        callbacks.append(Validation(partial(validator, stepper), cfg.eval_every, last_step))
     memory = partial(_model_state, stepper), partial(_peak_memory, stepper.engine.device)
-    callbacks.append(MemoryMetrics(*memory, start_step + 1, last_step, cfg.train))
+    callbacks.append(MemoryMetrics(*memory, start_step + 1, last_step, cfg))
     if counter is not None:
         callbacks.append(
-            SourceTokens(sources, counter.take, sum_over_workers, saver.history, last_step, cfg.train)
+            SourceTokens(counter.names, counter.take, sum_over_workers, saver.history, last_step, cfg)
         )
-    run_history = History(saver.history)  # the list the checkpoints store
-    callbacks.append(run_history)
+    history = History(saver.history)  # the list the checkpoints store
+    callbacks.append(history)
     if rank == 0:
-        callbacks.append(ProgressLines(cfg.train, spec.say))
-        callbacks.append(
-            MLflowSteps(
-                spec.tracking_uri, spec.run_id, saver.run_dir, run_history, start_step, last_step, cfg.train
-            )
+        mlflow = MLflowSteps(
+            spec.tracking_uri, spec.run_id, saver.run_dir, history, start_step, last_step, cfg
         )
-    callbacks.append(Checkpoints(saver.save, ray.train.report, last_step, cfg.train))
+        callbacks += [ProgressLines(cfg, spec.say), mlflow]
+    callbacks.append(Checkpoints(saver.save, ray.train.report, last_step, cfg))
     return callbacks
 
 
@@ -293,11 +281,10 @@ def _restore(stepper: DeepSpeedStepper, spec: WorkerSpec, rank: int) -> tuple[in
 
     run_dir = Location.of(spec.run_dir)
     registered = ray.train.get_checkpoint()
-    candidates = [newest_checkpoint(run_dir)]
+    found = [newest_checkpoint(run_dir)]
     if registered is not None:
-        candidates.append(run_dir / PurePosixPath(registered.path).name)
-    found = [candidate for candidate in candidates if candidate is not None]
-    checkpoint = max(found, key=checkpoint_step) if found else None
+        found.append(run_dir / PurePosixPath(registered.path).name)
+    checkpoint = max((path for path in found if path is not None), key=checkpoint_step, default=None)
     if checkpoint is None and spec.resume_from:
         checkpoint = Location.of(spec.resume_from)
     if checkpoint is None:
@@ -351,7 +338,7 @@ class CheckpointSaver:
             directory = Path(tmp)
             client_state = ClientState(step=step, rng=rng_states).model_dump()
             self.stepper.engine.save_checkpoint(tmp, tag=STATE_TAG, client_state=client_state)
-            with self.stepper.whole_parameters():
+            with self.stepper.whole_parameters():  # every rank takes part in ZeRO-3's gather
                 if self.rank == 0:
                     export_model(
                         self.stepper.engine.module,
@@ -362,9 +349,8 @@ class CheckpointSaver:
                         self.run_record.lineage,
                         document_format=self.run_record.document_format,
                     )
-            if self.rank == 0:
-                write_history(directory, self.history)
-                write_run_record(directory, self.run_record)
+                    write_history(directory, self.history)
+                    write_run_record(directory, self.run_record)
             write_rank_files(directory, self.rank)  # last: what makes this rank's part count as complete
             ray.train.report(
                 metrics,

@@ -49,6 +49,7 @@ class UnitWork(Generic[U, Out]):
 
     unit: type[U]
     output: type[Out]
+    outputs: str  # what its outputs are, for the line that says how many an earlier run had written
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
         rows: dict[str, list[Any]] = {"index": [], "output": [], "tokens": [], "resumed": []}
@@ -75,9 +76,9 @@ def run_units(
     sizes: Sequence[int],
     task_size: int,
     keep: Callable[[Out], Any] = lambda output: output,
-) -> list[Done[Any]]:
-    """`work` on every unit, at most `cpus` tasks at a time; what each gave (`keep` of its output, as it
-    arrives), in unit order. A task takes consecutive units up to `task_size` of their `sizes` (a Ray
+) -> list[Any]:
+    """`work` on every unit, at most `cpus` tasks at a time; the outputs (`keep` of each, as it arrives),
+    in unit order. A task takes consecutive units up to `task_size` of their `sizes` (a Ray
     Data task costs about 13 ms beyond its work here: 2,000 no-op units took 26 s one a task, 0.7 s 32
     a task), so only units smaller than that share one. `phase` names the work in the progress line."""
     import ray.data
@@ -109,7 +110,9 @@ def run_units(
     missing = [index for index, done in enumerate(results) if done is None]
     if missing:  # Ray Data lost a unit's output: never seen; a rerun resumes
         raise RuntimeError(f"{phase}: no output for unit {missing[0]} (of {len(missing)} missing)")
-    return [done for done in results if done is not None]
+    if progress.resumed:
+        log(f"resumed: {progress.resumed} of {len(units)} {work.outputs} were already written and checked")
+    return [done.output for done in results if done is not None]
 
 
 class Progress:

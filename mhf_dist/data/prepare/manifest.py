@@ -28,7 +28,7 @@ from mhf_dist.data.shards import (
 )
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.signatures import SignatureTable
-from mhf_dist.storage import redact, redact_values
+from mhf_dist.storage import Location, redact, redact_values
 
 
 def recorded_data(data: DataConfig) -> dict[str, Any]:
@@ -71,9 +71,10 @@ def build_manifest(
 
 
 def split_infos(
-    cfg: Config, sources: list[Source], selection: Selection, shards: list[tuple[str, ShardEntry]]
+    cfg: Config, records: list[dict[str, Any]], selection: Selection, shards: list[tuple[str, ShardEntry]]
 ) -> dict[str, SplitInfo]:
-    """Each split's record: its shards (`shards`: (split, entry) in order) and the counts behind them."""
+    """Each split's record: its shards (`shards`: (split, entry) in order) and the counts behind them
+    (`records`: the sources', `mixture.source_records`)."""
     seq_len, packing = cfg.train.seq_len, cfg.data.packing
     splits = {}
     for split in SPLITS:
@@ -88,15 +89,15 @@ def split_infos(
             dropped_tokens=dropped_tokens(
                 sum(int(t.tokens[split].sum()) for t in selection.taken), seq_len, packing
             ),
-            mixture=_replay_mixture(cfg.data, sources, selection) if split == "train" else None,
+            mixture=_replay_mixture(cfg.data, records, selection) if split == "train" else None,
         )
     return splits
 
 
-def _replay_mixture(data: DataConfig, sources: list[Source], selection: Selection) -> Mixture | None:
+def _replay_mixture(data: DataConfig, records: list[dict[str, Any]], selection: Selection) -> Mixture | None:
     if not mixture.replays(data):
         return None
-    main, replay = mixture.source_records(sources, selection.totals)
+    main, replay = records
     threshold, pool = selection.limits[1], selection.pools[1]
     assert threshold is not None and pool is not None
     total = main["tokens"] + replay["tokens"]
@@ -140,14 +141,16 @@ def log_tables(
         )
 
 
-def log_splits(log: Callable[[str], None], cfg: Config, splits: dict[str, SplitInfo]) -> None:
+def log_published(log: Callable[[str], None], out: Location, published: Manifest) -> None:
+    """Each split's documents, rows and shards, and where the dataset now is."""
     for split in SPLITS:
-        info = splits[split]
+        info = published.splits[split]
         log(
-            f"{split}: {info.documents:,} documents -> {info.rows:,} rows of {cfg.train.seq_len + 1} "
+            f"{split}: {info.documents:,} documents -> {info.rows:,} rows of {published.seq_len + 1} "
             f"({info.target_tokens:,} target tokens, {info.dropped_tokens:,} dropped), "
             f"{len(info.shards)} shards"
         )
+    log(f"wrote {out} (content sha256 {published.content_sha256[:12]})")
 
 
 def log_sources(

@@ -81,21 +81,15 @@ def _foreign(out: Location, entries: list[Location]) -> str | None:
     if stranger is not None:
         return f"it holds {stranger!r}"
     if MANIFEST not in files:  # a bucket run of ours that did not finish, or not ours
-        return (
-            None if out.remote and any(BUCKET_WORK.match(path) for path in files) else f"it has no {MANIFEST}"
-        )
+        unfinished = out.remote and any(BUCKET_WORK.match(path) for path in files)
+        return None if unfinished else f"it has no {MANIFEST}"
     try:
         raw = json.loads((out / MANIFEST).read_bytes())
     except ValueError:
-        tables = (path for path in files if path.rsplit("/", 1)[-1] == SIGNATURES_FILE)
-        return (
-            None
-            if any(_our_signature_table(out / path) for path in tables)
-            else f"its {MANIFEST} is not JSON"
-        )
-    if isinstance(raw, dict) and raw.get("format") == FORMAT:
-        return None
-    return f"its {MANIFEST} is not an mhf shard manifest"
+        tables = (out / path for path in files if path.rsplit("/", 1)[-1] == SIGNATURES_FILE)
+        return None if any(map(_our_signature_table, tables)) else f"its {MANIFEST} is not JSON"
+    ours = isinstance(raw, dict) and raw.get("format") == FORMAT
+    return None if ours else f"its {MANIFEST} is not an mhf shard manifest"
 
 
 def _our_signature_table(path: Location) -> bool:
@@ -125,11 +119,9 @@ def _named_versions(out: Location) -> set[str]:
     """The version folders the manifest at `out` names, read from its text: one that is damaged or
     edited still keeps its folder from being taken for work."""
     manifest = out / MANIFEST
-    return (
-        set(re.findall(VERSION_FOLDER, manifest.read_bytes().decode(errors="replace")))
-        if manifest.is_file()
-        else set()
-    )
+    if not manifest.is_file():
+        return set()
+    return set(re.findall(VERSION_FOLDER, manifest.read_bytes().decode(errors="replace")))
 
 
 def open_work(work: Location, key: InputsKey, log: Callable[[str], None]) -> None:

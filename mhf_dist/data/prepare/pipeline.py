@@ -13,14 +13,14 @@ from mhf_dist.data.corpus import CorpusFile, Skipped, corpus_files, read_documen
 from mhf_dist.data.mixture import Source
 from mhf_dist.data.packing import row_count
 from mhf_dist.data.prepare import manifest, output, plan, vocabulary
-from mhf_dist.data.prepare.execute import Done, run_units
+from mhf_dist.data.prepare.execute import run_units
 from mhf_dist.data.prepare.plan import PartCounts
 from mhf_dist.data.prepare.recall import prepare_recall
 from mhf_dist.data.prepare.records import PROGRESS_VERSION, InputsKey, StagedSnapshot
 from mhf_dist.data.prepare.shard import WriteShards
 from mhf_dist.data.prepare.tokenize import TokenizeParts
 from mhf_dist.data.tokenizer import TextTokenizer
-from mhf_dist.errors import DataError, MhfError
+from mhf_dist.errors import DataError
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.signatures import SignatureTable, save_table
 from mhf_dist.storage import Location, redact
@@ -69,7 +69,9 @@ def prepare(
     work = output.work_directory(out)
     snapshots: list[StagedSnapshot | None] = [None] * len(sources)
     if any(source.dataset for source in sources):
-        snapshots, files = _staged(sources, files, work, log, num_cpus, verbose)
+        from mhf_dist.data.prepare import staging  # imports Ray Data: 1 s
+
+        snapshots, files = staging.stage_sources(sources, files, work, log, num_cpus, verbose)
     output.open_work(work, _inputs_key(cfg, files, snapshots, tokenizer), log)
     tokenizer = tokenizer or vocabulary.learned_tokenizer(cfg, work, sources, files)
     shards.save_tokenizer(tokenizer, work / shards.TOKENIZER_FILE)  # first: a rerun reuses a learned BPE
@@ -83,36 +85,8 @@ def prepare(
     save_table(table, (work / shards.SIGNATURES_FILE).uri)
     built = manifest.build_manifest(cfg, tokenizer, table, splits, document_format, records)
     published = output.publish(work, out, built)
-    manifest.log_splits(log, cfg, splits)
-    log(f"wrote {out} (content sha256 {published.content_sha256[:12]})")
+    manifest.log_published(log, out, published)
     return published
-
-
-def _staged(
-    sources: list[Source],
-    files: list[list[CorpusFile]],
-    work: Location,
-    log: Callable[[str], None],
-    num_cpus: int | None,
-    verbose: bool,
-) -> tuple[list[StagedSnapshot | None], list[list[CorpusFile]]]:
-    """The Dataset sources staged (their snapshots), and every source's files. A Dataset that cannot
-    be used leaves no work area it alone made (complete snapshots of the others stay, for the rerun)."""
-    from mhf_dist.data.prepare import staging  # imports Ray Data: 1 s
-
-    staging.check_functions(sources)
-    ensure_ray(num_cpus, verbose)
-    try:
-        snapshots = staging.stage_sources(sources, work, log, verbose)
-    except MhfError:
-        if not work.files():
-            work.remove()
-        raise
-    staged = [
-        staging.staged_files(work, snapshot) if snapshot else found
-        for snapshot, found in zip(snapshots, files, strict=True)
-    ]
-    return snapshots, staged
 
 
 def _inputs_key(
@@ -171,18 +145,14 @@ def _write_shards(
         work,
     )
     sizes = [part.bytes for part in parts]
-    tokenized = run_units(
+    counts = run_units(
         "tokenize parts", parts, tokenize, cpus, log, verbose, sizes, plan.PART_BYTES, PartCounts.of
     )
-    _log_resumed(log, "tokenized parts", tokenized)
-    counts = [done.output for done in tokenized]
     selection = plan.select(sources, parts, counts)
     _check_records(cfg, sources, selection.skipped, log)
-    documents = [0] * len(sources)
-    for part, part_counts in zip(parts, counts, strict=True):
-        documents[part.source] += sum(part_counts.documents.values())
-    for source, count in zip(sources, documents, strict=True):
-        if count == 0:
+    with_text = {p.source for p, c in zip(parts, counts, strict=True) if any(c.documents.values())}
+    for index, source in enumerate(sources):
+        if index not in with_text:
             raise output.discard(work, vocabulary.no_text(source))
     train, seq_len = sum(totals["tokens"] for totals in selection.totals), cfg.train.seq_len
     if row_count(train, seq_len, cfg.data.packing) == 0:
@@ -199,11 +169,10 @@ def _write_shards(
     written = run_units(
         "pack, sign and write shards", jobs, write, cpus, log, verbose, sizes, plan.SHARD_TASK_TOKENS
     )
-    _log_resumed(log, "shards", written)
-    entries = [(job.split, done.output) for job, done in zip(jobs, written, strict=True)]
-    splits = manifest.split_infos(cfg, sources, selection, entries)
+    entries = [(job.split, entry) for job, entry in zip(jobs, written, strict=True)]
     staged = [snapshot.documents if snapshot else None for snapshot in snapshots]
     records = mixture.source_records(sources, selection.totals, staged, selection.skipped)
+    splits = manifest.split_infos(cfg, records, selection, entries)
     for record, source, source_files in zip(records, sources, files, strict=True):
         if source.dataset is None:  # the files read, each once (a staged Dataset's are its own)
             record["files"] = [{"path": redact(file.uri), "bytes": file.size} for file in source_files]
@@ -232,9 +201,3 @@ def _check_records(
             )
         if tally.empty:
             log(f"{tally.empty:,} records of corpus {corpus!r} with empty text were left out")
-
-
-def _log_resumed(log: Callable[[str], None], what: str, units: list[Done[Any]]) -> None:
-    resumed = sum(done.resumed for done in units)
-    if resumed:
-        log(f"resumed: {resumed} of {len(units)} {what} were already written and checked")

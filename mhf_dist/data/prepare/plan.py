@@ -111,19 +111,18 @@ class Selection:
 
 
 def select(sources: list[Source], parts: list[Part], counts: list[PartCounts]) -> Selection:
-    of_source = [
-        [c for c, p in zip(counts, parts, strict=True) if p.source == s] for s in range(len(sources))
-    ]
-    pools = [
-        _candidates(chosen) if source.keyed else None
-        for source, chosen in zip(sources, of_source, strict=True)
-    ]
-    whole = [sum(int(c.tokens["train"].sum()) for c in chosen) for chosen in of_source]
+    """The keyed sources' thresholds, from their candidates; then what each part and source gives."""
+
+    def by_source(items: list[PartCounts]) -> list[list[PartCounts]]:
+        return [[c for c, p in zip(items, parts, strict=True) if p.source == s] for s in range(len(sources))]
+
+    of_source = by_source(counts)
+    pools = [_candidates(mine) if s.keyed else None for s, mine in zip(sources, of_source, strict=True)]
+    whole = [sum(int(c.tokens["train"].sum()) for c in mine) for mine in of_source]
     limits = mixture.thresholds(sources, whole, pools)
     taken = [c.taken(limits[part.source]) for c, part in zip(counts, parts, strict=True)]
     totals, skipped = [], []
-    for index in range(len(sources)):
-        mine = [t for t, part in zip(taken, parts, strict=True) if part.source == index]
+    for mine in by_source(taken):
         skipped.append(Skipped())
         for counted in mine:
             skipped[-1].add(counted.skipped)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from mhf_dist.config import Config
 from mhf_dist.data import recall
-from mhf_dist.data.prepare.manifest import build_manifest, log_splits, log_tables
+from mhf_dist.data.prepare.manifest import build_manifest, log_published, log_tables
 from mhf_dist.data.prepare.output import publish, work_directory
 from mhf_dist.data.prepare.plan import shard_bounds
 from mhf_dist.data.prepare.vocabulary import check_model_documents, signature_table
@@ -47,8 +47,7 @@ def prepare_recall(cfg: Config, out: Location, log: Callable[[str], None]) -> Ma
         work.remove()  # no manifest names it yet
         raise
     manifest = publish(work, out, build_manifest(cfg, tokenizer, table, splits, "eos", []))
-    log_splits(log, cfg, splits)
-    log(f"wrote {out} (content sha256 {manifest.content_sha256[:12]})")
+    log_published(log, out, manifest)
     return manifest
 
 

@@ -13,20 +13,16 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from mhf_dist.data.corpus import CorpusFile
-from mhf_dist.data.shards import SPLITS, ShardEntry
+from mhf_dist.data.shards import SPLITS, Record, ShardEntry
 from mhf_dist.storage import Location
 
 PROGRESS = "progress"
 KEY_FILE = "key.json"
 PARTS, SHARDS, STAGED = "parts", "shards", "staged"
 PROGRESS_VERSION = 2
-
-
-class Record(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
 R = TypeVar("R", bound=Record)
@@ -51,10 +47,6 @@ class Part(Indexed):
     source: int
     bytes: int  # of the corpus it reads
     units: tuple[Unit, ...]
-
-    @property
-    def name(self) -> str:
-        return f"{self.index:05d}"
 
 
 class Piece(Record):

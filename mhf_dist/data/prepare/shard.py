@@ -33,21 +33,19 @@ class WriteShards(UnitWork[ShardJob, ShardEntry]):
     sources: int
     work: Location
 
-    unit, output = ShardJob, ShardEntry
+    unit, output, outputs = ShardJob, ShardEntry, "shards"
 
     def run(self, job: ShardJob) -> Done[ShardEntry]:
         """The shard's entry (from an earlier run when its record and file check out)."""
         record_file = self.work / PROGRESS / SHARDS / f"{job.name}.json"
         done = read_record(record_file, ShardRecord)
         shard = self.work / job.name
-        checked = (  # the whole file is read only once the cheaper checks pass
+        if (  # the whole file is read only once the cheaper checks pass
             done is not None
             and done.fingerprint == self.table.fingerprint
             and shard.is_file()
             and file_sha256(shard) == done.entry.sha256
-        )
-        if checked:
-            assert done is not None
+        ):
             return Done(done.entry, done.entry.rows * self.seq_len, resumed=True)
         code = SPLITS.index(job.split)
         streams, labels = [], []
@@ -66,11 +64,9 @@ class WriteShards(UnitWork[ShardJob, ShardEntry]):
                     labels.append(np.full(len(ids), piece.source, np.int8))
         rows = pack_rows(np.concatenate(streams), self.seq_len, self.packing)
         per_source = None
-        if self.sources > 1:
+        if self.sources > 1:  # [rows, sources]: each row's tokens from each source
             label_rows = pack_rows(np.concatenate(labels), self.seq_len, self.packing)
-            per_source = np.stack(
-                [(label_rows == index).sum(axis=1) for index in range(self.sources)], axis=1
-            )
+            per_source = (label_rows[:, :, None] == np.arange(self.sources)).sum(axis=1)
         entry = write_shard(rows, self.table, self.work, job.name, per_source)
         write_record(record_file, ShardRecord(entry=entry, fingerprint=self.table.fingerprint))
         return Done(entry, entry.rows * self.seq_len, resumed=False)

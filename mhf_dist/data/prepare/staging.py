@@ -39,6 +39,7 @@ from mhf_dist.data.mixture import GIVEN_IN_PYTHON, DatasetSpec, Source
 from mhf_dist.data.prepare.execute import ray_data_settings
 from mhf_dist.data.prepare.records import PROGRESS, STAGED, StagedSnapshot, read_record, write_record
 from mhf_dist.errors import DataError, MhfError
+from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.storage import Location, masked, secrets_in, storage_errors
 
 if TYPE_CHECKING:
@@ -48,32 +49,47 @@ STAGED_FILE_BYTES = 16 << 20  # (in memory) blocks a staged file gathers at leas
 
 
 def stage_sources(
-    sources: list[Source], work: Location, log: Callable[[str], None], verbose: bool
-) -> list[StagedSnapshot | None]:
-    """Each Dataset source's snapshot in `work` (reused, or staged now); None for a file source."""
-    kept = [_reusable(work, source) if source.dataset else None for source in sources]
-    for source, snapshot in zip(sources, kept, strict=True):
-        if snapshot is not None:
-            log(f"source {source.name!r}: reusing its staged snapshot ({snapshot.documents:,} documents)")
-    # Every Dataset is opened (imported, called, checked) before the first one is staged: a mistake in
-    # the last source is not found hours later.
-    with ray_data_settings(verbose):  # what Ray Data shows while a callable plans its reads, too
-        opened = {
-            source.name: open_dataset(source.name, source.dataset)
+    sources: list[Source],
+    files: list[list[CorpusFile]],
+    work: Location,
+    log: Callable[[str], None],
+    num_cpus: int | None,
+    verbose: bool,
+) -> tuple[list[StagedSnapshot | None], list[list[CorpusFile]]]:
+    """Each Dataset source's snapshot in `work` (reused, or staged now; None for a file source), and every
+    source's files, a Dataset's staged ones in place of `files`' empty list. A Dataset that cannot be
+    used leaves no work area it alone made (complete snapshots of the others stay, for the rerun)."""
+    check_functions(sources)  # before Ray starts: in seconds
+    ensure_ray(num_cpus, verbose)
+    try:
+        kept = [_reusable(work, source) if source.dataset else None for source in sources]
+        for source, snapshot in zip(sources, kept, strict=True):
+            if snapshot is not None:
+                log(f"source {source.name!r}: reusing its staged snapshot ({snapshot.documents:,} documents)")
+        # Every Dataset is opened (imported, called, checked) before the first one is staged: a mistake
+        # in the last source is not found hours later.
+        with ray_data_settings(verbose):  # what Ray Data shows while a callable plans its reads, too
+            opened = {
+                source.name: open_dataset(source.name, source.dataset)
+                for source, snapshot in zip(sources, kept, strict=True)
+                if source.dataset and snapshot is None
+            }
+            for source in sources:
+                if source.name in opened:  # what Ray Data knows without reading, or from the first block
+                    with _reading(source):
+                        schema = opened[source.name].schema()
+                    if schema is not None:  # None: an empty Dataset, found when it is staged
+                        text_column_check(source.name, source.text_field, schema)
+        snapshots = [
+            stage(source, opened[source.name], work, log, verbose) if source.name in opened else snapshot
             for source, snapshot in zip(sources, kept, strict=True)
-            if source.dataset and snapshot is None
-        }
-        for source in sources:
-            if source.name in opened:  # what Ray Data knows without reading, or from the first block
-                with _reading(source):
-                    schema = opened[source.name].schema()
-                if schema is not None:  # None: an empty Dataset, found when it is staged
-                    kinds = dict(zip(schema.names, schema.types, strict=True))
-                    text_column_check(source.name, source.text_field, kinds)
-    return [
-        stage(source, opened[source.name], work, log, verbose) if source.name in opened else snapshot
-        for source, snapshot in zip(sources, kept, strict=True)
-    ]
+        ]
+    except MhfError:
+        if not work.files():
+            work.remove()
+        raise
+    staged = [staged_files(work, s) if s else found for s, found in zip(snapshots, files, strict=True)]
+    return snapshots, staged
 
 
 def _reusable(work: Location, source: Source) -> StagedSnapshot | None:
@@ -154,8 +170,9 @@ def _reading(source: Source) -> Iterator[None]:
         raise _read_failure(source, err) from None
 
 
-def text_column_check(source: str, field: str, kinds: dict[str, Any]) -> None:
-    """`field` is among the columns (`kinds`: name -> type) and holds text (or nothing but nulls)."""
+def text_column_check(source: str, field: str, schema: Any) -> None:
+    """`field` is a column of `schema` (Ray Data's or Arrow's) holding text (or nothing but nulls)."""
+    kinds = dict(zip(schema.names, schema.types, strict=True))
     if field not in kinds:
         raise DataError(
             f"dataset source {source!r} has no field {field!r} (fields: {', '.join(kinds)}); set its "
@@ -254,7 +271,7 @@ class StagedParquet(Datasink):
         field = self.text_field
         if not len(table):  # an empty block may have no columns at all
             return pa.table({field: pa.array([], pa.large_string())})
-        text_column_check(self.source, field, dict(zip(table.column_names, table.schema.types, strict=True)))
+        text_column_check(self.source, field, table.schema)
         return pa.table({field: table.column(field).cast(pa.large_string())})
 
     def on_write_complete(self, write_result: WriteResult[tuple[str, int]]) -> None:

@@ -38,8 +38,9 @@ TRAIN, VALIDATION = 0, 1  # the split codes of a tokenized part's `split` column
 PART_SCHEMA = pa.schema([("split", pa.int8()), ("key", pa.int64()), ("ids", pa.list_(pa.int32()))])
 
 
-def part_file(work: Location, part: int) -> Location:
-    return work / PROGRESS / PARTS / f"{part:05d}.arrow"
+def part_file(work: Location, part: int, suffix: str = "arrow") -> Location:
+    """A tokenized part's file (`json`: its record)."""
+    return work / PROGRESS / PARTS / f"{part:05d}.{suffix}"
 
 
 @dataclass
@@ -53,13 +54,13 @@ class TokenizeParts(UnitWork[Part, PartRecord]):
     sources: list[Source]
     work: Location
 
-    unit, output = Part, PartRecord
+    unit, output, outputs = Part, PartRecord, "tokenized parts"
 
     def run(self, part: Part) -> Done[PartRecord]:
         """The part's record (from an earlier run when its record and file check out)."""
         source = self.sources[part.source]
         target = part_file(self.work, part.index)
-        record_file = self.work / PROGRESS / PARTS / f"{part.name}.json"
+        record_file = part_file(self.work, part.index, "json")
         done = read_record(record_file, PartRecord)
         if done is not None and target.is_file() and target.size() == done.bytes:
             return Done(done, done.tokens, resumed=True)
