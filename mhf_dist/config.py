@@ -593,18 +593,13 @@ def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, An
     return merged
 
 
-def split_assignment(text: str, flag: str = "--set", example: str = "train.steps=50") -> tuple[str, str]:
-    """`KEY=VALUE` -> (KEY, VALUE text), the form of `--set` and of `mhf submit --env`."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"{flag} {text!r} is not KEY=VALUE; write e.g. {flag} {example}")
-    return key.strip(), value
-
-
 def parse_override(text: str) -> tuple[str, Any]:
     """`train.steps=50` -> ("train.steps", 50): the value as YAML 1.2 types it (`010` is 10, `yes` text,
     `[a, b]` a list), text that is not YAML kept as it is."""
-    key, value = split_assignment(text)
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r} is not KEY=VALUE; write e.g. --set train.steps=50")
+    key = key.strip()
     try:
         return key, load_yaml(value)
     except DuplicateKeyError as err:

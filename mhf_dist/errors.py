@@ -73,16 +73,22 @@ def advising(what: str) -> Iterator[None]:
 def as_interrupted(err: BaseException) -> Interrupted | None:
     """`err` as the interrupt the CLI reports, also one that `err` was raised while handling (a library's
     clean-up that failed as the interrupt unwound through it); None if it is no interrupt."""
-    seen: set[int] = set()
-    cause: BaseException | None = err
-    while cause is not None and id(cause) not in seen:
+    for cause in chain(err):
         if isinstance(cause, Interrupted):
             return cause
         if isinstance(cause, KeyboardInterrupt):
             return stopped(signal.SIGINT)
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
     return None
+
+
+def chain(err: BaseException) -> list[BaseException]:
+    """`err`, the error it was raised from or while handling, that one's, and so on (each once)."""
+    found: list[BaseException] = []
+    cause: BaseException | None = err
+    while cause is not None and all(cause is not seen for seen in found):
+        found.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    return found
 
 
 def console_line(stop: Interrupted, argv: Sequence[str]) -> str:

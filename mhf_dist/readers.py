@@ -109,26 +109,35 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 _UniqueKeyLoader.yaml_implicit_resolvers = {}
-for _tag, _pattern, _first in (
-    ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
-    ("bool", r"true|True|TRUE|false|False|FALSE", list("tTfF")),
-    ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", list("-+0123456789")),
-    ("float", r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)",
-     list("-+.0123456789")),
-    ("merge", r"<<", ["<"]),
-):  # fmt: skip
+_CORE = {
+    "null": (r"~|null|Null|NULL|", ["~", "n", "N", ""]),
+    "bool": (r"true|True|TRUE|false|False|FALSE", list("tTfF")),
+    "int": (r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", list("-+0123456789")),
+    "float": (r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)",
+              list("-+.0123456789")),
+    "merge": (r"<<", ["<"]),
+}  # fmt: skip
+for _tag, (_pattern, _first) in _CORE.items():
     _UniqueKeyLoader.add_implicit_resolver(
         f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_pattern})$"), _first
     )
 
 
-def _core_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int:
-    text = loader.construct_scalar(node)
+def _core_number(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int | float:
+    """An int or float by YAML 1.2's core schema, also under an explicit `!!int` or `!!float` tag
+    (SafeLoader's reads `010` as 8 and `!!float 1:30` as 90)."""
+    text, kind = loader.construct_scalar(node), node.tag.rsplit(":", 1)[-1]
+    if not re.fullmatch(_CORE[kind][0], text):
+        problem = f"{text!r} is no YAML 1.2 {kind}"
+        raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark)
+    if kind == "float":
+        return float(text.lower().replace(".inf", "inf").replace(".nan", "nan"))
     base = {"0o": 8, "0x": 16}.get(text[:2], 10)
     return int(text[2:] if base != 10 else text, base)
 
 
-_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _core_int)  # SafeLoader's reads `010` as 8
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _core_number)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _core_number)
 
 
 class DuplicateKeyError(yaml.constructor.ConstructorError):

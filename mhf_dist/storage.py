@@ -339,8 +339,10 @@ class Location:
 
     def check_bucket(self) -> None:
         """A remote location's bucket exists (a missing one reads as empty, fails a write late)."""
+        if not self.remote:
+            return
         root = Location(urlunsplit(urlsplit(self.uri)._replace(path="")), self.fs, self.path.split("/", 1)[0])
-        if self.remote and not root.is_dir():
+        if not root.is_dir():
             raise StorageError(f"the bucket of {str(self)!r} does not exist; create it or fix the URI")
 
     def check_writable(self, error: type[MhfError], fix: str) -> None:

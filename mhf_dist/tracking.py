@@ -29,7 +29,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from mhf_dist.errors import MhfError
+from mhf_dist.errors import MhfError, chain
 from mhf_dist.storage import Location, is_uri, redact, redact_text, redact_values
 
 if TYPE_CHECKING:
@@ -197,11 +197,7 @@ def _unreachable(err: BaseException) -> str | None:
     import requests
     import urllib3
 
-    chain: list[BaseException] = []
-    cause: BaseException | None = err
-    while cause is not None and cause not in chain:
-        chain.append(cause)
-        cause = cause.__cause__ or cause.__context__
+    causes = chain(err)
     reasons = [
         (ConnectionRefusedError, "connection refused"),
         (socket.gaierror, "unknown host"),
@@ -209,7 +205,7 @@ def _unreachable(err: BaseException) -> str | None:
         (requests.exceptions.RetryError, "the server answers with errors (see its log)"),
         (requests.ConnectionError, "no connection"),
     ]
-    return next((why for kind, why in reasons if any(isinstance(each, kind) for each in chain)), None)
+    return next((why for kind, why in reasons if any(isinstance(each, kind) for each in causes)), None)
 
 
 def describe_failure(uri: str, err: BaseException) -> str:

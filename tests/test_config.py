@@ -15,7 +15,6 @@ from mhf_dist.config import (
     parse_hash_spec,
     parse_override,
     parse_overrides,
-    split_assignment,
 )
 from mhf_dist.errors import ConfigError
 
@@ -154,6 +153,18 @@ def test_a_value_means_the_same_in_a_config_file_a_set_and_a_sweeps_set(tmp_path
     assert type(at(from_file)) is type(at(from_set)) is type(at(from_sweep)) is type(value)
 
 
+def test_an_explicit_number_tag_follows_yaml_1_2_too(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("preset: tiny\ntrain:\n  lr: !!float 3\n  steps: !!int 0x10\n")
+    assert (load_config(str(path)).train.lr, load_config(str(path)).train.steps) == (3.0, 16)
+    for value in ("!!float 1:30", "!!int 010_0"):  # YAML 1.1 (PyYAML): 90 and 64
+        path.write_text(f"preset: tiny\ntrain:\n  lr: {value}\n")
+        with pytest.raises(
+            ConfigError, match=rf"^cannot parse .*c.yaml at line 3, column 7: '{value.split()[1]}' is no YAML"
+        ):
+            load_config(str(path))
+
+
 def test_a_value_of_another_type_is_refused_not_converted():
     for setting, problem in (
         ("train.steps=true", "train.steps: Input should be a valid integer (got True)"),
@@ -198,12 +209,6 @@ def test_keys_under_a_hash_shorthand_of_a_yaml_file_are_set_within_it(tmp_path):
     path.write_text("preset: tiny\nmodel:\n  hash: H2B64\n")
     cfg = load_config(path, ["model.hash.num_lsh=1"])
     assert (cfg.model.hash.spec, cfg.model.hash.num_lsh) == ("H2B64", 1)
-
-
-def test_key_value_splitting_names_the_flag_and_an_example():
-    assert split_assignment("MHF_STORAGE=/s=x", "--env", "A=1") == ("MHF_STORAGE", "/s=x")
-    with pytest.raises(ConfigError, match=r"^--env 'MHF_STORAGE' is not KEY=VALUE; write e.g. --env A=1$"):
-        split_assignment("MHF_STORAGE", "--env", "A=1")
 
 
 def test_yaml_file_can_start_from_a_preset(tmp_path):

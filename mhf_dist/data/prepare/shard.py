@@ -66,7 +66,7 @@ class WriteShards(UnitWork[ShardJob, ShardEntry]):
         per_source = None
         if self.sources > 1:  # [rows, sources]: each row's tokens from each source
             label_rows = pack_rows(np.concatenate(labels), self.seq_len, self.packing)
-            per_source = (label_rows[:, :, None] == np.arange(self.sources)).sum(axis=1)
+            per_source = np.stack([(label_rows == source).sum(axis=1) for source in range(self.sources)], 1)
         entry = write_shard(rows, self.table, self.work, job.name, per_source)
         write_record(record_file, ShardRecord(entry=entry, fingerprint=self.table.fingerprint))
         return Done(entry, entry.rows * self.seq_len, resumed=False)
