@@ -4,7 +4,7 @@ process at once), `importing` (held until torch's imports return: an exception r
 callbacks aborts the process), `starting_ray` (held while ray.init runs in a thread of its own), `running`
 (SIGTERM unwinds as Ctrl-C does; Ray Train's and Tune's fits stop gracefully in `sigterm_as_sigint` and
 `tune_stops_gracefully`) and `finished`. A signal the process was started to ignore (a shell's background
-job), or one handled outside Python (None), is left alone in each.
+job), or one handled outside Python (None), is left alone until a fit's own stop takes it.
 
 Holding is a Python handler that records the signal, not `pthread_sigmask`: a thread of torch's, pyarrow's
 or gRPC's would take the signal anyway, a child started meanwhile (every Ray process) would inherit the

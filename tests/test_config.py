@@ -246,6 +246,11 @@ def test_flat_keys_match_override_paths():
         ("tiny", ["model.hash.spec=H0B64"], r"use at least one hash \(H>=1\)"),
         (
             "tiny",
+            ['data.sources=[{"name": "a", "corpus": "builtin", "weight": 1, "colour": 2}]'],
+            r"^unknown key 'data.sources.0.colour'; allowed keys there: name, corpus, dataset, args, weight",
+        ),
+        (
+            "tiny",
             ['data.sources=[{"corpus": "builtin", "weight": 1}]'],
             r"^missing key 'data.sources.0.name'; give entry 0 of data.sources a `name`$",
         ),

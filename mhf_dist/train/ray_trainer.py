@@ -264,15 +264,15 @@ def _checked_start(
     """
     from mhf_dist.export import check_documents_fit
 
-    fingerprint, shards = manifest.signatures.fingerprint, f"shards {redact(cfg.data.path)!r}"
+    fingerprint, data_name = manifest.signatures.fingerprint, f"shards {redact(cfg.data.path)!r}"
     init_from = Location.of(options.init_from).uri if options.init_from is not None else None
     if init_from is not None:
         check_initial_model(init_from, cfg, fingerprint)
-        check_documents_fit(init_from, manifest.document_format, shards, TrainingError)
+        check_documents_fit(init_from, manifest.document_format, data_name, TrainingError)
     resume = resolve_resume(options.resume, storage) if options.resume is not None else None
     if resume is not None:
         check_resumable(resume, cfg, fingerprint)
-        check_documents_fit((resume / MODEL_DIR).uri, manifest.document_format, shards, TrainingError)
+        check_documents_fit((resume / MODEL_DIR).uri, manifest.document_format, data_name, TrainingError)
     return init_from, resume
 
 

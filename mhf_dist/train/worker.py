@@ -219,30 +219,30 @@ def _built_in_callbacks(
     """The step callbacks every worker runs after the spec's own."""
     import ray.train
 
-    cfg, stepper, rank, world_size = spec.config.train, saver.stepper, saver.rank, saver.world_size
+    train, stepper, rank, world_size = spec.config.train, saver.stepper, saver.rank, saver.world_size
     # Validation, memory and tokens per source on all ranks (they all-reduce), then the history, rank
     # 0's progress lines and MLflow steps, then checkpoints (all ranks save their shards). Validation
     # comes first so that the history, MLflow and the checkpoint each see this step's validation loss.
     callbacks: list[StepCallback] = []
-    validator = Validator(spec.config, rank, world_size, micro_batch_size(cfg, world_size))
+    validator = Validator(spec.config, rank, world_size, micro_batch_size(train, world_size))
     if rank == 0 and not validator:
         spec.say("no validation rows: val_nll is not computed (prepare with data.val_percent > 0)")
     if validator:
-        callbacks.append(Validation(partial(validator, stepper), cfg.eval_every, last_step))
+        callbacks.append(Validation(partial(validator, stepper), train.eval_every, last_step))
     memory = partial(_model_state, stepper), partial(_peak_memory, stepper.engine.device)
-    callbacks.append(MemoryMetrics(*memory, start_step + 1, last_step, cfg))
+    callbacks.append(MemoryMetrics(*memory, start_step + 1, last_step, train))
     if counter is not None:
         callbacks.append(
-            SourceTokens(counter.names, counter.take, sum_over_workers, saver.history, last_step, cfg)
+            SourceTokens(counter.names, counter.take, sum_over_workers, saver.history, last_step, train)
         )
     history = History(saver.history)  # the list the checkpoints store
     callbacks.append(history)
     if rank == 0:
         mlflow = MLflowSteps(
-            spec.tracking_uri, spec.run_id, saver.run_dir, history, start_step, last_step, cfg
+            spec.tracking_uri, spec.run_id, saver.run_dir, history, start_step, last_step, train
         )
-        callbacks += [ProgressLines(cfg, spec.say), mlflow]
-    callbacks.append(Checkpoints(saver.save, ray.train.report, last_step, cfg))
+        callbacks += [ProgressLines(train, spec.say), mlflow]
+    callbacks.append(Checkpoints(saver.save, ray.train.report, last_step, train))
     return callbacks
 
 
@@ -281,10 +281,10 @@ def _restore(stepper: DeepSpeedStepper, spec: WorkerSpec, rank: int) -> tuple[in
 
     run_dir = Location.of(spec.run_dir)
     registered = ray.train.get_checkpoint()
-    found = [newest_checkpoint(run_dir)]
+    candidates = [newest_checkpoint(run_dir)]
     if registered is not None:
-        found.append(run_dir / PurePosixPath(registered.path).name)
-    checkpoint = max((path for path in found if path is not None), key=checkpoint_step, default=None)
+        candidates.append(run_dir / PurePosixPath(registered.path).name)
+    checkpoint = max(filter(None, candidates), key=checkpoint_step, default=None)
     if checkpoint is None and spec.resume_from:
         checkpoint = Location.of(spec.resume_from)
     if checkpoint is None:
