@@ -92,10 +92,13 @@ def _jobs_api(text: str) -> str:
     return text
 
 
-def _path(text: str, want: str) -> str:
+def _path(text: str, want: str, local: bool = False) -> str:
     """The local path `text` names, if it is an existing "file", "directory" or "file or directory", a
-    "place" (a directory, or one that can be created) or an "output" (a place this user may write in)."""
+    "place" (a directory, or one that can be created) or an "output" (a place this user may write in);
+    a URI as it is, unless the path must be `local`."""
     if is_uri(TEXT.parse(text)):
+        if local:
+            _fail(f"{text!r} is a URI; give a local directory")
         return text
     path = local_path(text)
     try:
@@ -168,6 +171,7 @@ FILE_OR_DIRECTORY = Kind("give an existing path", partial(_path, want="file or d
 # Where a command finds what it reads (an MLflow store, a cluster's state) and writes what it makes.
 PLACE = Kind("give a directory", partial(_path, want="place"))
 OUTPUT_DIRECTORY = Kind("give a directory to write to", partial(_path, want="output"))
+LOCAL_PLACE = Kind("give a local directory", partial(_path, want="place", local=True))
 CORPUS = Kind(
     "give builtin, recall, hf:NAME, dataset:package.module:function, a glob or an existing path", _corpus
 )

@@ -201,7 +201,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
     spec = load_sweep(args.config)
     changed = {"set": {**spec.set, **config_overrides(args)}, "storage": args.storage or spec.storage}
-    spec = parse_sweep({**spec.model_dump(), **changed}, args.config)
+    spec = parse_sweep({**spec.model_dump(exclude_unset=True), **changed}, args.config)
     if args.prepare:
         from mhf_dist.data.prepare import prepare_if_missing
         from mhf_dist.sweep.spec import trial_configs
@@ -671,7 +671,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 @command(
     arg("action", choices=["start", "stop"]),
-    with_default("--dir", kinds.PLACE, "state and node logs", "runs/cluster"),
+    with_default(
+        "--dir", kinds.LOCAL_PLACE, "state and node logs (the nodes run on this machine)", "runs/cluster"
+    ),
     with_default("--workers", kinds.COUNT, "worker nodes beside the head", 1),
     with_default("--cpus-per-node", kinds.COUNT, "logical CPUs per node", 2),
     with_default("--gpus-per-node", kinds.NATURAL, "GPUs per node", 0),

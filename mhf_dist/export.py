@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mhf_dist.config import ModelConfig
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE
 from mhf_dist.data.tokenizer import DOCUMENT_FORMATS, LEGACY_FORMAT, TextTokenizer, check_document_format
-from mhf_dist.errors import DataError, MhfError, SignatureError, first_problem, problem_line
+from mhf_dist.errors import DataError, MhfError, SignatureError, first_problem
 from mhf_dist.models.base import CausalLM
-from mhf_dist.readers import read_json
+from mhf_dist.readers import as_record, read_json
 from mhf_dist.signatures import SignatureTable, load_table, save_table
 from mhf_dist.storage import Location, local_copy
 
@@ -133,12 +133,7 @@ def read_export_config(directory: str | Path | Location) -> ExportRecord:
     description = read_json(path, ExportError, "re-export the model")
     if not isinstance(description, dict) or description.get("format") != FORMAT:
         raise ExportError(f"{str(path)!r} is not an mhf-dist model config; pass an exported model directory")
-    try:
-        return ExportRecord.model_validate(description)
-    except ValidationError as err:
-        raise ExportError(
-            f"{str(path)!r} is damaged or was edited ({problem_line(err)}); re-export the model"
-        ) from None
+    return as_record(description, ExportRecord, path, ExportError, "re-export the model")
 
 
 def check_documents_fit(

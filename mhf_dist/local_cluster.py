@@ -11,7 +11,6 @@ The cluster is described by `<directory>/cluster.json`; node logs go to `<direct
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -22,17 +21,20 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import psutil
+from pydantic import BaseModel, ConfigDict, Field
 
 from mhf_dist.errors import MhfError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.interrupts import deferred
-from mhf_dist.readers import read_json
+from mhf_dist.readers import read_record
 from mhf_dist.storage import reachable
 
 STATE_FILE = "cluster.json"
 HOST = "127.0.0.1"
+TEMP_PREFIX = "mhf-ray-"  # the nodes' session directory, made by `start_local_cluster` (and removed by stop)
 DEFAULT_DASHBOARD_PORT = 8265
 # Nodes run with Ray's token authentication on; clients (mhf submit, ray job submit) need it set too.
 AUTH_MODE_VARIABLE = "RAY_AUTH_MODE"
@@ -42,12 +44,15 @@ class ClusterError(MhfError):
     """The local cluster could not be started, found or stopped."""
 
 
-@dataclass(frozen=True)
-class LocalCluster:
+class LocalCluster(BaseModel):
+    """A cluster's `cluster.json`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
     directory: str
     address: str  # the GCS address nodes and drivers join: 127.0.0.1:<port>
     dashboard_url: str  # the Jobs API and dashboard: http://127.0.0.1:<port>
-    temp_dir: str
+    temp_dir: str = Field(pattern=rf"^/.*/{TEMP_PREFIX}[^/]+$")  # the only directory a stop removes
     pids: list[int]  # the `ray start --block` processes, head first
 
 
@@ -155,13 +160,15 @@ def start_local_cluster(
     logs.mkdir(parents=True, exist_ok=True)
     # Unix socket paths must stay under ~107 bytes, so session files go to a short /tmp path; one per
     # node, or a worker's runtime-env agent garbage-collects the head's job working_dir as unused.
-    temp_dir = tempfile.mkdtemp(prefix="mhf-ray-")
+    temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     gcs_port = free_port()
     node = ["--node-ip-address", HOST, "--num-cpus", str(cpus_per_node), "--num-gpus", str(gpus_per_node)]
     head = ["--head", "--port", str(gcs_port), "--temp-dir", str(Path(temp_dir) / "head"), *node]
     head += ["--dashboard-host", HOST, "--dashboard-port", str(dashboard_port), *_node_ports()]
     address, dashboard_url = f"{HOST}:{gcs_port}", f"http://{HOST}:{dashboard_port}"
-    cluster = LocalCluster(str(directory), address, dashboard_url, temp_dir, pids=[])
+    cluster = LocalCluster(
+        directory=str(directory), address=address, dashboard_url=dashboard_url, temp_dir=temp_dir, pids=[]
+    )
     _write_state(cluster)  # from here on, whatever stops the start-up stops what it started
     try:
         cluster = _add_node(cluster, head, logs / "head.log")
@@ -180,13 +187,13 @@ def start_local_cluster(
 def _add_node(cluster: LocalCluster, args: list[str], log: Path) -> LocalCluster:
     """Start one node and record it (no interrupt in between, which would leave it unrecorded)."""
     with deferred("while starting a node"):
-        cluster = dataclasses.replace(cluster, pids=[*cluster.pids, _ray_start(args, log)])
+        cluster = cluster.model_copy(update={"pids": [*cluster.pids, _ray_start(args, log)]})
         _write_state(cluster)
     return cluster
 
 
 def _write_state(cluster: LocalCluster) -> None:
-    write_json_atomic(Path(cluster.directory) / STATE_FILE, asdict(cluster))
+    write_json_atomic(Path(cluster.directory) / STATE_FILE, cluster.model_dump())
 
 
 def _running(pid: int) -> bool:
@@ -200,6 +207,18 @@ def _running(pid: int) -> bool:
     return True
 
 
+def _node_of(cluster: LocalCluster, pid: int) -> bool:
+    """Whether `pid` is still one of the cluster's `ray start` processes: a recorded PID may have been
+    reused since (the nodes died, the machine restarted)."""
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:  # a node of ours that exited: its group may live on
+            return process.ppid() == os.getpid()
+        return any(arg.startswith(f"{cluster.temp_dir}/") for arg in process.cmdline())  # --temp-dir's
+    except psutil.Error:
+        return False
+
+
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)  # each node was started in a session of its own: pgid == pid
@@ -210,13 +229,14 @@ def stop_local_cluster(directory: str | Path, timeout: float = 30.0) -> None:
     path = Path(directory).resolve() / STATE_FILE
     if not path.exists():
         raise ClusterError(f"no local cluster is recorded in {path.parent}; start one with mhf cluster start")
-    cluster = LocalCluster(**read_json(path, ClusterError, "stop its nodes with `ray stop`, then remove it"))
-    for pid in reversed(cluster.pids):
+    cluster = read_record(path, LocalCluster, ClusterError, "stop its nodes with `ray stop`, then remove it")
+    nodes = [pid for pid in cluster.pids if _node_of(cluster, pid)]
+    for pid in reversed(nodes):
         _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while any(_running(pid) for pid in cluster.pids) and time.monotonic() < deadline:
+    while any(_running(pid) for pid in nodes) and time.monotonic() < deadline:
         time.sleep(0.5)
-    for pid in cluster.pids:  # what ignored SIGTERM, and anything left in the nodes' process groups
+    for pid in nodes:  # what ignored SIGTERM, and anything left in the nodes' process groups
         _signal_group(pid, signal.SIGKILL)
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)
-    (Path(cluster.directory) / STATE_FILE).unlink()
+    path.unlink()

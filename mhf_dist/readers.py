@@ -7,11 +7,12 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
+from pydantic import BaseModel, ValidationError
 
-from mhf_dist.errors import MhfError
+from mhf_dist.errors import MhfError, problem_line
 from mhf_dist.storage import Location
 
 PathLike = str | Path | Location
@@ -66,6 +67,23 @@ def read_json(path: PathLike, error: type[MhfError], fix: str) -> Any:
         raise error(f"{str(where)!r} is damaged (invalid JSON at line {err.lineno}); {fix}") from None
     except RepeatedKeyError as err:
         raise error(f"{str(where)!r} gives the key {err.args[0]!r} twice in one object; {fix}") from None
+
+
+Record = TypeVar("Record", bound=BaseModel)
+
+
+def read_record(path: PathLike, model: type[Record], error: type[MhfError], fix: str) -> Record:
+    """`read_json` of a file mhf-dist wrote, as `model` (`as_record`)."""
+    return as_record(read_json(path, error, fix), model, path, error, fix)
+
+
+def as_record(raw: Any, model: type[Record], path: PathLike, error: type[MhfError], fix: str) -> Record:
+    """The file's JSON `raw` as `model`; one of another shape is `error` in one line."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        where = str(Location.of(path))
+        raise error(f"{where!r} is damaged or was edited ({problem_line(err)}); {fix}") from None
 
 
 def read_jsonl(

@@ -24,7 +24,7 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -350,9 +350,12 @@ def every_run(client: MlflowClient, experiment_id: str, query: str) -> list[Run]
     return runs
 
 
-def end_stopped_children(uri: str, parent_run_id: str, stopped_at: float) -> None:
+def end_stopped_children(
+    uri: str, parent_run_id: str, stopped_at: float, stopped: Collection[str] = ()
+) -> None:
     """Mark KILLED the sweep trials an interrupt at `stopped_at` (epoch seconds) stopped: those still
-    RUNNING (Tune skipped their clean-up) or FAILED since then (they saw the stop as a failed fit)."""
+    RUNNING (Tune skipped their clean-up) or FAILED since then (they saw the stop as a failed fit), and
+    the runs named in `stopped` (trials ASHA stopped, whichever of the two they did)."""
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
     with tracking_errors(uri):
@@ -361,5 +364,5 @@ def end_stopped_children(uri: str, parent_run_id: str, stopped_at: float) -> Non
         # every page first: ending a run could move it between pages
         for run in every_run(client, experiment, f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}'"):
             failed_since = run.info.status == "FAILED" and (run.info.end_time or 0) >= stopped_at * 1000
-            if run.info.status == "RUNNING" or failed_since:
+            if run.info.status == "RUNNING" or failed_since or run.info.run_name in stopped:
                 client.set_terminated(run.info.run_id, status="KILLED")

@@ -108,6 +108,10 @@ EXAMPLES = {
         ["{text}", "{text}/below", "", TOO_LONG, NO_HOME, *MISTYPED_URIS],
         ["{new}", "{dir}", *URIS],
     ),
+    kinds.LOCAL_PLACE: (
+        ["{text}", "{text}/below", "", TOO_LONG, NO_HOME, *MISTYPED_URIS, *URIS],
+        ["{new}", "{dir}", "file://{new}"],
+    ),
 }
 PARSER = cli.build_parser()
 

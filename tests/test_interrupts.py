@@ -242,8 +242,11 @@ def test_an_interrupted_cluster_start_leaves_no_node_running(moment, tmp_path, m
     started = []
     write_state = local_cluster._write_state
 
-    def start_node(args, log):  # a stand-in node: a process in a session of its own, as Ray's are
-        process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    def start_node(args, log):  # a stand-in node: a process in a session of its own, as Ray's are, with
+        # their arguments (a stop signals only a process whose --temp-dir is the cluster's)
+        process = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)", *args], start_new_session=True
+        )
         started.append(process)
         return process.pid
 

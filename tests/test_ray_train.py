@@ -211,11 +211,11 @@ def test_a_hand_edited_run_json_is_one_line_naming_the_file_and_an_old_one_still
     with pytest.raises(TrainingError) as raised:
         check_resumable(tmp_path, cfg, "f" * 64)
     message = str(raised.value)
-    assert message.startswith(f"{tmp_path / 'run.json'} is damaged or was edited (fingerprint: ")
+    assert message.startswith(f"'{tmp_path / 'run.json'}' is damaged or was edited (fingerprint: ")
     assert message.endswith("; resume from another checkpoint (mhf train --resume)") and "\n" not in message
     for edit, field in (({"workers": "2"}, "workers"), ({"zero_stage": 7}, "zero_stage")):
         (tmp_path / "run.json").write_text(json.dumps(run | edit))
-        with pytest.raises(TrainingError, match=rf"run\.json is damaged or was edited \({field}: "):
+        with pytest.raises(TrainingError, match=rf"run\.json' is damaged or was edited \({field}: "):
             check_resumable(tmp_path, cfg, "f" * 64)
     # A checkpoint from before the topology, trainable split and document format were recorded.
     (tmp_path / "run.json").write_text(json.dumps({key: run[key] for key in ("model", "fingerprint")}))
@@ -462,7 +462,7 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_removes_incomplete_on
     (paths[4] / "run.json").write_text(json.dumps(RUN | {"workers": "1"}))
     write_rank_files(paths[4], 0)
     for call in (lambda: newest_checkpoint(tmp_path), lambda: prune_checkpoints(tmp_path, keep=1)):
-        with pytest.raises(TrainingError, match=r"run\.json is damaged or was edited \(workers: "):
+        with pytest.raises(TrainingError, match=r"run\.json' is damaged or was edited \(workers: "):
             call()
     assert sorted(path.name for path in tmp_path.iterdir()) == [paths[2].name, paths[4].name]
 

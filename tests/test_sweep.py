@@ -88,7 +88,35 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
             {"name": "x", "kind": "seeds", "workers": 2},
             r"workers: unknown key; .*set: \{topology.workers: ...\}",
         ),
-        ({"name": "x", "kind": "seeds", "set": {"topology.storage": "s"}}, "topology.storage is the sweep's"),
+        (
+            {"name": "x", "kind": "seeds", "set": {"topology.storage": "s"}},
+            r"^sweep: set: topology.storage is set by the sweep's `storage`, not by `set:` or --set$",
+        ),
+        # what the sweep sets per trial itself, which a setting would only seem to change
+        (
+            {"name": "x", "kind": "grid", "grid": {"train.seed": [1, 2]}},
+            r"^sweep: grid: train.seed is set by the sweep's `seeds`, not by `grid:`$",
+        ),
+        (
+            {"name": "x", "kind": "seeds", "set": {"train.seed": 4}},
+            r"^sweep: set: train.seed is set by the sweep's",
+        ),
+        (
+            {"name": "x", "kind": "matched", "set": {"model.family": "qwen3"}},
+            r"^sweep: set: model.family is set by its `families`",
+        ),
+        (
+            {"name": "x", "kind": "seeds", "families": ["qwen3"]},
+            r"`families` and `matched_to` belong to matched sweeps; a 'seeds' sweep",
+        ),
+        (
+            {"name": "x", "kind": "seeds", "storage": "s3:/bucket/x"},
+            r"^sweep: storage: 's3:/bucket/x' is missing a slash of s3://",
+        ),
+        (
+            {"name": "x", "kind": "seeds", "experiment": ""},
+            r"^sweep: experiment: String should have at least 1 character",
+        ),
         ({"name": "x", "kind": "grid"}, "a grid sweep needs `grid"),
         ({"name": "x y", "kind": "seeds"}, "name: use letters, digits"),
         ({"name": "..", "kind": "seeds"}, r"name: use letters, digits .*starting with a letter or digit\)$"),

@@ -1,7 +1,9 @@
 """Mistakes a user makes that once went through without a word, or as a traceback: each one line and
 exit 2, or said on the console (issue 43's classes; `test_contract.py` holds every argument to its kind)."""
 
+import json
 import re
+import subprocess
 
 import pytest
 
@@ -216,3 +218,36 @@ def test_a_mistyped_uri_is_one_line_not_a_local_folder(text, says, tmp_path, mon
     (tmp_path / "t.txt").unlink()
     (tmp_path / "s3:" / "bucket").mkdir(parents=True)  # the advice's ./s3:/bucket, read back as it is
     assert Location.of(DIRECTORY("./s3:/bucket")).path == str(tmp_path / "s3:" / "bucket")
+
+
+def test_a_cluster_stop_signals_and_removes_only_what_its_start_made(tmp_path, capsys):
+    """A recorded PID may belong to another process by now (the nodes died, the machine restarted), and a
+    moved or hand-edited cluster.json may name anything: neither is signalled or removed."""
+    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    victim = tmp_path / "victim"
+    (victim / "data").mkdir(parents=True)
+    cluster = tmp_path / "cluster"
+    cluster.mkdir()
+    state = {"directory": "/nowhere", "address": "127.0.0.1:1", "dashboard_url": "http://127.0.0.1:2"}
+    try:
+        for record, problem in [
+            ({}, "directory: Field required"),
+            ([], "Input should be a mapping of its keys"),
+            ({**state, "temp_dir": str(victim), "pids": [bystander.pid]}, "temp_dir: String should match"),
+        ]:
+            (cluster / "cluster.json").write_text(json.dumps(record))
+            assert main(["cluster", "stop", "--dir", str(cluster)]) == 2
+            (line,) = capsys.readouterr().err.strip().splitlines()
+            assert line.startswith(f"error: '{cluster / 'cluster.json'}' is damaged or was edited ({problem}")
+            assert bystander.poll() is None and (victim / "data").is_dir()
+        sessions = tmp_path / "mhf-ray-stale"
+        (sessions / "head").mkdir(parents=True)
+        (cluster / "cluster.json").write_text(
+            json.dumps({**state, "temp_dir": str(sessions), "pids": [bystander.pid]})
+        )
+        assert main(["cluster", "stop", "--dir", str(cluster)]) == 0
+        assert bystander.poll() is None and (victim / "data").is_dir()
+        assert not sessions.exists() and not (cluster / "cluster.json").exists()
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -26,15 +26,15 @@ import mmh3
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from tokenizers import Tokenizer
 
 from mhf_dist.config import Config
 from mhf_dist.data.packing import Packing
 from mhf_dist.data.tokenizer import FORMAT_TEXT, LEGACY_FORMAT, TextTokenizer
-from mhf_dist.errors import DataError, SignatureError, problem_line
+from mhf_dist.errors import DataError, SignatureError
 from mhf_dist.files import write_json_atomic
-from mhf_dist.readers import read_json
+from mhf_dist.readers import as_record, read_json
 from mhf_dist.signatures import SignatureTable, load_table
 from mhf_dist.storage import Location, local_copy, storage_errors
 
@@ -319,10 +319,7 @@ def read_manifest(path: str | Path | Location) -> Manifest:
             f"prepared data {str(path)!r} is manifest version {raw.get('version')}, this mhf-dist reads "
             f"version {VERSION} (one row per row group, so that a row can be read alone); {fix}"
         )
-    try:
-        return Manifest.model_validate(raw)
-    except ValidationError as err:
-        raise DataError(f"{manifest_path} is damaged or was edited ({problem_line(err)}); {fix}") from None
+    return as_record(raw, Manifest, manifest_path, DataError, fix)
 
 
 def check_compatible(manifest: Manifest, cfg: Config, fingerprint: str | None = None) -> None:

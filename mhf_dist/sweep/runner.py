@@ -170,8 +170,6 @@ def run_sweep(
     if grid is None or stop.signal is not None:
         stopped_at = stop.at or time.time()
         raise _stopped(stop.signal or signal.SIGINT, stopped_at, directory, configs, uri, parent_run_id)
-    if spec.asha is not None:  # the trials ASHA stopped early: Tune skipped their clean-up
-        end_stopped_children(uri, parent_run_id, time.time())
     outcomes = []
     for result in grid:
         trial = result.config["trial"]
@@ -179,6 +177,9 @@ def run_sweep(
         reached = (result.metrics or {}).get("step") == last
         status = "ERROR" if result.error else "FINISHED" if reached else "STOPPED"
         outcomes.append({key: trial[key] for key in ("name", "group", "family", "seed")} | {"status": status})
+    if spec.asha is not None:  # the trials ASHA stopped early: Tune skipped their clean-up
+        stopped = [outcome["name"] for outcome in outcomes if outcome["status"] == "STOPPED"]
+        end_stopped_children(uri, parent_run_id, time.time(), stopped)
     failed = [outcome["name"] for outcome in outcomes if outcome["status"] == "ERROR"]
     end_run(uri, parent_run_id, "FAILED" if failed else "FINISHED")
     if failed:

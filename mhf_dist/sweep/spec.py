@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from mhf_dist.config import (
     DIRECTORY_NAME,
@@ -47,6 +47,9 @@ from mhf_dist.storage import Location
 
 VARIANT_FORM = "a variant mapping {group: NAME, family: FAMILY, set: {key: value}} (NAME: [A-Za-z0-9._-])"
 STORAGE_KEY = "topology.storage"  # every trial's: the sweep's trials directory
+# Config keys the sweep sets for each trial itself: a `set:`, `grid:` or --set of one would be overridden.
+MATCHING = ("families", "matched_to")  # what only a matched sweep reads
+SWEEP_KEYS = {"train.seed": "the sweep's `seeds`", STORAGE_KEY: "the sweep's `storage`"}
 
 
 class AshaConfig(StrictModel):
@@ -96,8 +99,7 @@ class FamilyVariant(StrictModel):
     @field_validator("set")
     @classmethod
     def _not_the_sweeps_keys(cls, overrides: dict[str, Any]) -> dict[str, Any]:
-        taken = {"model.family": "the variant's `family`", "train.seed": "the sweep's `seeds`"}
-        taken[STORAGE_KEY] = "the sweep's `storage`"
+        taken = {**SWEEP_KEYS, "model.family": "the variant's `family`"}
         chosen = [key for key in overrides if key in taken]
         if chosen:
             raise ValueError(f"{chosen[0]} is set by {taken[chosen[0]]}, not by a variant's `set`")
@@ -115,8 +117,8 @@ class SweepConfig(StrictModel):
     asha: AshaConfig | None = None
     max_concurrent: int = Field(0, ge=0, description="trials at once; 0: as many as the CPUs allow")
     storage: str = "runs/sweeps"  # the sweep's root: its record, Tune's state, the trials, MLflow
-    experiment: str = "mhf-sweeps"
-    metric: str = "val_nll"  # what `mhf compare` aggregates
+    experiment: str = Field("mhf-sweeps", min_length=1)
+    metric: str = Field("val_nll", min_length=1)  # what `mhf compare` aggregates
     matched_to: str = Field("mhf", description="matched: the family parameter residuals are measured against")
     evaluate: list[TrialEval] = Field(default_factory=list)
     unstable_cv: float = Field(0.05, gt=0, description="coefficient of variation over seeds flagged unstable")
@@ -127,6 +129,28 @@ class SweepConfig(StrictModel):
         if not re.fullmatch(DIRECTORY_NAME, name):
             raise ValueError(DIRECTORY_NAME_RULE)
         return name
+
+    @field_validator("set", "grid")
+    @classmethod
+    def _not_the_sweeps_keys(cls, settings: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        taken = {
+            **SWEEP_KEYS,
+            **({"model.family": "its `families`"} if info.data.get("kind") == "matched" else {}),
+        }
+        chosen = next((key for key in settings if key in taken), None)
+        if chosen is not None:
+            also = " or --set" if info.field_name == "set" else ""
+            raise ValueError(f"{chosen} is set by {taken[chosen]}, not by `{info.field_name}:`{also}")
+        return settings
+
+    @field_validator("storage")
+    @classmethod
+    def _a_place(cls, storage: str) -> str:
+        try:
+            Location.of(storage)
+        except MhfError as err:
+            raise ValueError(str(err)) from None
+        return storage
 
     @field_validator("seeds")
     @classmethod
@@ -184,6 +208,15 @@ class SweepConfig(StrictModel):
             raise ValueError("a grid sweep needs `grid: {key: [values, ...]}`")
         if self.kind != "grid" and (self.grid or self.asha):
             raise ValueError(f"`grid` and `asha` belong to grid sweeps, not {self.kind!r}")
+        fields = type(self).model_fields
+        matching = [
+            getattr(self, key) != fields[key].get_default(call_default_factory=True) for key in MATCHING
+        ]
+        if self.kind != "matched" and any(matching):  # by value: a dumped spec is parsed again
+            raise ValueError(
+                f"`families` and `matched_to` belong to matched sweeps; a {self.kind!r} sweep trains the "
+                "config's family (set model.family in `set:`)"
+            )
         empty = [key for key, values in self.grid.items() if not values]
         if empty:
             raise ValueError(f"grid key {empty[0]!r} has no values; list at least one")
@@ -227,11 +260,6 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
         elif err.errors()[0]["type"] != "value_error":  # pydantic's own words: what came, where to look
             message += f"{refused_value(err)}; see README: `mhf sweep`"
         raise ConfigError(f"{source}: {where}: {message}") from None
-    if STORAGE_KEY in spec.set or STORAGE_KEY in spec.grid:
-        raise ConfigError(
-            f"{source}: {STORAGE_KEY} is the sweep's to choose (<storage>/<name>/trials); set the sweep's "
-            "own `storage:` instead"
-        )
     try:
         trial_configs(spec)  # every trial's config must resolve (unknown keys, bad values, topology)
     except ConfigError as err:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mhf_dist.config import Config, ZeroStage
 from mhf_dist.data.tokenizer import LEGACY_FORMAT
 from mhf_dist.errors import TrainingError, problem_line
-from mhf_dist.readers import read_json
+from mhf_dist.readers import read_record
 from mhf_dist.storage import Location, redact
 
 HISTORY_FILE = "history.jsonl"
@@ -51,13 +51,8 @@ def write_run_record(directory: Path, record: RunRecord) -> None:
 
 def read_run_record(checkpoint: Path | Location) -> RunRecord:
     """The checkpoint's `run.json`; a missing, damaged or hand-edited one is a one-line error."""
-    path = Location.of(checkpoint) / RUN_FILE
     fix = "resume from another checkpoint (mhf train --resume)"
-    raw = read_json(path, TrainingError, fix)
-    try:
-        return RunRecord.model_validate(raw)
-    except ValidationError as err:
-        raise TrainingError(f"{path} is damaged or was edited ({problem_line(err)}); {fix}") from None
+    return read_record(Location.of(checkpoint) / RUN_FILE, RunRecord, TrainingError, fix)
 
 
 class RngStates(BaseModel):
