@@ -168,7 +168,7 @@ class HashConfig(StrictModel):
     cheaper variant: one narrow table (`d_hash`), a reduced cascade (`d_casc`, `mixer_hidden`)."""
 
     spec: str = "H4B16K"
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, lt=2**32)  # a 32-bit MurmurHash3 seed (and seed + H - 1 too: below)
     io: Literal["reference", "compact"] = Field(
         "reference", description="reference: the paper's hash encoder/decoder; compact: narrower and cheaper"
     )

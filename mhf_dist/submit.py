@@ -33,7 +33,7 @@ class JobError(MhfError):
 
 
 class JobSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     entrypoint: str = Field(min_length=1)
     runtime_env: dict[str, Any] = Field(default_factory=dict)
@@ -74,7 +74,8 @@ def expand_env_vars(env_vars: Mapping[str, str], environ: Mapping[str, str]) -> 
         if environ.get(name):
             return environ[name]
         if default is None:
-            raise ConfigError(f"the job needs ${name}; export {name}=... or pass --env {name}=...")
+            given = f"{name} is empty" if name in environ else "it is not set"
+            raise ConfigError(f"the job needs ${name} ({given}); export {name}=... or pass --env {name}=...")
         return default
 
     expanded = {key: _VARIABLE.sub(value, str(raw)) for key, raw in env_vars.items()}

@@ -299,6 +299,9 @@ def test_job_spec_mistakes_are_one_line_errors(tmp_path):
     bad.write_text("runtime_env: {env_vars: {A: 1}}\nentrypoint: x\n")
     with pytest.raises(ConfigError, match="must be of type Dict"):
         load_job_spec(bad)
+    bad.write_text("entrypoint: x\nentrypoint_resources: {TPU: .inf}\n")
+    with pytest.raises(ConfigError, match=r"entrypoint_resources.TPU: Input should be a finite number"):
+        load_job_spec(bad)
     with pytest.raises(ConfigError, match="not found"):
         load_job_spec(tmp_path / "missing.yaml")
 
@@ -306,8 +309,10 @@ def test_job_spec_mistakes_are_one_line_errors(tmp_path):
 def test_env_vars_expand_from_the_submitters_environment():
     env_vars = {"STORE": "${MHF_STORAGE}/x", "URI": "${MLFLOW_TRACKING_URI:-}", "MODE": "${M:-fast}"}
     assert expand_env_vars(env_vars, {"MHF_STORAGE": "/s"}) == {"STORE": "/s/x", "MODE": "fast"}
-    with pytest.raises(ConfigError, match=r"needs \$MHF_STORAGE; export MHF_STORAGE=\.\.\. or pass --env"):
+    with pytest.raises(ConfigError, match=r"needs \$MHF_STORAGE \(it is not set\); export MHF_STORAGE="):
         expand_env_vars(env_vars, {})
+    with pytest.raises(ConfigError, match=r"needs \$MHF_STORAGE \(MHF_STORAGE is empty\); export"):
+        expand_env_vars(env_vars, {"MHF_STORAGE": ""})
 
 
 def _pins() -> dict[str, str]:
