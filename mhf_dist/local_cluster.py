@@ -52,7 +52,7 @@ class LocalCluster(BaseModel):
     directory: str
     address: str  # the GCS address nodes and drivers join: 127.0.0.1:<port>
     dashboard_url: str  # the Jobs API and dashboard: http://127.0.0.1:<port>
-    temp_dir: str = Field(pattern=rf"^/.*/{TEMP_PREFIX}[^/]+$")  # the only directory a stop removes
+    temp_dir: str = Field(pattern=rf"^/(.*/)?{TEMP_PREFIX}[^/]+$")  # the only directory a stop removes
     pids: list[int]  # the `ray start --block` processes, head first
 
 

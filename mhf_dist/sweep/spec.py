@@ -47,8 +47,8 @@ from mhf_dist.storage import Location
 
 VARIANT_FORM = "a variant mapping {group: NAME, family: FAMILY, set: {key: value}} (NAME: [A-Za-z0-9._-])"
 STORAGE_KEY = "topology.storage"  # every trial's: the sweep's trials directory
-# Config keys the sweep sets for each trial itself: a `set:`, `grid:` or --set of one would be overridden.
 MATCHING = ("families", "matched_to")  # what only a matched sweep reads
+# Config keys the sweep sets for each trial itself: a `set:`, `grid:` or --set of one would be overridden.
 SWEEP_KEYS = {"train.seed": "the sweep's `seeds`", STORAGE_KEY: "the sweep's `storage`"}
 
 
