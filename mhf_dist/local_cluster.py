@@ -44,6 +44,10 @@ class ClusterError(MhfError):
     """The local cluster could not be started, found or stopped."""
 
 
+class NodeExited(ClusterError):
+    """A node's `ray start` process ended during start-up."""
+
+
 class LocalCluster(BaseModel):
     """A cluster's `cluster.json`."""
 
@@ -122,7 +126,7 @@ def _wait_for_nodes(cluster: LocalCluster, expected: int, token: str, timeout: f
     alive, last_error = 0, ""
     while time.monotonic() < deadline:
         if not all(map(_running, cluster.pids)):
-            raise ClusterError(
+            raise NodeExited(
                 f"a Ray node process exited during start-up; see the logs in {cluster.directory}/logs"
             )
         try:
@@ -175,8 +179,7 @@ def start_local_cluster(
         _wait_for_nodes(cluster, 1, token, timeout)
         for index in range(workers):
             worker = ["--address", cluster.address, "--temp-dir", str(Path(temp_dir) / f"worker-{index}")]
-            cluster = _add_node(cluster, [*worker, *node, *_node_ports()], logs / f"worker-{index}.log")
-        _wait_for_nodes(cluster, 1 + workers, token, timeout)
+            cluster = _add_worker(cluster, [*worker, *node], logs / f"worker-{index}.log", token, timeout)
     except BaseException:
         with deferred("while stopping the started nodes"):  # a second Ctrl-C waits for them
             stop_local_cluster(directory)
@@ -189,6 +192,25 @@ def _add_node(cluster: LocalCluster, args: list[str], log: Path) -> LocalCluster
     with deferred("while starting a node"):
         cluster = cluster.model_copy(update={"pids": [*cluster.pids, _ray_start(args, log)]})
         _write_state(cluster)
+    return cluster
+
+
+def _add_worker(
+    cluster: LocalCluster, args: list[str], log: Path, token: str, timeout: float
+) -> LocalCluster:
+    """Start a worker node and wait for it. Ray gives a node 30 s to register with the GCS, which a loaded
+    host can miss: a worker that exits during start-up is started once more."""
+    cluster = _add_node(cluster, [*args, *_node_ports()], log)
+    try:
+        _wait_for_nodes(cluster, len(cluster.pids), token, timeout)
+        return cluster
+    except NodeExited:
+        with deferred("while removing a node that exited"):
+            _signal_group(cluster.pids[-1], signal.SIGKILL)  # what it started
+            cluster = cluster.model_copy(update={"pids": cluster.pids[:-1]})
+            _write_state(cluster)
+    cluster = _add_node(cluster, [*args, *_node_ports()], log)
+    _wait_for_nodes(cluster, len(cluster.pids), token, timeout)
     return cluster
 
 

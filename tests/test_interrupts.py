@@ -270,6 +270,34 @@ def test_an_interrupted_cluster_start_leaves_no_node_running(moment, tmp_path, m
     assert not (tmp_path / "cluster" / local_cluster.STATE_FILE).exists()
 
 
+def test_a_worker_node_that_exits_during_start_up_is_started_once_more(tmp_path, monkeypatch):
+    """Ray gives a node 30 s to register with the GCS, which a loaded host can miss: that worker's `ray start`
+    exits, and the cluster starts it again rather than failing."""
+    started = []
+
+    def start_node(args, log):  # stand-in nodes; the first worker exits at once
+        exits = "--address" in args and not any("--address" in process.args for process in started)
+        code = "pass" if exits else "import time; time.sleep(60)"
+        process = subprocess.Popen([sys.executable, "-c", code, *args], start_new_session=True)
+        started.append(process)
+        if exits:
+            process.wait()
+        return process.pid
+
+    monkeypatch.setattr(local_cluster, "auth_token", lambda: "token")
+    monkeypatch.setattr(local_cluster, "_ray_start", start_node)
+    monkeypatch.setattr(local_cluster, "alive_nodes", lambda *_: sum(p.poll() is None for p in started))
+    directory = tmp_path / "cluster"
+    cluster = local_cluster.start_local_cluster(
+        directory, workers=1, dashboard_port=local_cluster.free_port()
+    )
+    head, exited, worker = started
+    assert exited.returncode == 0 and cluster.pids == [head.pid, worker.pid]
+    local_cluster.stop_local_cluster(directory)
+    head.wait(timeout=30)  # both stopped (the stop reaps them: no exit status is left to check)
+    worker.wait(timeout=30)
+
+
 def _children(pid):
     import psutil
 
