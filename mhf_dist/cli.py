@@ -558,12 +558,10 @@ def cmd_count(args: argparse.Namespace) -> None:
     """analytic parameters and FLOPs of every family for a config"""
     with interrupts.importing():
         from mhf_dist.plan import family_counts
-        from mhf_dist.signatures import scheme_for_config
         from mhf_dist.tables import markdown_table
 
     cfg = _config(args)
-    scheme = scheme_for_config(cfg.model.hash)
-    short = scheme.room_for(cfg.model.vocab_size)
+    crowded = _shared_signatures(cfg, [cfg.model.vocab_size])
     rows, unmatched = family_counts(cfg)
     print(
         f"preset {cfg.preset or args.config}, V={cfg.model.vocab_size}, {cfg.model.hash.spec}, "
@@ -572,14 +570,22 @@ def cmd_count(args: argparse.Namespace) -> None:
     print(
         markdown_table(rows, ["family", "layers", "mlp", "params", "vs mhf", "vs qwen3", "fwd GFLOP/token"])
     )
-    for line in unmatched:
+    for line in [*unmatched, *crowded]:
         print(line)
-    if short is not None:  # the reference scheme's redraw rule gives the rest duplicates
-        shared = cfg.model.vocab_size - scheme.capacity
-        print(
-            f"warning: {short}): {shared:,} tokens at least share another's signature and score alike; use "
-            "more hashes or buckets"
-        )
+
+
+def _shared_signatures(cfg: Config, vocab_sizes: list[int]) -> list[str]:
+    """A warning per vocabulary whose tokens must share signatures under model.hash (the reference
+    scheme's redraw rule gives the rest duplicates); SignatureError where no table of it can be built."""
+    from mhf_dist.signatures import scheme_for_config
+
+    scheme = scheme_for_config(cfg.model.hash)
+    return [
+        f"warning: {short}): {vocab - scheme.capacity:,} tokens at least share another's signature and score "
+        "alike; use more hashes or buckets"
+        for vocab in vocab_sizes
+        if (short := scheme.room_for(vocab)) is not None
+    ]
 
 
 @command(
@@ -615,10 +621,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
     tokens = args.tokens or cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len
     cluster = Cluster(args.gpus, args.nodes, args.gpu_mem_gb, args.peak_tflops)
     vocabs = args.vocab or dict.fromkeys([cfg.model.vocab_size, QWEN3_VOCAB])
+    families = args.family or ["mhf", "qwen3"]
+    crowded = _shared_signatures(cfg, list(vocabs) if "mhf" in families else [])
     plans = [
         plan(cfg, family, vocab, cluster, seq_len, args.micro_batch, tokens, args.mfu)
         for vocab in vocabs
-        for family in args.family or ["mhf", "qwen3"]
+        for family in families
     ]
     print(
         f"preset {cfg.preset or args.config}, {cfg.model.hash.spec}, seq_len {readable(seq_len, '')}; "
@@ -628,6 +636,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     rows = plan_rows(plans)
     print(markdown_table(rows, list(rows[0])))
     print(plan_legend(cfg))
+    for line in crowded:
+        print(line)
     check_fits(plans, cluster)  # the table above shows what each needs; the error line is the last
 
 

@@ -582,6 +582,8 @@ def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, An
     preset = None if where.remote or file.parent != PRESET_DIR else file.stem
     if base is None:
         return raw if preset is None else {**raw, "preset": preset}
+    if not isinstance(base, str):
+        raise ConfigError(f"{where}: `preset: {base!r}` names no preset; give one name or YAML file")
     if preset is not None:
         raise ConfigError(f"preset {preset!r} names another preset; presets must be self-contained")
     chain, named = (*seen, where.real), Location.of(str(base)).real

@@ -196,22 +196,21 @@ def _add_node(cluster: LocalCluster, args: list[str], log: Path) -> LocalCluster
 
 
 def _add_worker(
-    cluster: LocalCluster, args: list[str], log: Path, token: str, timeout: float
+    cluster: LocalCluster, args: list[str], log: Path, token: str, timeout: float, retries: int = 1
 ) -> LocalCluster:
     """Start a worker node and wait for it. Ray gives a node 30 s to register with the GCS, which a loaded
-    host can miss: a worker that exits during start-up is started once more."""
-    cluster = _add_node(cluster, [*args, *_node_ports()], log)
+    host can miss: a worker that exits during start-up is started once more (its log `*.retry.log`)."""
+    started = _add_node(cluster, [*args, *_node_ports()], log)
     try:
-        _wait_for_nodes(cluster, len(cluster.pids), token, timeout)
-        return cluster
+        _wait_for_nodes(started, len(started.pids), token, timeout)
     except NodeExited:
+        if not retries:
+            raise
         with deferred("while removing a node that exited"):
-            _signal_group(cluster.pids[-1], signal.SIGKILL)  # what it started
-            cluster = cluster.model_copy(update={"pids": cluster.pids[:-1]})
+            _signal_group(started.pids[-1], signal.SIGKILL)  # what it started
             _write_state(cluster)
-    cluster = _add_node(cluster, [*args, *_node_ports()], log)
-    _wait_for_nodes(cluster, len(cluster.pids), token, timeout)
-    return cluster
+        return _add_worker(cluster, args, log.with_suffix(".retry.log"), token, timeout, retries - 1)
+    return started
 
 
 def _write_state(cluster: LocalCluster) -> None:

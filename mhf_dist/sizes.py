@@ -18,8 +18,10 @@ def byte_size(size: int | str, error: type[MhfError] = MhfError) -> int:
         value = None if isinstance(size, bool) else convert_file_size_to_int(size)
     except (ValueError, AttributeError):  # AttributeError: neither an int nor a string
         value = None
-    if not isinstance(value, int) or value <= 0:
+    if not isinstance(value, int):
         raise error(
             f"max shard size {size!r} is not a size; give bytes or a number with KB, MB or GB, e.g. 500MB"
         )
+    if value <= 0:
+        raise error(f"max shard size {size!r} is {value} bytes; give a size above 0, e.g. 500MB")
     return value

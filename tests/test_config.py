@@ -194,12 +194,17 @@ def test_a_section_given_a_mapping_merges_into_it():
     assert nested.model == cfg.model  # a shorthand deeper in a mapping keeps the widths too
 
 
-def test_config_files_naming_each_other_as_preset_is_a_one_line_error(tmp_path, monkeypatch):
+def test_config_files_naming_each_other_or_a_list_as_preset_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("a.yaml").write_text("preset: b.yaml\n")
     Path("b.yaml").write_text("preset: a.yaml\n")
     with pytest.raises(
         ConfigError, match=r"^config files name each other as `preset:` \(.*a.yaml -> .*b.yaml -> .*a.yaml\)"
+    ):
+        load_config("a.yaml")
+    Path("a.yaml").write_text("preset: [tiny]\n")
+    with pytest.raises(
+        ConfigError, match=r"a.yaml: `preset: \['tiny'\]` names no preset; give one name or YAML file$"
     ):
         load_config("a.yaml")
 

@@ -23,7 +23,7 @@ from mhf_dist.data.shards import (
     verify_shards,
 )
 from mhf_dist.data.tokenizer import TextTokenizer
-from mhf_dist.errors import DataError
+from mhf_dist.errors import DataError, SignatureError
 from mhf_dist.signatures import load_table
 from mhf_dist.storage import Location
 
@@ -181,7 +181,9 @@ def test_the_shards_are_checked_against_the_model_config(prepared):
         check_compatible(read_manifest(out), cfg, fingerprint="0" * 64)
 
 
-def test_mhf_train_refuses_shards_that_do_not_fit_before_ray_starts(prepared, tmp_path, monkeypatch, capsys):
+def test_mhf_train_refuses_shards_that_do_not_fit_before_ray_starts_leaving_nothing(
+    prepared, tmp_path, monkeypatch, capsys
+):
     import mhf_dist.train.ray_trainer as ray_trainer
 
     def no_ray(*args, **kwargs):
@@ -195,6 +197,7 @@ def test_mhf_train_refuses_shards_that_do_not_fit_before_ray_starts(prepared, tm
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: shards have seq_len 32 but the model has 64; set --set train.seq_len=32 or re-prepare"
     )
+    assert not (tmp_path / "runs").exists()  # a refused run leaves no storage folder
 
 
 def test_shard_files_hold_fixed_size_rows_one_per_row_group(prepared):
@@ -872,6 +875,22 @@ def test_an_empty_corpus_says_it_is_empty_not_to_change_the_vocab_size(tmp_path)
             prepare(cfg, out, log=lambda _: None)
         assert "vocab_size" not in str(info.value)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "held-out.txt"]
+
+
+def test_a_learned_bpe_the_settings_refuse_leaves_nothing_and_a_hash_without_room_learns_none(
+    tmp_path, monkeypatch
+):
+    """A BPE smaller than model.vocab_size is refused once learned, leaving no work area behind; a
+    vocabulary no table of model.hash can hold is refused before any BPE is learned."""
+    (tmp_path / "small.txt").write_text("".join(f"{p}\n\n" for p in PARAGRAPHS))
+    sets = [f"data.corpus={tmp_path / 'small.txt'}", "data.tokenizer=bpe", "model.vocab_size=5000"]
+    with pytest.raises(DataError, match=r"^tokenizer has \d+ tokens but model.vocab_size=5000; set"):
+        prepare(load_config("tiny", sets), tmp_path / "out", log=lambda _: None)
+    assert [p.name for p in tmp_path.iterdir()] == ["small.txt"]
+    monkeypatch.setattr(TextTokenizer, "train_bpe", lambda *_: pytest.fail("a BPE was learned"))
+    with pytest.raises(SignatureError, match=r"exceeds the 2 signatures of H=8, B=2 \(reference scheme\)"):
+        prepare(load_config("tiny", [*sets, "model.hash.spec=H8B2"]), tmp_path / "out", log=lambda _: None)
+    assert [p.name for p in tmp_path.iterdir()] == ["small.txt"]
 
 
 def test_a_tokenizer_json_is_read_from_a_file_uri_under_home_or_from_a_bucket(bucket, tmp_path, monkeypatch):

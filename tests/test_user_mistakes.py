@@ -22,7 +22,7 @@ def test_continue_without_a_checkpoint_is_refused_with_the_fix_not_started_afres
     assert list(tmp_path.iterdir()) == []
 
 
-def test_count_says_when_a_hash_spec_has_fewer_signatures_than_tokens(capsys):
+def test_count_and_plan_say_when_a_hash_spec_has_fewer_signatures_than_tokens(capsys):
     short = ["count", "--set", "model.hash.spec=H1B64", "--set", "model.vocab_size=300"]
     assert main(short) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
@@ -41,6 +41,20 @@ def test_count_says_when_a_hash_spec_has_fewer_signatures_than_tokens(capsys):
     )
     assert main(["count", "--set", "model.hash.spec=H2B64", "--set", "model.vocab_size=300"]) == 0
     assert "warning" not in capsys.readouterr().out
+    # `mhf plan` applies the same rule to each vocabulary it plans the mhf family at, and to none other
+    plan = ["plan", "--gpus", "8", "--gpu-mem-gb", "80", "--vocab", "300", "--vocab", "50"]
+    assert main([*plan, "--set", "model.hash.spec=H1B64"]) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if "warning" in line] == [
+        "warning: vocabulary of 300 tokens exceeds the 64 signatures of H=1, B=64 (reference scheme): 236 "
+        "tokens at least share another's signature and score alike; use more hashes or buckets"
+    ]
+    assert main([*plan, "--set", "model.hash.spec=H11B2", "--family", "qwen3"]) == 0
+    assert main([*plan, "--set", "model.hash.spec=H11B2"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("every token but the padding one has one signature; use more buckets")
+    )
 
 
 def test_a_service_that_is_not_there_is_one_line_within_seconds_not_half_a_minute_of_retries(

@@ -234,7 +234,7 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
     manifest = read_manifest(cfg.data.path)
     check_tokenizer(cfg.data.path, manifest)  # the exported model carries it
     storage = Location.of(cfg.topology.storage)
-    storage.make_dirs()  # a missing bucket or an unreachable endpoint fails here, in one line
+    storage.check_bucket()  # a missing bucket or an unreachable endpoint fails here, in one line
     check_compatible(manifest, cfg, manifest.signatures.fingerprint)
     run_dir = storage / options.name
     if newest_checkpoint(run_dir) is not None and not options.continue_run:
@@ -253,6 +253,7 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
     # train.trainable: a bad pattern fails here, before any worker starts; the counts go to MLflow.
     table = load_table(Location.of(data.path) / manifest.signatures.file)
     split = config_split(cfg.model, table, cfg.train.trainable)
+    storage.make_dirs()  # last: a refused run leaves no folder behind
     return _Inputs(manifest, storage, run_dir, worker_cfg, init_from, resume, split)
 
 

@@ -22,7 +22,7 @@ from mhf_dist.data.prepare.tokenize import TokenizeParts
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
 from mhf_dist.ray_utils import ensure_ray
-from mhf_dist.signatures import SignatureTable, save_table
+from mhf_dist.signatures import SignatureTable, save_table, scheme_for_config
 from mhf_dist.storage import Location, redact
 
 if TYPE_CHECKING:
@@ -64,6 +64,8 @@ def prepare(
     for source, source_files in zip(sources, files, strict=True):
         if source_files:  # a missing field is an error before any work
             next(read_documents(source_files[0], source.text_field), None)
+    if cfg.data.signatures is None:  # a vocabulary no table can hold: refused before a BPE is learned
+        scheme_for_config(cfg.model.hash).room_for(cfg.model.vocab_size)
     tokenizer = None if cfg.data.tokenizer == "bpe" else vocabulary.named_tokenizer(cfg)
     checked = _vocabulary(cfg, tokenizer) if tokenizer else None  # before any staging, too
     work = output.work_directory(out)
@@ -73,9 +75,12 @@ def prepare(
 
         snapshots, files = staging.stage_sources(sources, files, work, log, num_cpus, verbose)
     output.open_work(work, _inputs_key(cfg, files, snapshots, tokenizer), log)
-    tokenizer = tokenizer or vocabulary.learned_tokenizer(cfg, work, sources, files)
-    shards.save_tokenizer(tokenizer, work / shards.TOKENIZER_FILE)  # first: a rerun reuses a learned BPE
-    document_format, table = checked or _vocabulary(cfg, tokenizer)
+    try:  # a learned BPE these settings refuse is no start to resume
+        tokenizer = tokenizer or vocabulary.learned_tokenizer(cfg, work, sources, files)
+        shards.save_tokenizer(tokenizer, work / shards.TOKENIZER_FILE)  # first: a rerun reuses it
+        document_format, table = checked or _vocabulary(cfg, tokenizer)
+    except DataError as error:
+        raise output.discard(work, error) from None
     manifest.log_tables(log, tokenizer, table, document_format)
 
     ensure_ray(num_cpus, verbose)

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from mhf_dist.config import Config
 from mhf_dist.data.corpus import CorpusFile, read_documents
 from mhf_dist.data.mixture import Source
-from mhf_dist.data.prepare.output import discard
 from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE, is_validation
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
@@ -55,15 +54,11 @@ def learned_tokenizer(
     learned = TextTokenizer.train_bpe(training_texts(), cfg.model.vocab_size)
     for source, count in zip(sources, documents, strict=True):
         if count == 0:  # a BPE learned from nothing has the bytes alone: not a vocab_size to advise
-            raise discard(work, no_text(source))
+            raise no_text(source)
     if learned_from == 0:
-        raise discard(
-            work,
-            DataError(
-                f"all {sum(documents)} documents are held out for validation (data.val_percent="
-                f"{val_percent:g}), none is left to learn the BPE from; use more text or a smaller "
-                "data.val_percent"
-            ),
+        raise DataError(
+            f"all {sum(documents)} documents are held out for validation (data.val_percent={val_percent:g}), "
+            "none is left to learn the BPE from; use more text or a smaller data.val_percent"
         )
     return _check_vocab_size(cfg, learned)
 
