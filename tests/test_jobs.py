@@ -45,8 +45,11 @@ def cluster(tmp_path_factory):
 @pytest.fixture
 def submit(cluster, tmp_path, monkeypatch, capsys):
     """Runs `mhf submit jobs/pretrain.job.yaml --wait ...` from the repository root; (rc, out, err)."""
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    reset_auth_token_state()  # Ray reads the mode once per process, perhaps before this test set it
 
     def run(
         *extra: str, storage: str = str(tmp_path), env: tuple[str, ...] = (), options: tuple[str, ...] = ()
@@ -57,7 +60,9 @@ def submit(cluster, tmp_path, monkeypatch, capsys):
         out, err = capsys.readouterr()
         return status, out, err
 
-    return run
+    yield run
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    reset_auth_token_state()  # the test session's own Ray instance has no token
 
 
 def test_the_cluster_has_a_head_and_a_worker_node_and_refuses_a_second_start(cluster):
