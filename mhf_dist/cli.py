@@ -622,12 +622,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
     cluster = Cluster(args.gpus, args.nodes, args.gpu_mem_gb, args.peak_tflops)
     vocabs = args.vocab or dict.fromkeys([cfg.model.vocab_size, QWEN3_VOCAB])
     families = args.family or ["mhf", "qwen3"]
-    crowded = _shared_signatures(cfg, list(vocabs) if "mhf" in families else [])
     plans = [
         plan(cfg, family, vocab, cluster, seq_len, args.micro_batch, tokens, args.mfu)
         for vocab in vocabs
         for family in families
     ]
+    crowded = _shared_signatures(cfg, list(vocabs) if "mhf" in families else [])
     print(
         f"preset {cfg.preset or args.config}, {cfg.model.hash.spec}, seq_len {readable(seq_len, '')}; "
         f"{readable(args.nodes, '')} node(s) x {readable(args.gpus, '')} GPU(s) of {args.gpu_mem_gb:g} GB, "

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import re
+
 from mhf_dist.errors import MhfError
 
 
@@ -13,9 +15,8 @@ def byte_size(size: int | str, error: type[MhfError] = MhfError) -> int:
     from transformers.utils.hub import convert_file_size_to_int
 
     try:
-        if isinstance(size, str) and size.strip().isdigit():
-            size = int(size)
-        value = None if isinstance(size, bool) else convert_file_size_to_int(size)
+        digits = isinstance(size, str) and re.fullmatch(r"[+-]?\d+", size.strip())
+        value = None if isinstance(size, bool) else convert_file_size_to_int(int(size) if digits else size)
     except (ValueError, AttributeError):  # AttributeError: neither an int nor a string
         value = None
     if not isinstance(value, int):

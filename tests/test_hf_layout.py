@@ -367,10 +367,10 @@ def test_an_out_that_cannot_be_created_and_a_bad_shard_size_are_one_line_errors(
         assert main([*command, "--out", str(blocker / "out")]) == 2
         err = capsys.readouterr().err
         assert f"cannot be created: {str(blocker)!r} is a file" in err and err.count("\n") == 1
-    for size in ("5XB", "-5", "lots"):
+    for size in ("5XB", "1.5", "lots"):
         with pytest.raises(LayoutError, match=r"is not a size; give bytes or a number with KB, MB or GB"):
             export_hf(qwen3_export[0], tmp_path / "hf", size)
-    for size, bytes_ in (("-5MB", -5_000_000), (0, 0), ("0MB", 0)):
+    for size, bytes_ in (("-5MB", -5_000_000), ("-5", -5), (0, 0), ("0MB", 0)):
         with pytest.raises(
             LayoutError, match=rf"{size!r} is {bytes_} bytes; give a size above 0, e\.g\. 500MB$"
         ):

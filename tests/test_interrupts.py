@@ -273,13 +273,14 @@ def test_an_interrupted_cluster_start_leaves_no_node_running(moment, tmp_path, m
 def test_a_worker_node_that_exits_during_start_up_is_started_once_more(tmp_path, monkeypatch):
     """Ray gives a node 30 s to register with the GCS, which a loaded host can miss: that worker's `ray start`
     exits, and the cluster starts it again rather than failing."""
-    started = []
+    started, logs = [], []
 
     def start_node(args, log):  # stand-in nodes; the first worker exits at once
         exits = "--address" in args and not any("--address" in process.args for process in started)
         code = "pass" if exits else "import time; time.sleep(60)"
         process = subprocess.Popen([sys.executable, "-c", code, *args], start_new_session=True)
         started.append(process)
+        logs.append(log.name)
         if exits:
             process.wait()
         return process.pid
@@ -293,6 +294,7 @@ def test_a_worker_node_that_exits_during_start_up_is_started_once_more(tmp_path,
     )
     head, exited, worker = started
     assert exited.returncode == 0 and cluster.pids == [head.pid, worker.pid]
+    assert logs == ["head.log", "worker-0.log", "worker-0.retry.log"]  # the first try's log is kept
     local_cluster.stop_local_cluster(directory)
     head.wait(timeout=30)  # both stopped (the stop reaps them: no exit status is left to check)
     worker.wait(timeout=30)

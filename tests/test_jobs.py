@@ -45,7 +45,7 @@ def cluster(tmp_path_factory):
 @pytest.fixture
 def submit(cluster, tmp_path, monkeypatch, capsys):
     """Runs `mhf submit jobs/pretrain.job.yaml --wait ...` from the repository root; (rc, out, err)."""
-    from ray._private.authentication_test_utils import reset_auth_token_state
+    from ray._private.authentication_test_utils import reset_auth_token_state  # what Ray's tests use
 
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
@@ -61,8 +61,8 @@ def submit(cluster, tmp_path, monkeypatch, capsys):
         return status, out, err
 
     yield run
-    monkeypatch.delenv("RAY_AUTH_MODE")
-    reset_auth_token_state()  # the test session's own Ray instance has no token
+    monkeypatch.undo()  # the caller's RAY_AUTH_MODE (the test session's own Ray has no token), read again:
+    reset_auth_token_state()
 
 
 def test_the_cluster_has_a_head_and_a_worker_node_and_refuses_a_second_start(cluster):

@@ -880,17 +880,28 @@ def test_an_empty_corpus_says_it_is_empty_not_to_change_the_vocab_size(tmp_path)
 def test_a_learned_bpe_the_settings_refuse_leaves_nothing_and_a_hash_without_room_learns_none(
     tmp_path, monkeypatch
 ):
-    """A BPE smaller than model.vocab_size is refused once learned, leaving no work area behind; a
-    vocabulary no table of model.hash can hold is refused before any BPE is learned."""
+    """A BPE smaller than model.vocab_size is refused once learned, leaving no work area behind (but a
+    staged Dataset snapshot, which a rerun of other settings reuses); a vocabulary no table of
+    model.hash can hold is refused before any BPE is learned."""
     (tmp_path / "small.txt").write_text("".join(f"{p}\n\n" for p in PARAGRAPHS))
     sets = [f"data.corpus={tmp_path / 'small.txt'}", "data.tokenizer=bpe", "model.vocab_size=5000"]
-    with pytest.raises(DataError, match=r"^tokenizer has \d+ tokens but model.vocab_size=5000; set"):
+    refused = r"^tokenizer has \d+ tokens but model.vocab_size=5000; set"
+    with pytest.raises(DataError, match=refused):
         prepare(load_config("tiny", sets), tmp_path / "out", log=lambda _: None)
     assert [p.name for p in tmp_path.iterdir()] == ["small.txt"]
+    staged = tmp_path / ".out.partial" / "progress" / "staged" / "web" / "000000.parquet"
+    staged.parent.mkdir(parents=True)
+    staged.write_bytes(b"a stand-in snapshot")
+    with pytest.raises(DataError, match=refused):
+        prepare(load_config("tiny", sets), tmp_path / "out", log=lambda _: None)
+    assert [p for p in (tmp_path / ".out.partial").rglob("*") if p.is_file()] == [staged]
+    no_table = [*sets[:2], "model.vocab_size=300", f"data.signatures={tmp_path / 'no-model'}"]
+    with pytest.raises(SignatureError, match=r"no-model.* does not exist"):
+        prepare(load_config("tiny", no_table), tmp_path / "out", log=lambda _: None)
+    assert [p for p in (tmp_path / ".out.partial").rglob("*") if p.is_file()] == [staged]
     monkeypatch.setattr(TextTokenizer, "train_bpe", lambda *_: pytest.fail("a BPE was learned"))
     with pytest.raises(SignatureError, match=r"exceeds the 2 signatures of H=8, B=2 \(reference scheme\)"):
         prepare(load_config("tiny", [*sets, "model.hash.spec=H8B2"]), tmp_path / "out", log=lambda _: None)
-    assert [p.name for p in tmp_path.iterdir()] == ["small.txt"]
 
 
 def test_a_tokenizer_json_is_read_from_a_file_uri_under_home_or_from_a_bucket(bucket, tmp_path, monkeypatch):

@@ -347,7 +347,9 @@ def test_data_replaced_after_the_driver_checked_it_stops_the_workers_with_one_li
     )
 
 
-def test_a_run_the_cluster_cannot_place_fails_in_seconds_before_any_worker_starts(shards, tmp_path):
+def test_a_run_the_cluster_cannot_place_fails_in_seconds_before_any_worker_starts_leaving_nothing(
+    shards, tmp_path
+):
     import time
 
     cases = [
@@ -358,20 +360,21 @@ def test_a_run_the_cluster_cannot_place_fails_in_seconds_before_any_worker_start
         ("topology.gpus_per_worker=1", r"asks for 2 GPUs but the Ray cluster has 0; .*--gpus-per-worker 0"),
     ]
     for override, message in cases:
-        cfg = run_cfg(shards, "train.steps=2", f"topology.storage={tmp_path}", override)
+        cfg = run_cfg(shards, "train.steps=2", f"topology.storage={tmp_path / 'runs'}", override)
         start = time.monotonic()
         with pytest.raises(MhfError, match=message):
             train(cfg, TrainOptions(name="placed"))
         assert time.monotonic() - start < 10
-    assert not (tmp_path / "placed").exists() and not (tmp_path / "mlflow.db").exists()
+    assert not (tmp_path / "runs").exists()  # no run folder, no MLflow store
     # What the topology rules out of the rest of the config is refused before Ray is asked for anything.
     with pytest.raises(ConfigError, match=r"topology.workers: Input should be greater than 0"):
         run_cfg(shards, "topology.workers=0")
     with pytest.raises(ConfigError, match=r"train.batch_size=8 does not split over 3 workers.*--workers"):
         train(
-            run_cfg(shards, f"topology.storage={tmp_path}", "topology.workers=3"), TrainOptions(name="placed")
+            run_cfg(shards, f"topology.storage={tmp_path / 'runs'}", "topology.workers=3"),
+            TrainOptions(name="placed"),
         )
-    assert not (tmp_path / "placed").exists()
+    assert not (tmp_path / "runs").exists()
 
 
 def test_sigint_stops_a_two_worker_fit_in_seconds_and_resume_continues_it(ray_session, tmp_path):

@@ -48,7 +48,9 @@ def test_count_and_plan_say_when_a_hash_spec_has_fewer_signatures_than_tokens(ca
         "warning: vocabulary of 300 tokens exceeds the 64 signatures of H=1, B=64 (reference scheme): 236 "
         "tokens at least share another's signature and score alike; use more hashes or buckets"
     ]
-    assert main([*plan, "--set", "model.hash.spec=H11B2", "--family", "qwen3"]) == 0
+    for spec in ("H1B64", "H11B2"):
+        assert main([*plan, "--set", f"model.hash.spec={spec}", "--family", "qwen3"]) == 0
+        assert "warning" not in capsys.readouterr().out
     assert main([*plan, "--set", "model.hash.spec=H11B2"]) == 2
     assert (
         capsys.readouterr()

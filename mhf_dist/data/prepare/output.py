@@ -132,12 +132,7 @@ def open_work(work: Location, key: InputsKey, log: Callable[[str], None]) -> Non
             log(f"resuming the partial prepare in {work} (same inputs and settings)")
             return
         log(f"the partial prepare in {work} had other inputs or settings; starting over")
-    for entry in work.children():
-        if entry.name != PROGRESS:
-            entry.remove()
-    for entry in (work / PROGRESS).children():
-        if entry.name != STAGED:
-            entry.remove()
+    _clear_but_staged(work)
     for folder in (PARTS, SHARDS):
         (work / PROGRESS / folder).make_dirs()
     key_file.write_text(key.model_dump_json(indent=1) + "\n")
@@ -179,7 +174,19 @@ def publish(work: Location, out: Location, manifest: Manifest) -> Manifest:
     return manifest
 
 
-def discard(work: Location, error: DataError) -> DataError:
-    """A run that cannot succeed with these inputs leaves nothing to resume."""
-    work.remove()
+def _clear_but_staged(work: Location) -> None:
+    """Remove all of `work` but its staged Dataset snapshots (a rerun of other settings reuses them)."""
+    for entry in work.children():
+        if entry.name != PROGRESS:
+            entry.remove()
+    for entry in (work / PROGRESS).children():
+        if entry.name != STAGED:
+            entry.remove()
+
+
+def discard(work: Location, error: MhfError) -> MhfError:
+    """A run that cannot succeed with these inputs leaves nothing to resume, its staged snapshots aside."""
+    _clear_but_staged(work)
+    if not work.files():
+        work.remove()
     return error
