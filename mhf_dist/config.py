@@ -98,6 +98,7 @@ class StrictModel(BaseModel):
 # The paper's K-names whose B is not a multiple of 1024 (HUIYINXUE/MHF README: "MHF(H3B10K)" is the
 # checkpoint `..._10624_3_0_64_twe`); every other K-name is x1024 (H4B16K = 16,384 as `_16384_4_0_64`).
 PAPER_K_BUCKETS = {10: 10_624}
+MAX_HASHES, MAX_BUCKETS = 256, 2**32
 SPEC_HELP = (
     "write H<hashes>B<buckets>[K], e.g. H4B16K or H2B64; K is x1024 except the paper's B10K = 10,624 "
     "(H3B10K), and the exact number always works (H3B10624, H3B10240)"
@@ -111,10 +112,10 @@ def parse_hash_spec(spec: str) -> tuple[int, int]:
         raise ConfigError(f"bad hash spec {spec!r}; {SPEC_HELP}")
     num_hashes, count = int(match[1]), int(match[2])
     num_buckets = PAPER_K_BUCKETS.get(count, count * 1024) if match[3] else count
-    if num_hashes < 1:
-        raise ConfigError(f"hash spec {spec!r} has H={num_hashes}; use at least one hash (H>=1)")
-    if num_buckets < 2:
-        raise ConfigError(f"hash spec {spec!r} has B={num_buckets}; use at least two buckets (B>=2)")
+    if not 1 <= num_hashes <= MAX_HASHES:
+        raise ConfigError(f"hash spec {spec!r} has H={num_hashes}; use 1 to {MAX_HASHES} hashes")
+    if not 2 <= num_buckets <= MAX_BUCKETS:  # a bucket is a 32-bit MurmurHash3 value modulo B
+        raise ConfigError(f"hash spec {spec!r} has B={num_buckets}; use 2 to 2**32 buckets")
     return num_hashes, num_buckets
 
 
@@ -551,7 +552,12 @@ def load_config(source: str | Path | None = None, overrides: Overrides = ()) -> 
     """Resolve a preset name or YAML path plus overrides (`{"train.steps": 50}` as sweep files write
     them, or `["train.steps=50"]` as `--set` takes them; later ones win) into a validated `Config`."""
     raw = _load_source(source if source is not None else "tiny")
-    apply_overrides(raw, parse_overrides(overrides))
+    parsed = parse_overrides(overrides)
+    if (preset := parsed.get("preset", raw.get("preset"))) != raw.get("preset"):  # the one started from
+        raise ConfigError(
+            f"preset={preset} cannot be set; choose the preset with --config {preset} (or a file's `preset:`)"
+        )
+    apply_overrides(raw, parsed)
     return validate_config(raw)
 
 

@@ -187,8 +187,12 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def load_yaml(text: str) -> Any:
-    """`yaml.safe_load(text)` by YAML 1.2's core schema; a key given twice is a `yaml.YAMLError`."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)
+    """`yaml.safe_load(text)` by YAML 1.2's core schema; a key given twice, or nesting deeper than Python's
+    recursion limit, is a `yaml.YAMLError`."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except RecursionError:
+        raise yaml.MarkedYAMLError(problem="nested deeper than a config can be") from None
 
 
 def read_yaml(path: PathLike, error: type[MhfError], fix: str) -> Any:

@@ -246,9 +246,12 @@ def test_flat_keys_match_override_paths():
         ),
         ("tiny", ["model.hiden.x=3"], "unknown key 'model.hiden.x'; keys under model: family, vocab_size"),
         ("tiny", {"modle.family": "mhf"}, "unknown key 'modle.family'; keys under the top level: preset"),
+        ("tiny", ["preset=100m"], r"^preset=100m cannot be set; choose the preset with --config 100m \(or a"),
         ("tiny", ["train.steps"], r"--set 'train.steps' is not KEY=VALUE; write e.g. --set train.steps=50"),
         ("tiny", ["=3"], "is not KEY=VALUE"),
-        ("tiny", ["model.hash.spec=H0B64"], r"use at least one hash \(H>=1\)"),
+        ("tiny", ["model.hash.spec=H0B64"], r"has H=0; use 1 to 256 hashes \(got"),
+        ("tiny", ["model.hash.spec=H100000000B2K"], r"has H=100000000; use 1 to 256 hashes \(got"),
+        ("tiny", ["model.hash.spec=H2B4194305K"], r"has B=4294968320; use 2 to 2\*\*32 buckets \(got"),
         (
             "tiny",
             ['data.sources=[{"name": "a", "corpus": "builtin", "weight": 1, "colour": 2}]'],
@@ -264,7 +267,7 @@ def test_flat_keys_match_override_paths():
             ["model.hash.seed=4294967295"],
             r"^model.hash: seed=4294967295: its 2 hashes are seeded seed",
         ),
-        ("tiny", ["model.hash.spec=H2B1"], r"use at least two buckets \(B>=2\)"),
+        ("tiny", ["model.hash.spec=H2B1"], r"has B=1; use 2 to 2\*\*32 buckets \(got"),
         ("tiny", ["model.hash.spec=X9"], "write H<hashes>B<buckets>"),
         ("tiny", ["model.hash=X9"], r"^model.hash: bad hash spec 'X9'; write H<hashes>B<buckets>"),
         ("tiny", ["model.family=gpt"], "model.family: unknown model family 'gpt'; registered: mhf, qwen3"),
@@ -311,10 +314,15 @@ def test_bad_config_is_a_one_line_error(source, overrides, message):
     assert "\n" not in str(info.value)
 
 
-def test_malformed_yaml_names_the_line(tmp_path):
+def test_malformed_yaml_names_the_line_and_too_deep_a_nesting_is_one_line(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("model:\n  family: mhf\n bad: [\n")
     with pytest.raises(ConfigError, match=r"cannot parse .*bad.yaml at line \d+, column \d+"):
+        load_config(path)
+    path.write_text("preset: tiny\ntrain: {steps: " + "[" * 5000 + "]" * 5000 + "}\n")  # Python's recursion
+    with pytest.raises(
+        ConfigError, match=r"bad.yaml: nested deeper than a config can be; fix the YAML syntax$"
+    ):
         load_config(path)
 
 

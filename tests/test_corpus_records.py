@@ -183,11 +183,13 @@ def test_a_directory_is_read_once_through_a_link_to_itself_and_a_second_link_to_
     (corpus / "inner" / "b.txt").write_text("beta\n")
     (corpus / "loop").symlink_to(corpus, target_is_directory=True)  # a folder holding a link to itself
     (corpus / "inner" / "also-a.txt").symlink_to(corpus / "a.txt")
+    (corpus / "inner" / "report.docx").write_bytes(b"PK")  # not read, and said so
     lines: list[str] = []
     files = corpus_files(str(corpus), lines.append)
     assert [Path(file.uri).relative_to(corpus).as_posix() for file in files] == ["a.txt", "inner/b.txt"]
     assert lines == [
-        f"corpus {str(corpus)!r} reaches 1 of its files a second time (through links); each is read once"
+        f"corpus {str(corpus)!r}: skipping 1 file(s) of no corpus kind, e.g. 'inner/report.docx'",
+        f"corpus {str(corpus)!r} reaches 1 of its files a second time (through links); each is read once",
     ]
     globbed = corpus_files(f"{corpus}/**/*.txt", lines.append)
     assert sorted(os.path.realpath(file.uri) for file in globbed) == [

@@ -625,6 +625,32 @@ def test_the_cli_refuses_overwrite_of_a_foreign_folder_with_one_line_and_exit_2(
     assert local_tree(tmp_path) == before
 
 
+def test_a_folder_of_yours_where_a_prepare_works_is_refused_and_left_as_it_is(tmp_path):
+    """`.NAME.partial` beside a local output is resumed or replaced: one holding a file prepare does not
+    write is the user's, and so is a link."""
+    work, out = tmp_path / ".out.partial", tmp_path / "out"
+
+    def refused(holds: str) -> None:
+        before = local_tree(tmp_path)
+        with pytest.raises(DataError) as info:
+            prepare(recall_cfg(), out, log=lambda _: None)
+        assert str(info.value) == (
+            f"{str(work)!r}, the work area of a prepare of {str(out)!r}, is not mhf's ({holds}); move it "
+            "away or choose another --out"
+        )
+        assert local_tree(tmp_path) == before
+
+    (work / "progress").mkdir(parents=True)
+    (work / "progress" / "mynotes.txt").write_text("precious")
+    refused("it holds 'progress/mynotes.txt'")
+    (tmp_path / "mine").mkdir()
+    work.rename(tmp_path / "mine" / "kept")
+    work.symlink_to(tmp_path / "mine")
+    refused("it holds 'kept/progress/mynotes.txt'")
+    (tmp_path / "mine" / "kept" / "progress" / "mynotes.txt").unlink()
+    refused("a link or a file")
+
+
 def test_overwrite_replaces_shards_prepare_wrote_and_leaves_nothing_beside_them(root):
     out = root / "out"
     prepare(recall_cfg(), out, log=lambda _: None)
@@ -902,6 +928,18 @@ def test_a_learned_bpe_the_settings_refuse_leaves_nothing_and_a_hash_without_roo
     monkeypatch.setattr(TextTokenizer, "train_bpe", lambda *_: pytest.fail("a BPE was learned"))
     with pytest.raises(SignatureError, match=r"exceeds the 2 signatures of H=8, B=2 \(reference scheme\)"):
         prepare(load_config("tiny", [*sets, "model.hash.spec=H8B2"]), tmp_path / "out", log=lambda _: None)
+
+
+def test_data_without_a_validation_split_is_trained_without_val_nll_and_named_when_scored(tmp_path):
+    """data.val_percent=0 writes no validation shard: a run's validator has no rows (so no val_nll, not a
+    failed run), and reading the split says which setting made it empty."""
+    from mhf_dist.train.worker import Validator
+
+    cfg = load_config("tiny", [*RECALL, "data.val_percent=0", f"data.path={tmp_path / 'data'}"])
+    assert not prepare(cfg, tmp_path / "data", log=lambda _: None).splits["validation"].shards
+    assert not Validator(cfg, rank=0, world_size=1, batch_size=4)
+    with pytest.raises(DataError, match=r"no validation rows; prepare more text, a larger data.val_percent"):
+        RowReader(tmp_path / "data", "validation")
 
 
 def test_a_tokenizer_json_is_read_from_a_file_uri_under_home_or_from_a_bucket(bucket, tmp_path, monkeypatch):

@@ -185,6 +185,15 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
         train(cfg, TrainOptions(name="whole"))
     with pytest.raises(TrainingError, match="is neither a checkpoint directory nor a run"):
         train(cfg, TrainOptions(name="bad", resume="nowhere"))
+    # Nothing left to train from a checkpoint, and two starting points, are refused before any worker.
+    reached = load_config("tiny", [*FEW_ROWS, *stored, "train.steps=5"])
+    with pytest.raises(
+        TrainingError, match=r"is at step 5 and train.steps=5: nothing is left to train; raise"
+    ):
+        train(reached, TrainOptions(name="bad", resume=str(half)))
+    with pytest.raises(TrainingError, match=r"^--resume goes on from .*; give one of them$"):
+        train(cfg, TrainOptions(name="bad", resume=str(half), init_from=str(half / "model")))
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_partitioned_checkpoint_resumes_only_on_its_own_worker_count_and_stage(tmp_path):

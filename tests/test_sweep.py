@@ -5,7 +5,7 @@ from faults import KillLastWorker
 
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
-from mhf_dist.errors import ConfigError
+from mhf_dist.errors import ConfigError, DataError
 from mhf_dist.eval.tasks import run_task
 from mhf_dist.export import load_exported
 from mhf_dist.sweep.runner import TRIALS_DIR, SweepError, run_sweep
@@ -61,6 +61,19 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
     with pytest.raises(SweepError, match=r"ppl reads 'nowhere.txt', which does not exist"):
         run_sweep(spec)
     assert not list(tmp_path.iterdir())  # no sweep record, no MLflow parent run
+
+
+def test_a_sweep_whose_shards_do_not_fit_a_trials_model_fails_before_ray_starts(tmp_path, monkeypatch):
+    import mhf_dist.sweep.runner as runner
+
+    monkeypatch.setattr(runner, "ensure_ray", lambda **_: pytest.fail("Ray started"))
+    recall = ["data.corpus=recall", "model.vocab_size=40", "train.seq_len=32"]
+    prepare(load_config("tiny", recall), tmp_path / "data", log=lambda _: None)
+    fits = {"data.path": str(tmp_path / "data"), "model.vocab_size": 40, "train.seq_len": 32}
+    raw = {"name": "early", "kind": "grid", "grid": {"model.vocab_size": [40, 41]}, "set": fits}
+    with pytest.raises(DataError, match=r"^trial model.vocab_size=41-seed0: shards have vocab_size 40 but"):
+        run_sweep(parse_sweep({**raw, "storage": str(tmp_path / "sweeps")}))
+    assert not (tmp_path / "sweeps").exists()
 
 
 @pytest.mark.parametrize(

@@ -106,9 +106,15 @@ def corpus_files(spec: str, log: Callable[[str], None] | None = None) -> list[Co
         )
     where = Location.of(spec)
     if where.is_dir():
-        found = [(where / name, size) for name, size in where.files(links=True) if file_kind(name)]
+        listed = where.files(links=True)
+        found = [(where / name, size) for name, size in listed if file_kind(name)]
         if not found:
             raise DataError(f"corpus directory {str(where)!r} holds no {SUFFIXES_TEXT} files")
+        if (others := [name for name, _ in listed if not file_kind(name)]) and log is not None:
+            log(
+                f"corpus {redact(spec)!r}: skipping {len(others)} file(s) of no corpus kind, e.g. "
+                f"{others[0]!r}"
+            )
     elif where.is_file():
         found = [(where, where.size())]
     else:

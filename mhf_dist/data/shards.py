@@ -362,8 +362,10 @@ def split_shards(path: str | Path, manifest: Manifest, split: str) -> list[Shard
         raise DataError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     shards = manifest.splits[split].shards
     if not shards:
+        held_out = ", a larger data.val_percent" if split == "validation" else ""
         raise DataError(
-            f"prepared data {str(path)!r} has no {split} rows; use more text or a smaller seq_len"
+            f"prepared data {str(path)!r} has no {split} rows; prepare more text{held_out} or a smaller "
+            "seq_len"
         )
     return shards
 

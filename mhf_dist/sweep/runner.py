@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from mhf_dist.config import Config, load_config
 from mhf_dist.console import ConsoleRelay, WorkerLines
-from mhf_dist.data.shards import read_manifest
-from mhf_dist.errors import MhfError, Resumable
+from mhf_dist.data.shards import check_compatible, read_manifest
+from mhf_dist.errors import DataError, MhfError, Resumable
 from mhf_dist.files import write_json_atomic
 from mhf_dist.interrupts import tune_stops_gracefully
 from mhf_dist.ray_utils import ensure_ray, logs_dir, workers_print_to_console
@@ -86,13 +86,17 @@ def sweep_dir(spec: SweepConfig) -> Location:
 
 def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
     """What would otherwise fail inside Tune's trials, checked before anything starts: every trial's
-    shards exist and every file `evaluate` names exists (each trial's config, its batch split over its
-    workers included, was validated when the sweep was parsed)."""
+    shards exist and fit its model, and every file `evaluate` names exists (each trial's config, its
+    batch split over its workers included, was validated when the sweep was parsed)."""
     for task in spec.evaluate:
         if task.data is not None and not Location.of(task.data).exists():
             raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")
-    for cfg in configs.values():
-        read_manifest(cfg.data.path)
+    for name, cfg in configs.items():
+        manifest = read_manifest(cfg.data.path)
+        try:
+            check_compatible(manifest, cfg)
+        except DataError as err:
+            raise DataError(f"trial {name}: {err}") from None
 
 
 def run_sweep(

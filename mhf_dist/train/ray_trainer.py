@@ -44,6 +44,7 @@ from mhf_dist.train.checkpoints import (
     checkpoint_step,
     newest_checkpoint,
     prune_checkpoints,
+    read_history,
     resolve_resume,
 )
 from mhf_dist.train.engine import check_precision_supported
@@ -274,6 +275,11 @@ def _checked_start(
     """
     from mhf_dist.export import check_documents_fit
 
+    if options.init_from is not None and options.resume is not None:
+        raise TrainingError(
+            "--resume goes on from a checkpoint's weights and optimizer, --init-from starts afresh from a "
+            "model's weights; give one of them"
+        )
     fingerprint, data_name = manifest.signatures.fingerprint, f"shards {redact(cfg.data.path)!r}"
     init_from = Location.of(options.init_from).uri if options.init_from is not None else None
     if init_from is not None:
@@ -282,6 +288,11 @@ def _checked_start(
     resume = resolve_resume(options.resume, storage) if options.resume is not None else None
     if resume is not None:
         check_resumable(resume, cfg, fingerprint)
+        if (step := int(read_history(resume)[-1]["step"])) >= cfg.train.steps:
+            raise TrainingError(
+                f"checkpoint {str(resume)!r} is at step {step} and train.steps={cfg.train.steps}: nothing is "
+                "left to train; raise train.steps to go on from it"
+            )
         check_documents_fit((resume / MODEL_DIR).uri, manifest.document_format, data_name, TrainingError)
     return init_from, resume
 

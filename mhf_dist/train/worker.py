@@ -108,11 +108,13 @@ class Validator:
     out (`val_tokens` says how many tokens were scored)."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int, batch_size: int) -> None:
+        self.rows, self.batch_size = [], batch_size
+        if not read_manifest(cfg.data.path).splits["validation"].shards:  # data.val_percent=0
+            return
         reader = RowReader(cfg.data.path, "validation", signatures=False)
         scored = min(cfg.train.eval_rows or reader.num_rows, reader.num_rows)
         share = scored // world_size
         self.rows = reader.read_range(rank * share, (rank + 1) * share)["tokens"]
-        self.batch_size = batch_size
 
     def __bool__(self) -> bool:
         return len(self.rows) > 0

@@ -67,6 +67,15 @@ def check_output(out: Location, overwrite: bool, flag: str = "--out") -> None:
             raise DataError(
                 f"output {str(out)!r} holds prepared shards; pass --overwrite or choose another {flag}"
             )
+    work = None if out.remote else work_directory(out)  # in a bucket, a version folder checked above
+    if work is not None and (work.exists() or work.is_symlink()):  # to be resumed or replaced: ours alone
+        stranger = next((path for path, _ in work.files() if not WRITTEN_HERE.fullmatch(path)), None)
+        if stranger is not None or work.is_symlink() or not work.is_dir():
+            holds = f"it holds {stranger!r}" if stranger else "a link or a file"
+            raise DataError(
+                f"{str(work)!r}, the work area of a prepare of {str(out)!r}, is not mhf's ({holds}); move it "
+                f"away or choose another {flag}"
+            )
 
 
 def _foreign(out: Location, entries: list[Location]) -> str | None:

@@ -54,6 +54,8 @@ def prepare(
     if num_cpus is not None and num_cpus < 1:
         raise DataError(f"--num-cpus {num_cpus}: Ray needs at least one CPU")
     output.check_output(out, overwrite, flag)
+    if cfg.data.signatures is None:  # a vocabulary no table can hold: refused before a BPE is learned
+        scheme_for_config(cfg.model.hash).room_for(cfg.model.vocab_size)
     if cfg.data.corpus == recall.CORPUS:
         if datasets:
             raise DataError("data.corpus=recall generates its rows and takes no datasets; drop one of them")
@@ -64,8 +66,6 @@ def prepare(
     for source, source_files in zip(sources, files, strict=True):
         if source_files:  # a missing field is an error before any work
             next(read_documents(source_files[0], source.text_field), None)
-    if cfg.data.signatures is None:  # a vocabulary no table can hold: refused before a BPE is learned
-        scheme_for_config(cfg.model.hash).room_for(cfg.model.vocab_size)
     tokenizer = None if cfg.data.tokenizer == "bpe" else vocabulary.named_tokenizer(cfg)
     checked = _vocabulary(cfg, tokenizer) if tokenizer else None  # before any staging, too
     work = output.work_directory(out)
