@@ -564,6 +564,12 @@ def _staging_name(path: Path, suffix: str) -> Path:
     return path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}{suffix}"
 
 
+def staging_leftover(path: str) -> bool:
+    """Whether the relative path is, or is inside, a `staged_file`'s or `staged_directory`'s staging name
+    (a writer killed before its rename leaves it)."""
+    return any(re.fullmatch(r"\..+\.[0-9a-f]{12}(\.tmp)?", part) for part in path.split("/"))
+
+
 def _publish(staging: Path, path: Path) -> None:
     """Rename `staging` to `path`: a file replaces a file, a directory must not exist yet."""
     if staging.is_dir() and path.exists():

@@ -627,7 +627,7 @@ def test_the_cli_refuses_overwrite_of_a_foreign_folder_with_one_line_and_exit_2(
 
 def test_a_folder_of_yours_where_a_prepare_works_is_refused_and_left_as_it_is(tmp_path):
     """`.NAME.partial` beside a local output is resumed or replaced: one holding a file prepare does not
-    write is the user's, and so is a link."""
+    write is the user's, and so is a link; a staging file a killed writer left is prepare's."""
     work, out = tmp_path / ".out.partial", tmp_path / "out"
 
     def refused(holds: str) -> None:
@@ -649,6 +649,11 @@ def test_a_folder_of_yours_where_a_prepare_works_is_refused_and_left_as_it_is(tm
     refused("it holds 'kept/progress/mynotes.txt'")
     (tmp_path / "mine" / "kept" / "progress" / "mynotes.txt").unlink()
     refused("a link or a file")
+    work.unlink()  # a killed writer's staging file is prepare's own: the work area is taken over
+    (work / "progress" / "parts").mkdir(parents=True)
+    (work / "progress" / "parts" / ".00000.arrow.0123456789ab.tmp").write_bytes(b"cut short")
+    prepare(recall_cfg(), out, log=lambda _: None)
+    assert not work.exists() and (out / "manifest.json").is_file()
 
 
 def test_overwrite_replaces_shards_prepare_wrote_and_leaves_nothing_beside_them(root):

@@ -27,7 +27,7 @@ from mhf_dist.data.shards import (
 )
 from mhf_dist.errors import DataError, MhfError
 from mhf_dist.signatures import load_table
-from mhf_dist.storage import Location, publish_directory
+from mhf_dist.storage import Location, publish_directory, staging_leftover
 
 # Every file a prepare writes in its output: the manifest, and the files of a version (in a bucket in its
 # version folder, where the progress folder is kept while the run is unfinished).
@@ -69,7 +69,8 @@ def check_output(out: Location, overwrite: bool, flag: str = "--out") -> None:
             )
     work = None if out.remote else work_directory(out)  # in a bucket, a version folder checked above
     if work is not None and (work.exists() or work.is_symlink()):  # to be resumed or replaced: ours alone
-        stranger = next((path for path, _ in work.files() if not WRITTEN_HERE.fullmatch(path)), None)
+        files = [path for path, _ in work.files() if not staging_leftover(path)]
+        stranger = next((path for path in files if not WRITTEN_HERE.fullmatch(path)), None)
         if stranger is not None or work.is_symlink() or not work.is_dir():
             holds = f"it holds {stranger!r}" if stranger else "a link or a file"
             raise DataError(
