@@ -350,7 +350,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         from mhf_dist.train.checkpoints import newest_checkpoint
         from mhf_dist.train.ray_trainer import train
 
-    storage = Location.of(cfg.topology.storage)
+    storage, options = Location.of(cfg.topology.storage), _train_options(args)  # refused before preparing
     if args.continue_run and newest_checkpoint(storage / args.name) is None:  # (a sweep's trials: either)
         raise TrainingError(
             f"--continue: run {args.name!r} has no checkpoint in {storage} to go on from; leave --continue "
@@ -359,7 +359,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.prepare:
         check_topology(cfg)  # train() checks it too; here before minutes of preparing
         prepare_if_missing(cfg, verbose=args.verbose)
-    result = train(cfg, _train_options(args))
+    result = train(cfg, options)
     _print_result(result, args.experiment)
 
 

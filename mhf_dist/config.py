@@ -52,7 +52,7 @@ MAX_VOCAB = 2**24
 MIN_VOCAB = 2  # an id to predict besides one other: a model of one token has nothing to learn
 MAX_SEED = 2**63 - 1  # the largest 64-bit integer: what every config integer fits (`StrictModel`)
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
-HASH_SPEC = re.compile(r"^H(\d+)B(\d+)(K?)$")
+HASH_SPEC = re.compile(r"^H(\d{1,12})B(\d{1,12})(K?)$")  # digits enough for every bound below
 # A Dataset source's callable: `package.module:function`, returning a ray.data.Dataset of documents.
 DATASET_CALLABLE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 DATASET_PREFIX = "dataset:"  # data.corpus (or --corpus) naming such a callable
@@ -554,8 +554,9 @@ def load_config(source: str | Path | None = None, overrides: Overrides = ()) -> 
     raw = _load_source(source if source is not None else "tiny")
     parsed = parse_overrides(overrides)
     if (preset := parsed.get("preset", raw.get("preset"))) != raw.get("preset"):  # the one started from
+        fix = f"--config {preset}" if preset in available_presets() else "--config"
         raise ConfigError(
-            f"preset={preset} cannot be set; choose the preset with --config {preset} (or a file's `preset:`)"
+            f"preset={preset} cannot be set; choose the preset with {fix} (or a file's `preset:`)"
         )
     apply_overrides(raw, parsed)
     return validate_config(raw)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, ClassVar
 import mmh3
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save
 
 from mhf_dist.config import HashConfig, format_hash_spec
 from mhf_dist.errors import MhfError, SignatureError
@@ -477,7 +477,7 @@ def build_for_config(
 
 
 def save_table(table: SignatureTable, path: str | Path) -> None:
-    """Write `table` as a safetensors file (no pickle), published whole (`Location.staged_file`)."""
+    """Write `table` as a safetensors file (no pickle), published whole (`Location.write_bytes`)."""
     extended = bool(table.num_lsh or table.reserved_rows)
     encoded = [token.encode("utf-8") for token in table.tokens]
     offsets = np.cumsum([0, *map(len, encoded)], dtype=np.int64)
@@ -499,8 +499,8 @@ def save_table(table: SignatureTable, path: str | Path) -> None:
     }
     if extended:
         metadata["num_lsh"] = str(table.num_lsh)
-    with Location.of(path).staged_file() as staging:
-        save_file(tensors, str(staging), metadata=metadata)
+    # bytes, not safetensors' save_file: that writes its own temporary file beside the table first
+    Location.of(path).write_bytes(save(tensors, metadata=metadata))
 
 
 def load_table(path: str | Path | Location) -> SignatureTable:

@@ -565,9 +565,9 @@ def _staging_name(path: Path, suffix: str) -> Path:
 
 
 def staging_leftover(path: str) -> bool:
-    """Whether the relative path is, or is inside, a `staged_file`'s or `staged_directory`'s staging name
-    (a writer killed before its rename leaves it)."""
-    return any(re.fullmatch(r"\..+\.[0-9a-f]{12}(\.tmp)?", part) for part in path.split("/"))
+    """Whether the relative path is a `staged_file`'s staging file (a writer killed before its rename
+    leaves it)."""
+    return re.fullmatch(r"\..+\.[0-9a-f]{12}\.tmp", path.rsplit("/", 1)[-1]) is not None
 
 
 def _publish(staging: Path, path: Path) -> None:

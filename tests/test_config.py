@@ -252,6 +252,8 @@ def test_flat_keys_match_override_paths():
         ("tiny", ["model.hash.spec=H0B64"], r"has H=0; use 1 to 256 hashes \(got"),
         ("tiny", ["model.hash.spec=H100000000B2K"], r"has H=100000000; use 1 to 256 hashes \(got"),
         ("tiny", ["model.hash.spec=H2B4194305K"], r"has B=4294968320; use 2 to 2\*\*32 buckets \(got"),
+        ("tiny", ["model.hash.spec=H" + "9" * 5000 + "B64"], r"bad hash spec 'H9999.*; write H<hashes>B"),
+        ("tiny", ["preset=nope"], r"^preset=nope cannot be set; choose the preset with --config \(or a"),
         (
             "tiny",
             ['data.sources=[{"name": "a", "corpus": "builtin", "weight": 1, "colour": 2}]'],

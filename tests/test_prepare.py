@@ -650,8 +650,8 @@ def test_a_folder_of_yours_where_a_prepare_works_is_refused_and_left_as_it_is(tm
     (tmp_path / "mine" / "kept" / "progress" / "mynotes.txt").unlink()
     refused("a link or a file")
     work.unlink()  # a killed writer's staging file is prepare's own: the work area is taken over
-    (work / "progress" / "parts").mkdir(parents=True)
-    (work / "progress" / "parts" / ".00000.arrow.0123456789ab.tmp").write_bytes(b"cut short")
+    (work / "progress").mkdir(parents=True)
+    (work / ".tokenizer.json.0123456789ab.tmp").write_bytes(b"cut short")
     prepare(recall_cfg(), out, log=lambda _: None)
     assert not work.exists() and (out / "manifest.json").is_file()
 
@@ -933,6 +933,10 @@ def test_a_learned_bpe_the_settings_refuse_leaves_nothing_and_a_hash_without_roo
     monkeypatch.setattr(TextTokenizer, "train_bpe", lambda *_: pytest.fail("a BPE was learned"))
     with pytest.raises(SignatureError, match=r"exceeds the 2 signatures of H=8, B=2 \(reference scheme\)"):
         prepare(load_config("tiny", [*sets, "model.hash.spec=H8B2"]), tmp_path / "out", log=lambda _: None)
+    recall = ["data.corpus=recall", "model.vocab_size=40", "train.seq_len=32", "model.hash.spec=H8B2"]
+    with pytest.raises(SignatureError, match=r"exceeds the 2 signatures of H=8, B=2"):  # generated rows too
+        prepare(load_config("tiny", recall), tmp_path / "recall", log=lambda _: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.partial", "small.txt"]  # as it was
 
 
 def test_data_without_a_validation_split_is_trained_without_val_nll_and_named_when_scored(tmp_path):

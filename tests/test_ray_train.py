@@ -187,12 +187,13 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
         train(cfg, TrainOptions(name="bad", resume="nowhere"))
     # Nothing left to train from a checkpoint, and two starting points, are refused before any worker.
     reached = load_config("tiny", [*FEW_ROWS, *stored, "train.steps=5"])
-    with pytest.raises(
-        TrainingError, match=r"is at step 5 and train.steps=5: nothing is left to train; raise"
-    ):
-        train(reached, TrainOptions(name="bad", resume=str(half)))
+    for settings, options in ((reached, {}), (cfg, {"stop_at_step": 4})):
+        with pytest.raises(
+            TrainingError, match=r"is at step 5 and the run ends at step [45] .*nothing is left"
+        ):
+            train(settings, TrainOptions(name="bad", resume=str(half), **options))
     with pytest.raises(TrainingError, match=r"^--resume goes on from .*; give one of them$"):
-        train(cfg, TrainOptions(name="bad", resume=str(half), init_from=str(half / "model")))
+        TrainOptions(name="bad", resume=str(half), init_from=str(half / "model"))
     assert not (tmp_path / "bad").exists()
 
 

@@ -73,6 +73,13 @@ def test_a_sweep_whose_shards_do_not_fit_a_trials_model_fails_before_ray_starts(
     raw = {"name": "early", "kind": "grid", "grid": {"model.vocab_size": [40, 41]}, "set": fits}
     with pytest.raises(DataError, match=r"^trial model.vocab_size=41-seed0: shards have vocab_size 40 but"):
         run_sweep(parse_sweep({**raw, "storage": str(tmp_path / "sweeps")}))
+    # data.val_percent=0 leaves no validation rows: a sweep compared by val_nll would end with no metric
+    prepare(load_config("tiny", [*recall, "data.val_percent=0"]), tmp_path / "no-val", log=lambda _: None)
+    raw = {"name": "early", "kind": "seeds", "set": {**fits, "data.path": str(tmp_path / "no-val")}}
+    with pytest.raises(
+        SweepError, match=r"^trial mhf-seed0: its shards have no validation rows, so no val_nll;"
+    ):
+        run_sweep(parse_sweep({**raw, "storage": str(tmp_path / "sweeps")}))
     assert not (tmp_path / "sweeps").exists()
 
 

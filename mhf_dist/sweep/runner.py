@@ -86,17 +86,26 @@ def sweep_dir(spec: SweepConfig) -> Location:
 
 def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
     """What would otherwise fail inside Tune's trials, checked before anything starts: every trial's
-    shards exist and fit its model, and every file `evaluate` names exists (each trial's config, its
-    batch split over its workers included, was validated when the sweep was parsed)."""
+    shards exist, fit its model and hold the validation rows a val_ metric needs, and every file
+    `evaluate` names exists (each trial's config, its batch split over its workers included, was validated
+    when the sweep was parsed)."""
     for task in spec.evaluate:
         if task.data is not None and not Location.of(task.data).exists():
             raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")
+    metrics = [spec.metric, *([spec.asha.metric] if spec.asha else [])]
     for name, cfg in configs.items():
         manifest = read_manifest(cfg.data.path)
         try:
             check_compatible(manifest, cfg)
         except DataError as err:
             raise DataError(f"trial {name}: {err}") from None
+        if not manifest.splits["validation"].shards and (
+            val := next((m for m in metrics if m.startswith("val_")), None)
+        ):
+            raise SweepError(
+                f"trial {name}: its shards have no validation rows, so no {val}; prepare them with "
+                "data.val_percent above 0, or compare by another metric"
+            )
 
 
 def run_sweep(

@@ -88,6 +88,13 @@ class TrainOptions:
     verbose: bool = False  # what Ray, Ray Train and the workers print on the console too (else in logs)
     console: WorkerLines | None = None  # rank 0's console lines: a sweep's labelled queue; None: ours
 
+    def __post_init__(self) -> None:
+        if self.init_from is not None and self.resume is not None:
+            raise TrainingError(
+                "--resume goes on from a checkpoint's weights and optimizer, --init-from starts afresh from "
+                "a model's weights; give one of them"
+            )
+
 
 def check_resources(
     topology: TopologyConfig, cluster: Callable[[], dict[str, float]], log: Callable[[str], None] = print
@@ -275,11 +282,6 @@ def _checked_start(
     """
     from mhf_dist.export import check_documents_fit
 
-    if options.init_from is not None and options.resume is not None:
-        raise TrainingError(
-            "--resume goes on from a checkpoint's weights and optimizer, --init-from starts afresh from a "
-            "model's weights; give one of them"
-        )
     fingerprint, data_name = manifest.signatures.fingerprint, f"shards {redact(cfg.data.path)!r}"
     init_from = Location.of(options.init_from).uri if options.init_from is not None else None
     if init_from is not None:
@@ -288,10 +290,11 @@ def _checked_start(
     resume = resolve_resume(options.resume, storage) if options.resume is not None else None
     if resume is not None:
         check_resumable(resume, cfg, fingerprint)
-        if (step := int(read_history(resume)[-1]["step"])) >= cfg.train.steps:
+        last = min(cfg.train.steps, options.stop_at_step or cfg.train.steps)
+        if (step := int(read_history(resume)[-1]["step"])) >= last:  # the worker reads it anyway
             raise TrainingError(
-                f"checkpoint {str(resume)!r} is at step {step} and train.steps={cfg.train.steps}: nothing is "
-                "left to train; raise train.steps to go on from it"
+                f"checkpoint {str(resume)!r} is at step {step} and the run ends at step {last} (train.steps, "
+                "--stop-at-step): nothing is left to train; raise train.steps to go on from it"
             )
         check_documents_fit((resume / MODEL_DIR).uri, manifest.document_format, data_name, TrainingError)
     return init_from, resume

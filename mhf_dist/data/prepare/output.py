@@ -4,7 +4,8 @@ The work area is `.NAME.partial/` beside a local output, renamed to NAME at the 
 has no rename, it is a new version folder in the output prefix (or the unfinished one a run left there,
 to resume), and the manifest is the switch: one PUT naming the new version's files replaces the old
 version at once, and only then is the old one deleted, so a reader always finds one complete version.
-A prefix holding anything prepare does not write is not ours to replace (`check_output`).
+A prefix holding anything prepare does not write is not ours to replace, nor is a local work area
+holding such a file (`check_output`).
 """
 
 from __future__ import annotations

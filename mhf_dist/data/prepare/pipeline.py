@@ -20,7 +20,7 @@ from mhf_dist.data.prepare.records import PROGRESS_VERSION, InputsKey, StagedSna
 from mhf_dist.data.prepare.shard import WriteShards
 from mhf_dist.data.prepare.tokenize import TokenizeParts
 from mhf_dist.data.tokenizer import TextTokenizer
-from mhf_dist.errors import DataError, SignatureError
+from mhf_dist.errors import DataError
 from mhf_dist.ray_utils import ensure_ray
 from mhf_dist.signatures import SignatureTable, save_table, scheme_for_config
 from mhf_dist.storage import Location, redact
@@ -68,6 +68,8 @@ def prepare(
             next(read_documents(source_files[0], source.text_field), None)
     tokenizer = None if cfg.data.tokenizer == "bpe" else vocabulary.named_tokenizer(cfg)
     checked = _vocabulary(cfg, tokenizer) if tokenizer else None  # before any staging, too
+    if tokenizer is None and cfg.data.signatures is not None:  # the table, before a BPE is learned
+        vocabulary.given_table(cfg)
     work = output.work_directory(out)
     snapshots: list[StagedSnapshot | None] = [None] * len(sources)
     if any(source.dataset for source in sources):
@@ -79,7 +81,7 @@ def prepare(
         tokenizer = tokenizer or vocabulary.learned_tokenizer(cfg, work, sources, files)
         shards.save_tokenizer(tokenizer, work / shards.TOKENIZER_FILE)  # first: a rerun reuses it
         document_format, table = checked or _vocabulary(cfg, tokenizer)
-    except (DataError, SignatureError) as error:
+    except DataError as error:
         raise output.discard(work, error) from None
     manifest.log_tables(log, tokenizer, table, document_format)
 

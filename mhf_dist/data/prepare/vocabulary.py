@@ -69,20 +69,26 @@ def no_text(source: Source) -> DataError:
     )
 
 
-def signature_table(cfg: Config, tokenizer: TextTokenizer) -> SignatureTable:
-    """The table `data.signatures` names (checked against the tokenizer and model.hash), else a new one."""
-    if cfg.data.signatures is None:
-        return build_for_config(cfg.model.hash, tokenizer.vocabulary(), tokenizer.pad_token)
+def given_table(cfg: Config) -> SignatureTable:
+    """The table `data.signatures` names, checked against model.hash."""
     path = Location.of(cfg.data.signatures)
     table = load_table(path / SIGNATURES_FILE if path.is_dir() else path)
+    fix = "set model.hash to the model's, or prepare without data.signatures"
+    table.check_follows(cfg.model.hash, f"data.signatures {str(path)!r}", DataError, fix)
+    return table
+
+
+def signature_table(cfg: Config, tokenizer: TextTokenizer) -> SignatureTable:
+    """The table `data.signatures` names (`given_table`, of the tokenizer's vocabulary), else a new one."""
+    if cfg.data.signatures is None:
+        return build_for_config(cfg.model.hash, tokenizer.vocabulary(), tokenizer.pad_token)
+    table = given_table(cfg)
     difference = table.vocabulary_difference(tokenizer.vocabulary())
     if difference is not None:
         raise DataError(
-            f"data.signatures {str(path)!r} is the table of another vocabulary than the tokenizer's "
-            f"({difference}); set data.tokenizer to that model's tokenizer.json"
+            f"data.signatures {str(Location.of(cfg.data.signatures))!r} is the table of another vocabulary "
+            f"than the tokenizer's ({difference}); set data.tokenizer to that model's tokenizer.json"
         )
-    fix = "set model.hash to the model's, or prepare without data.signatures"
-    table.check_follows(cfg.model.hash, f"data.signatures {str(path)!r}", DataError, fix)
     return table
 
 
