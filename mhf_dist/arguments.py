@@ -26,6 +26,7 @@ from mhf_dist.config import (
     MAX_VOCAB,
     MIN_VOCAB,
     check_corpus,
+    parse_override,
 )
 from mhf_dist.errors import MhfError
 from mhf_dist.sizes import byte_size
@@ -158,7 +159,7 @@ SUBMISSION_ID = matching(
 VARIABLE = matching(
     "write NAME=VALUE, NAME of letters, digits and _, e.g. MHF_STORAGE=/shared/mhf", r"^[A-Za-z_]\w*=(?s:.*)$"
 )
-ASSIGNMENT = matching("write KEY=VALUE, e.g. train.steps=50", r"^[^=]*[^=\s][^=]*=(?s:.*)$")
+ASSIGNMENT = Kind("write KEY=VALUE, e.g. train.steps=50", lambda text: parse_override(text) and text)
 SIZE = Kind("write a size in bytes or such as 500MB", lambda text: byte_size(text) and text)
 JOBS_API = Kind(
     "give the Ray Jobs API's URL, http://HOST:PORT (the dashboard's, e.g. http://127.0.0.1:8265), "

@@ -586,7 +586,7 @@ def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, An
     raw = raw or {}
     base = raw.pop("preset", None)
     file = Path(where.path)
-    preset = None if where.remote or file.parent != PRESET_DIR else file.stem
+    preset = file.stem if file.parent == PRESET_DIR else None  # a bucket's path is never the package's
     if base is None:
         return raw if preset is None else {**raw, "preset": preset}
     if not isinstance(base, str):
@@ -655,8 +655,7 @@ def _field_section(model_cls: type[BaseModel], key: str, depth: int) -> type[Bas
     parts = key.split(".")
     fields = model_cls.model_fields
     if parts[depth] not in fields:
-        where = ".".join(parts[:depth]) or "the top level"
-        raise ConfigError(f"unknown key {key!r}; keys under {where}: {', '.join(fields)}")
+        raise ConfigError(_unknown_key(key, ".".join(parts[:depth]), model_cls))
     annotation = fields[parts[depth]].annotation
     return None if get_origin(annotation) is list else _submodel(annotation)  # data.sources: set whole
 
@@ -673,6 +672,11 @@ def _section_keys(section: type[BaseModel], value: Any, path: str) -> dict[str, 
             raise ConfigError(f"{path}: {message}") from None
     example = next(iter(section.model_fields))
     raise ConfigError(f"{path} is a section; set one of its keys, e.g. --set {path}.{example}=...") from None
+
+
+def _unknown_key(key: str, under: str, section: type[BaseModel]) -> str:
+    """The one line for a key no section has, from a file or a --set alike."""
+    return f"unknown key {key!r}; keys under {under or 'the top level'}: {', '.join(section.model_fields)}"
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:
@@ -700,8 +704,7 @@ def _describe(err: ValidationError) -> str:
     first = err.errors()[0]
     location, _ = first_problem(err)
     if first["type"] == "extra_forbidden":
-        allowed = ", ".join(section_model(first["loc"][:-1]).model_fields)
-        return f"unknown key {location!r}; allowed keys there: {allowed}"
+        return _unknown_key(location, location.rpartition(".")[0], section_model(first["loc"][:-1]))
     if first["type"] == "missing":
         if section_model(first["loc"]) is not None:  # a whole section: what a preset gives
             return (

@@ -27,7 +27,7 @@ from mhf_dist.models import build_model, param_count
 from mhf_dist.models.base import CausalLM
 from mhf_dist.models.registry import resolved_config
 from mhf_dist.readers import read_json, read_text
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.signatures import SignatureTable, check_same_table
 from mhf_dist.storage import Location, local_copy
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 from mhf_dist.train.trainable import AUTHORS_VE, authors_ve_trainable, trainable_split
@@ -259,12 +259,9 @@ def run_cpt(
             f"replay: {mixture.realised_fraction:.1%} of the training tokens from "
             f"{mixture.sources[1].corpus} (asked for {mixture.requested_fraction:.1%})"
         )
-    prepared = manifest.signatures.fingerprint
-    if prepared != expansion.table.fingerprint:
-        raise TrainingError(
-            f"shards in {data.path!r} have signature fingerprint {prepared[:12]}, the expanded model "
-            f"{expansion.table.fingerprint[:12]}; remove the directory and run mhf cpt again"
-        )
+    fix = f"remove {data.path!r} and run mhf cpt again"
+    check_same_table("the expanded model", expansion.table.fingerprint, manifest.signatures.fingerprint, fix,
+                     TrainingError)  # fmt: skip
     tags = {
         "cpt_parent_model": str(parent_dir),  # redacted
         "cpt_parent_fingerprint": parent.table.fingerprint,

@@ -503,6 +503,17 @@ def save_table(table: SignatureTable, path: str | Path) -> None:
     Location.of(path).write_bytes(save(tensors, metadata=metadata))
 
 
+def check_same_table(
+    model: str, model_fingerprint: str, data_fingerprint: str, fix: str, error: type[MhfError]
+) -> None:
+    """Shards carry the signature table of the model that reads them (`model`: which one, in words)."""
+    if model_fingerprint != data_fingerprint:
+        raise error(
+            f"{model} has signature fingerprint {model_fingerprint[:12]} but the shards have "
+            f"{data_fingerprint[:12]}; {fix}"
+        )
+
+
 def load_table(path: str | Path | Location) -> SignatureTable:
     """The table `save_table` wrote (local or in a bucket); a bad file is a one-line error."""
     path = local_copy(path)

@@ -54,25 +54,17 @@ class TrackingError(MhfError):
 
 
 def tracking_uri(storage: str | Path | Location) -> str:
-    """`MLFLOW_TRACKING_URI`, else the embedded SQLite store for `storage`, its directory created."""
-    uri = os.environ.get(URI_VARIABLE)
-    if uri:
-        return uri
-    store = _embedded_store(storage)
-    store.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{store}"
+    """`MLFLOW_TRACKING_URI`, else the embedded SQLite store for `storage` (its folder made by `connect`)."""
+    where = Location.of(storage)
+    store = (Path(LOCAL_STORE_DIR) if where.remote else where.local).resolve() / "mlflow.db"
+    return os.environ.get(URI_VARIABLE) or f"sqlite:///{store}"
 
 
 def reading_uri(storage: str | Path | Location) -> str:
     """`tracking_uri` for a command that only reads runs: a missing embedded store is an error."""
-    uri = os.environ.get(URI_VARIABLE) or f"sqlite:///{_embedded_store(storage)}"
+    uri = tracking_uri(storage)
     require_store(uri)
     return uri
-
-
-def _embedded_store(storage: str | Path | Location) -> Path:
-    where = Location.of(storage)
-    return (Path(LOCAL_STORE_DIR) if where.remote else where.local).resolve() / "mlflow.db"
 
 
 def require_store(uri: str) -> None:
@@ -142,6 +134,8 @@ def connect(uri: str) -> MlflowClient:
     reads them at each request, for the length of each of its calls only (see `_bounded_requests`)."""
     from mlflow.tracking import MlflowClient
 
+    if uri.startswith("sqlite:///"):  # made with the first client, after a command's checks
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     return cast("MlflowClient", _BoundedClient(MlflowClient(tracking_uri=uri)))
 
 

@@ -257,7 +257,7 @@ def test_flat_keys_match_override_paths():
         (
             "tiny",
             ['data.sources=[{"name": "a", "corpus": "builtin", "weight": 1, "colour": 2}]'],
-            r"^unknown key 'data.sources.0.colour'; allowed keys there: name, corpus, dataset, args, weight",
+            r"^unknown key 'data.sources.0.colour'; keys under data.sources.0: name, corpus, dataset, args",
         ),
         (
             "tiny",
@@ -331,7 +331,7 @@ def test_malformed_yaml_names_the_line_and_too_deep_a_nesting_is_one_line(tmp_pa
 def test_unknown_key_in_yaml_lists_the_allowed_keys(tmp_path):
     path = tmp_path / "typo.yaml"
     path.write_text("preset: tiny\ntrain:\n  stepz: 3\n")
-    with pytest.raises(ConfigError, match=r"unknown key 'train.stepz'; allowed keys there: seed, steps"):
+    with pytest.raises(ConfigError, match=r"unknown key 'train.stepz'; keys under train: seed, steps"):
         load_config(path)
 
 

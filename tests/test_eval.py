@@ -20,6 +20,7 @@ from scipy.stats import spearmanr
 from mhf_dist.cli import main
 from mhf_dist.config import RecallDataConfig, load_config
 from mhf_dist.data.corpus import builtin_documents
+from mhf_dist.data.prepare import prepare
 from mhf_dist.data.recall import EVAL_SEED, make_recall
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import MhfError
@@ -705,6 +706,15 @@ def test_mhf_eval_refuses_what_its_task_would_ignore_and_a_limit_of_zero(exporte
     assert main([*args, "--limit", "0"]) == 2
     assert "--limit: '0': use a whole number of at least 1" in capsys.readouterr().err
     assert main([*args, "--limit", "2"]) == 0
+    # Shards of another signature table: their ids would name other tokens.
+    other = prepare(load_config("tiny", ["data.corpus=recall", "model.vocab_size=40"]), tmp_path / "other")
+    capsys.readouterr()
+    assert main([*lambada[:-3], "ppl", "--data", str(tmp_path / "other")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: model {str(exported.path)!r} has signature fingerprint {exported.table.fingerprint[:12]} "
+        f"but the shards have {other.signatures.fingerprint[:12]}; prepare the data with the model's "
+        f"tokenizer.json and --set data.signatures={exported.path}\n"
+    )
 
 
 @pytest.mark.parametrize("exported", ["qwen3"], indirect=True)

@@ -177,8 +177,6 @@ def test_the_shards_are_checked_against_the_model_config(prepared):
     )
     with pytest.raises(DataError, match="shards have hash spec H2B64 but the model has H3B64"):
         check_compatible(read_manifest(out), other)
-    with pytest.raises(DataError, match="signature fingerprint"):
-        check_compatible(read_manifest(out), cfg, fingerprint="0" * 64)
 
 
 def test_mhf_train_refuses_shards_that_do_not_fit_before_ray_starts_leaving_nothing(

@@ -19,6 +19,7 @@ from mhf_dist.storage import Location
 from mhf_dist.tracking import TrackingError
 from mhf_dist.train.checkpoints import (
     MODEL_DIR,
+    check_initial_model,
     check_resumable,
     is_complete,
     newest_checkpoint,
@@ -194,6 +195,12 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
             train(settings, TrainOptions(name="bad", resume=str(half), **options))
     with pytest.raises(TrainingError, match=r"^--resume goes on from .*; give one of them$"):
         TrainOptions(name="bad", resume=str(half), init_from=str(half / "model"))
+    with pytest.raises(
+        TrainingError,
+        match=r"^model .* has signature fingerprint \w{12} but the shards have "
+        r"000000000000; prepare the data with the model's tokenizer.json and --set data.signatures=",
+    ):
+        check_initial_model(half / "model", cfg, "0" * 64)
     assert not (tmp_path / "bad").exists()
 
 
@@ -209,6 +216,12 @@ def test_a_partitioned_checkpoint_resumes_only_on_its_own_worker_count_and_stage
         check_resumable(tmp_path, four, "f" * 64)
     with pytest.raises(TrainingError, match="saved under ZeRO-2; resume it with --zero-stage 2"):
         check_resumable(tmp_path, load_config("tiny", ["topology.zero_stage=1"]), "f" * 64)
+    with pytest.raises(
+        TrainingError,
+        match=r"has signature fingerprint ffffffffffff but the shards have eeeeeeeeeeee; "
+        "resume with the shards the run was trained on",
+    ):
+        check_resumable(tmp_path, cfg, "e" * 64)
     run |= {"zero_stage": 0}  # ZeRO-0 state is whole on every rank: any worker count resumes it
     (tmp_path / "run.json").write_text(json.dumps(run))
     check_resumable(tmp_path, load_config("tiny", ["topology.workers=4"]), "f" * 64)

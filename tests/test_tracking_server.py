@@ -33,6 +33,20 @@ def test_bucket_storage_keeps_the_embedded_store_in_the_working_directorys_runs(
     assert tracking_uri("s3://some-bucket/train") == "http://mlflow.internal:5000"
 
 
+def test_an_embedded_store_is_refused_for_a_ray_cluster_of_several_machines():
+    """Rank 0 logs from wherever it runs: a SQLite file on the driver's machine is out of its reach."""
+    from mhf_dist.errors import TrainingError
+    from mhf_dist.train.ray_trainer import _check_tracking_reaches_workers
+
+    nodes = [{"NodeManagerAddress": host, "Alive": True} for host in ("10.0.0.1", "10.0.0.2")]
+    with pytest.raises(
+        TrainingError, match=r"spans 2 machines; set MLFLOW_TRACKING_URI to a tracking server"
+    ):
+        _check_tracking_reaches_workers("sqlite:////tmp/mlflow.db", nodes)
+    _check_tracking_reaches_workers("http://127.0.0.1:5000", nodes)  # a server: any machine reaches it
+    _check_tracking_reaches_workers("sqlite:////tmp/mlflow.db", [nodes[0], {**nodes[1], "Alive": False}])
+
+
 def test_an_unreachable_tracking_server_is_one_line_and_exit_2_within_30_s(tmp_path):
     closed = f"http://127.0.0.1:{servers.free_port()}"
     env = {**os.environ, "MLFLOW_TRACKING_URI": closed}

@@ -322,7 +322,7 @@ def read_manifest(path: str | Path | Location) -> Manifest:
     return as_record(raw, Manifest, manifest_path, DataError, fix)
 
 
-def check_compatible(manifest: Manifest, cfg: Config, fingerprint: str | None = None) -> None:
+def check_compatible(manifest: Manifest, cfg: Config) -> None:
     """Refuse shards that do not fit the model: each mismatch names both values."""
     have, want = manifest.document_format, cfg.data.document_format
     if want != "auto" and want != have:
@@ -348,12 +348,6 @@ def check_compatible(manifest: Manifest, cfg: Config, fingerprint: str | None = 
             raise DataError(
                 f"shards have {name} {have} but the model has {want}; set --set {key}={have} or re-prepare"
             )
-    if fingerprint is not None and fingerprint != hashes.fingerprint:
-        raise DataError(
-            f"shards have signature fingerprint {hashes.fingerprint[:12]} "
-            f"but the model has {fingerprint[:12]}; "
-            "prepare the data with the model's tokenizer and hash config"
-        )
 
 
 def split_shards(path: str | Path, manifest: Manifest, split: str) -> list[ShardEntry]:

@@ -33,6 +33,7 @@ from mhf_dist.eval.perplexity import evaluate_rows, perplexity, text_scores
 from mhf_dist.eval.scoring import mean_layer_states, score_continuations, score_rows
 from mhf_dist.export import ExportedModel
 from mhf_dist.readers import read_jsonl, read_jsonl_located, read_text
+from mhf_dist.signatures import check_same_table
 from mhf_dist.storage import Location
 
 JSONL_FIX = "write UTF-8 JSON, one object per line"
@@ -107,14 +108,9 @@ def eval_prepared(exported: ExportedModel, path: Location, limit: int, batch_siz
 
     shards = f"shards {str(path)!r}"
     manifest = read_manifest(path)
-    fingerprint = manifest.signatures.fingerprint
-    if fingerprint != exported.table.fingerprint:
-        raise EvalDataError(
-            f"{shards} have signature fingerprint {fingerprint[:12]} but model "
-            f"{str(exported.path)!r} has {exported.table.fingerprint[:12]}; prepare the data with the "
-            f"model's tokenizer.json and --set data.signatures={exported.path}"
-        )
     model = f"model {str(exported.path)!r}"
+    fix = f"prepare the data with the model's tokenizer.json and --set data.signatures={exported.path}"
+    check_same_table(model, exported.table.fingerprint, manifest.signatures.fingerprint, fix, EvalDataError)
     check_document_format(manifest.document_format, exported.document_format, shards, model, EvalDataError)
     reader = RowReader(path, "validation", signatures=False)
     rows = reader.read_range(0, min(reader.num_rows, limit) if limit else None)["tokens"]

@@ -20,6 +20,7 @@ from mhf_dist.config import Config, ZeroStage
 from mhf_dist.data.tokenizer import LEGACY_FORMAT
 from mhf_dist.errors import TrainingError, problem_line
 from mhf_dist.readers import read_record
+from mhf_dist.signatures import check_same_table
 from mhf_dist.storage import Location, redact
 
 HISTORY_FILE = "history.jsonl"
@@ -202,11 +203,8 @@ def check_resumable(path: Path | Location, cfg: Config, fingerprint: str) -> Non
             f"checkpoint {str(path)!r} holds ZeRO-{zero_stage} optimizer shards of {saved_workers} workers; "
             f"resume it with --workers {saved_workers} (only ZeRO-0 checkpoints resume on another count)"
         )
-    if run.fingerprint != fingerprint:
-        raise TrainingError(
-            f"checkpoint {str(path)!r} has signature fingerprint {run.fingerprint[:12]} but the data has "
-            f"{fingerprint[:12]}; resume with the shards the run was trained on"
-        )
+    fix = "resume with the shards the run was trained on"
+    check_same_table(f"checkpoint {str(path)!r}", run.fingerprint, fingerprint, fix, TrainingError)
     saved_trainable = run.trainable if "trainable" in run.model_fields_set else cfg.train.trainable
     if (saved_trainable or None) != (cfg.train.trainable or None):
         saved = json.dumps(run.trainable)
@@ -233,12 +231,8 @@ def check_initial_model(path: Path, cfg: Config, fingerprint: str) -> None:
 
     description = read_export_config(path)
     path = redact(str(path))
-    if description.signature_fingerprint != fingerprint:
-        raise TrainingError(
-            f"model {path!r} has signature fingerprint {description.signature_fingerprint[:12]} but "
-            f"the data has {fingerprint[:12]}; prepare the data with the model's tokenizer.json and "
-            f"--set data.signatures={path}"
-        )
+    fix = f"prepare the data with the model's tokenizer.json and --set data.signatures={path}"
+    check_same_table(f"model {path!r}", description.signature_fingerprint, fingerprint, fix, TrainingError)
     if changed := _model_difference(description.model, cfg):
         raise TrainingError(
             f"model {path!r} has another model config than the run ({changed}); start from a matching "

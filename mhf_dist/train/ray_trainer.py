@@ -27,7 +27,6 @@ from mhf_dist.readers import read_json
 from mhf_dist.signatures import load_table
 from mhf_dist.storage import UNREACHABLE, Location, StorageError, describe_failure, local_copy, redact
 from mhf_dist.tracking import (
-    URI_VARIABLE,
     end_run,
     log_artifact,
     log_dataset,
@@ -147,9 +146,9 @@ def train(
     import ray
 
     check_resources(cfg.topology, ray.cluster_resources, options.console or print)
-    _check_tracking_reaches_workers(ray.nodes())
-    inputs.storage.make_dirs()  # after every check: a refused run leaves no folder behind
     uri = tracking_uri(inputs.storage.uri)
+    _check_tracking_reaches_workers(uri, ray.nodes())
+    inputs.storage.make_dirs()  # after every check: a refused run leaves no folder behind
     run_id = _tracking_run(uri, inputs.run_dir, cfg, options, _run_tags(cfg, inputs, tags), inputs.manifest)
     relay = None if options.console or workers_print_to_console() else ConsoleRelay()
     spec = WorkerSpec(
@@ -171,11 +170,11 @@ def train(
     return _fit(trainer, relay, spec, inputs, options.name)
 
 
-def _check_tracking_reaches_workers(nodes: list[dict[str, Any]]) -> None:
+def _check_tracking_reaches_workers(uri: str, nodes: list[dict[str, Any]]) -> None:
     """MLflow's embedded SQLite store (or a SQLite URI given) is a file on this machine; rank 0 logs from
     wherever it runs."""
     hosts = {node["NodeManagerAddress"] for node in nodes if node.get("Alive")}
-    if (os.environ.get(URI_VARIABLE) or "sqlite:").startswith("sqlite:") and len(hosts) > 1:
+    if uri.startswith("sqlite:") and len(hosts) > 1:
         raise TrainingError(
             f"MLflow's embedded SQLite store is on this machine, but the Ray cluster spans {len(hosts)} "
             "machines; set MLFLOW_TRACKING_URI to a tracking server (cluster/README.md)"
@@ -253,7 +252,7 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
     check_tokenizer(cfg.data.path, manifest)  # the exported model carries it
     storage = Location.of(cfg.topology.storage)
     storage.check_writable(TrainingError, "choose another --storage")  # in one line, before any work
-    check_compatible(manifest, cfg, manifest.signatures.fingerprint)
+    check_compatible(manifest, cfg)
     run_dir = storage / options.name
     if newest_checkpoint(run_dir) is not None and not options.continue_run:
         raise TrainingError(

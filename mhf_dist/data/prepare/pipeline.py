@@ -67,9 +67,8 @@ def prepare(
         if source_files:  # a missing field is an error before any work
             next(read_documents(source_files[0], source.text_field), None)
     tokenizer = None if cfg.data.tokenizer == "bpe" else vocabulary.named_tokenizer(cfg)
-    checked = _vocabulary(cfg, tokenizer) if tokenizer else None  # before any staging, too
-    if tokenizer is None and cfg.data.signatures is not None:  # the table, before a BPE is learned
-        vocabulary.given_table(cfg)
+    given = vocabulary.given_table(cfg) if cfg.data.signatures else None  # before a BPE is learned
+    checked = _vocabulary(cfg, tokenizer, given) if tokenizer else None  # before any staging, too
     work = output.work_directory(out)
     snapshots: list[StagedSnapshot | None] = [None] * len(sources)
     if any(source.dataset for source in sources):
@@ -80,7 +79,7 @@ def prepare(
     try:  # a learned BPE these settings refuse is no start to resume
         tokenizer = tokenizer or vocabulary.learned_tokenizer(cfg, work, sources, files)
         shards.save_tokenizer(tokenizer, work / shards.TOKENIZER_FILE)  # first: a rerun reuses it
-        document_format, table = checked or _vocabulary(cfg, tokenizer)
+        document_format, table = checked or _vocabulary(cfg, tokenizer, given)
     except DataError as error:
         raise output.discard(work, error) from None
     manifest.log_tables(log, tokenizer, table, document_format)
@@ -118,10 +117,12 @@ def _inputs_key(
     )
 
 
-def _vocabulary(cfg: Config, tokenizer: TextTokenizer) -> tuple[str, SignatureTable]:
+def _vocabulary(
+    cfg: Config, tokenizer: TextTokenizer, given: SignatureTable | None
+) -> tuple[str, SignatureTable]:
     """The document format and the signature table, checked against `data.signatures`' model."""
     document_format = tokenizer.resolve_format(cfg.data.document_format)
-    table = vocabulary.signature_table(cfg, tokenizer)
+    table = vocabulary.signature_table(cfg, tokenizer, given)
     vocabulary.check_model_documents(cfg, document_format)
     return document_format, table
 

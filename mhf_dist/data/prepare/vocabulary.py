@@ -78,11 +78,14 @@ def given_table(cfg: Config) -> SignatureTable:
     return table
 
 
-def signature_table(cfg: Config, tokenizer: TextTokenizer) -> SignatureTable:
-    """The table `data.signatures` names (`given_table`, of the tokenizer's vocabulary), else a new one."""
+def signature_table(
+    cfg: Config, tokenizer: TextTokenizer, given: SignatureTable | None = None
+) -> SignatureTable:
+    """The table `data.signatures` names (`given`, when `given_table` has loaded it already), checked to be
+    the tokenizer's vocabulary's; else a new one."""
     if cfg.data.signatures is None:
         return build_for_config(cfg.model.hash, tokenizer.vocabulary(), tokenizer.pad_token)
-    table = given_table(cfg)
+    table = given or given_table(cfg)
     difference = table.vocabulary_difference(tokenizer.vocabulary())
     if difference is not None:
         raise DataError(
