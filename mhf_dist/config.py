@@ -607,12 +607,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     `[a, b]` a list), text that is not YAML kept as it is."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"--set {text!r} is not KEY=VALUE; write e.g. --set train.steps=50")
+        raise ConfigError(f"{text!r} is not KEY=VALUE; write e.g. --set train.steps=50")
     key = key.strip()
     try:
         return key, load_yaml(value)
     except DuplicateKeyError as err:
-        raise ConfigError(f"--set {text!r}: {err.problem}; {err.fix}") from None
+        raise ConfigError(f"{text!r}: {err.problem}; {err.fix}") from None
     except yaml.YAMLError:
         return key, value
 
@@ -704,7 +704,8 @@ def _describe(err: ValidationError) -> str:
     first = err.errors()[0]
     location, _ = first_problem(err)
     if first["type"] == "extra_forbidden":
-        return _unknown_key(location, location.rpartition(".")[0], section_model(first["loc"][:-1]))
+        under = ".".join(str(part) for part in first["loc"][:-1])
+        return _unknown_key(location, under, section_model(first["loc"][:-1]))
     if first["type"] == "missing":
         if section_model(first["loc"]) is not None:  # a whole section: what a preset gives
             return (

@@ -259,9 +259,11 @@ def run_cpt(
             f"replay: {mixture.realised_fraction:.1%} of the training tokens from "
             f"{mixture.sources[1].corpus} (asked for {mixture.requested_fraction:.1%})"
         )
-    fix = f"remove {data.path!r} and run mhf cpt again"
-    check_same_table("the expanded model", expansion.table.fingerprint, manifest.signatures.fingerprint, fix,
-                     TrainingError)  # fmt: skip
+    fix = "remove them and run mhf cpt again"
+    expanded = expansion.table.fingerprint
+    check_same_table(
+        "the expanded model", expanded, data.path, manifest.signatures.fingerprint, fix, TrainingError
+    )
     tags = {
         "cpt_parent_model": str(parent_dir),  # redacted
         "cpt_parent_fingerprint": parent.table.fingerprint,

@@ -125,7 +125,7 @@ def read_export_config(directory: str | Path | Location) -> ExportRecord:
     path = where / CONFIG_FILE
     if not path.is_file():
         where.check_bucket()
-        unfinished = ", which an export writes last" if where.is_dir() else ""
+        unfinished = ", which an export writes last" if where.remote and where.is_dir() else ""
         raise ExportError(
             f"{str(where)!r} is not an exported model (no {CONFIG_FILE}{unfinished}); pass the `model` "
             "directory of a checkpoint or of `mhf train` output"

@@ -42,7 +42,7 @@ from safetensors.numpy import load_file, save
 
 from mhf_dist.config import HashConfig, format_hash_spec
 from mhf_dist.errors import MhfError, SignatureError
-from mhf_dist.storage import Location, local_copy
+from mhf_dist.storage import Location, local_copy, redact
 
 # torch is imported only where a tensor is asked for: `mhf prepare`'s Ray tasks load tables and look up
 # numpy rows, and importing torch cost each of their worker processes about a second of CPU.
@@ -504,13 +504,18 @@ def save_table(table: SignatureTable, path: str | Path) -> None:
 
 
 def check_same_table(
-    model: str, model_fingerprint: str, data_fingerprint: str, fix: str, error: type[MhfError]
+    model: str,
+    model_fingerprint: str,
+    data: str | Path | Location,
+    data_fingerprint: str,
+    fix: str,
+    error: type[MhfError],
 ) -> None:
-    """Shards carry the signature table of the model that reads them (`model`: which one, in words)."""
+    """Shards (at `data`) carry the signature table of the model that reads them (`model`, in words)."""
     if model_fingerprint != data_fingerprint:
         raise error(
-            f"{model} has signature fingerprint {model_fingerprint[:12]} but the shards have "
-            f"{data_fingerprint[:12]}; {fix}"
+            f"{model} has signature fingerprint {model_fingerprint[:12]} but the shards in "
+            f"{redact(str(data))!r} have {data_fingerprint[:12]}; {fix}"
         )
 
 

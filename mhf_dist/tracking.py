@@ -54,7 +54,8 @@ class TrackingError(MhfError):
 
 
 def tracking_uri(storage: str | Path | Location) -> str:
-    """`MLFLOW_TRACKING_URI`, else the embedded SQLite store for `storage` (its folder made by `connect`)."""
+    """`MLFLOW_TRACKING_URI`, else the embedded SQLite store for `storage` (its folder made by the first
+    client, after a command's checks)."""
     where = Location.of(storage)
     store = (Path(LOCAL_STORE_DIR) if where.remote else where.local).resolve() / "mlflow.db"
     return os.environ.get(URI_VARIABLE) or f"sqlite:///{store}"
@@ -67,17 +68,36 @@ def reading_uri(storage: str | Path | Location) -> str:
     return uri
 
 
+def sqlite_file(uri: str) -> Path | None:
+    """The file of a SQLite store's URI (a relative one from the working directory, as MLflow reads it)."""
+    return Path(uri.removeprefix("sqlite:///")).absolute() if uri.startswith("sqlite:///") else None
+
+
+def check_writable_store(uri: str) -> None:
+    """Before a run starts: a SQLite store it can create, or an MLflow store, not another program's
+    database (MLflow would add its tables to it)."""
+    store = sqlite_file(uri)
+    if store is not None and store.exists():
+        require_store(uri)
+    elif store is not None:
+        Location.of(store).check_writable(TrackingError, f"fix {URI_VARIABLE} or choose another --storage")
+
+
 def require_store(uri: str) -> None:
     """Refuse to read an embedded SQLite store that does not exist or has no MLflow tables (an empty file,
     another program's database): MLflow would create them. It is opened read-only to look."""
-    if not uri.startswith("sqlite:///"):
+    store = sqlite_file(uri)
+    if store is None:
         return
-    store = Path(uri.removeprefix("sqlite:///"))
+    given = os.environ.get(URI_VARIABLE) == uri
+    where = f"{str(store)!r} ({URI_VARIABLE})" if given else repr(str(store))
+    fix = (
+        f"fix {URI_VARIABLE} to the store a run wrote to, or unset it to read --storage's"
+        if given
+        else STORE_FIX
+    )
     if not store.is_file():
-        if os.environ.get(URI_VARIABLE) == uri:
-            fix = f"fix {URI_VARIABLE} to the store a run wrote to, or unset it to read --storage's"
-            raise TrackingError(f"no MLflow store at {str(store)!r} ({URI_VARIABLE}); {fix}")
-        raise TrackingError(f"no MLflow store at {str(store)!r}; {STORE_FIX}")
+        raise TrackingError(f"no MLflow store at {where}; {fix}")
     try:
         with closing(sqlite3.connect(f"{store.as_uri()}?mode=ro", uri=True)) as db:
             tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -86,7 +106,7 @@ def require_store(uri: str) -> None:
     else:
         why = "it has no MLflow tables"
     if MLFLOW_TABLES - tables:
-        raise TrackingError(f"{str(store)!r} is not an MLflow store ({why}); {STORE_FIX}")
+        raise TrackingError(f"{where} is not an MLflow store ({why}); {fix}")
 
 
 def find_run(uri: str, run_id: str) -> Run | None:
@@ -134,8 +154,8 @@ def connect(uri: str) -> MlflowClient:
     reads them at each request, for the length of each of its calls only (see `_bounded_requests`)."""
     from mlflow.tracking import MlflowClient
 
-    if uri.startswith("sqlite:///"):  # made with the first client, after a command's checks
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    if (store := sqlite_file(uri)) is not None:  # MLflow makes the folder itself only since mlflow#19205
+        store.parent.mkdir(parents=True, exist_ok=True)
     return cast("MlflowClient", _BoundedClient(MlflowClient(tracking_uri=uri)))
 
 
@@ -222,8 +242,8 @@ def start_run(uri: str, experiment: str, run_name: str, params: dict[str, Any], 
         if found is not None:
             experiment_id = found.experiment_id
         else:  # an embedded store's artifacts beside it
-            store = Path(uri.removeprefix("sqlite:///"))
-            artifacts = (store.parent / "mlartifacts").as_uri() if uri.startswith("sqlite:///") else None
+            store = sqlite_file(uri)
+            artifacts = (store.parent / "mlartifacts").as_uri() if store else None
             experiment_id = client.create_experiment(experiment, artifact_location=artifacts)
         shown = {key: redact_text(str(value)) for key, value in tags.items()}
         run = client.create_run(experiment_id, run_name=run_name, tags=shown)

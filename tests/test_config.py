@@ -247,7 +247,7 @@ def test_flat_keys_match_override_paths():
         ("tiny", ["model.hiden.x=3"], "unknown key 'model.hiden.x'; keys under model: family, vocab_size"),
         ("tiny", {"modle.family": "mhf"}, "unknown key 'modle.family'; keys under the top level: preset"),
         ("tiny", ["preset=100m"], r"^preset=100m cannot be set; choose the preset with --config 100m \(or a"),
-        ("tiny", ["train.steps"], r"--set 'train.steps' is not KEY=VALUE; write e.g. --set train.steps=50"),
+        ("tiny", ["train.steps"], r"^'train.steps' is not KEY=VALUE; write e.g. --set train.steps=50"),
         ("tiny", ["=3"], "is not KEY=VALUE"),
         ("tiny", ["model.hash.spec=H0B64"], r"has H=0; use 1 to 256 hashes \(got"),
         ("tiny", ["model.hash.spec=H100000000B2K"], r"has H=100000000; use 1 to 256 hashes \(got"),
@@ -332,6 +332,11 @@ def test_unknown_key_in_yaml_lists_the_allowed_keys(tmp_path):
     path = tmp_path / "typo.yaml"
     path.write_text("preset: tiny\ntrain:\n  stepz: 3\n")
     with pytest.raises(ConfigError, match=r"unknown key 'train.stepz'; keys under train: seed, steps"):
+        load_config(path)
+    path.write_text("preset: tiny\ntrain.steps: 3\n")  # a --set key written in a file: a top-level key
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'train.steps'; keys under the top level: preset, model"
+    ):
         load_config(path)
 
 

@@ -706,15 +706,6 @@ def test_mhf_eval_refuses_what_its_task_would_ignore_and_a_limit_of_zero(exporte
     assert main([*args, "--limit", "0"]) == 2
     assert "--limit: '0': use a whole number of at least 1" in capsys.readouterr().err
     assert main([*args, "--limit", "2"]) == 0
-    # Shards of another signature table: their ids would name other tokens.
-    other = prepare(load_config("tiny", ["data.corpus=recall", "model.vocab_size=40"]), tmp_path / "other")
-    capsys.readouterr()
-    assert main([*lambada[:-3], "ppl", "--data", str(tmp_path / "other")]) == 2
-    assert capsys.readouterr().err == (
-        f"error: model {str(exported.path)!r} has signature fingerprint {exported.table.fingerprint[:12]} "
-        f"but the shards have {other.signatures.fingerprint[:12]}; prepare the data with the model's "
-        f"tokenizer.json and --set data.signatures={exported.path}\n"
-    )
 
 
 @pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
@@ -744,6 +735,20 @@ def test_no_task_reads_past_the_models_max_position_embeddings(exported, tmp_pat
     (tmp_path / "long.tsv").write_text("cat\tdog\t0.1\nsupercalifragilisticexpialidocious\tdog\t0.5\n")
     with pytest.raises(EvalDataError, match=r"^the word 'supercalifragilisticexpialidocious' reads a seq"):
         run_task(short, "card660", tmp_path / "long.tsv")
+
+
+@pytest.mark.parametrize("exported", ["qwen3"], indirect=True)
+def test_mhf_eval_refuses_shards_of_another_signature_table(exported, tmp_path, capsys):
+    """Their ids would name other tokens: one line naming model, shards and the fix."""
+    other = prepare(load_config("tiny", ["data.corpus=recall", "model.vocab_size=40"]), tmp_path / "other")
+    capsys.readouterr()
+    args = ["eval", "--model", str(exported.path), "--task", "ppl", "--data", str(tmp_path / "other")]
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        f"error: model {str(exported.path)!r} has signature fingerprint {exported.table.fingerprint[:12]} "
+        f"but the shards in {str(tmp_path / 'other')!r} have {other.signatures.fingerprint[:12]}; "
+        f"prepare the data with the model's tokenizer.json and --set data.signatures={exported.path}\n"
+    )
 
 
 @pytest.mark.parametrize("exported", ["qwen3"], indirect=True)

@@ -197,7 +197,7 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
         TrainOptions(name="bad", resume=str(half), init_from=str(half / "model"))
     with pytest.raises(
         TrainingError,
-        match=r"^model .* has signature fingerprint \w{12} but the shards have "
+        match=r"^model .* has signature fingerprint \w{12} but the shards in '.*' have "
         r"000000000000; prepare the data with the model's tokenizer.json and --set data.signatures=",
     ):
         check_initial_model(half / "model", cfg, "0" * 64)
@@ -218,7 +218,7 @@ def test_a_partitioned_checkpoint_resumes_only_on_its_own_worker_count_and_stage
         check_resumable(tmp_path, load_config("tiny", ["topology.zero_stage=1"]), "f" * 64)
     with pytest.raises(
         TrainingError,
-        match=r"has signature fingerprint ffffffffffff but the shards have eeeeeeeeeeee; "
+        match=r"has signature fingerprint ffffffffffff but the shards in '.*' have eeeeeeeeeeee; "
         "resume with the shards the run was trained on",
     ):
         check_resumable(tmp_path, cfg, "e" * 64)

@@ -110,9 +110,7 @@ def test_a_yaml_key_given_twice_is_one_line_and_merge_keys_still_merge(tmp_path)
         ConfigError, match=r"x.yaml at line 4, column 3: key 'steps' is given twice; keep one"
     ):
         read_yaml(path, ConfigError, "fix the YAML")
-    with pytest.raises(
-        ConfigError, match=r"^--set 'train=\{steps: 1, steps: 2\}': key 'steps' is given twice"
-    ):
+    with pytest.raises(ConfigError, match=r"^'train=\{steps: 1, steps: 2\}': key 'steps' is given twice"):
         parse_override("train={steps: 1, steps: 2}")
     path.write_text("base: &base {steps: 5, lr: 0.1}\ntrain:\n  <<: *base\n  steps: 7\n")
     assert read_yaml(path, ConfigError, "fix the YAML")["train"] == {"steps": 7, "lr": 0.1}

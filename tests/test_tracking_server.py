@@ -29,6 +29,7 @@ def test_bucket_storage_keeps_the_embedded_store_in_the_working_directorys_runs(
     monkeypatch.chdir(tmp_path)
     assert tracking_uri("s3://some-bucket/train") == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
     assert tracking_uri("local/train") == f"sqlite:///{tmp_path / 'local' / 'train' / 'mlflow.db'}"
+    assert not list(tmp_path.iterdir())  # a URI only: a refused command leaves no folder
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
     assert tracking_uri("s3://some-bucket/train") == "http://mlflow.internal:5000"
 
@@ -45,6 +46,37 @@ def test_an_embedded_store_is_refused_for_a_ray_cluster_of_several_machines():
         _check_tracking_reaches_workers("sqlite:////tmp/mlflow.db", nodes)
     _check_tracking_reaches_workers("http://127.0.0.1:5000", nodes)  # a server: any machine reaches it
     _check_tracking_reaches_workers("sqlite:////tmp/mlflow.db", [nodes[0], {**nodes[1], "Alive": False}])
+
+
+def test_a_run_refuses_another_programs_sqlite_file_before_any_work(tmp_path, monkeypatch):
+    """MLflow would add its tables to any SQLite file: a run refuses one without them before Ray starts,
+    leaving it and --storage as they were. A relative sqlite URI is read from the working directory."""
+    import sqlite3
+
+    from mhf_dist.data.prepare import prepare
+    from mhf_dist.tracking import TrackingError, connect, require_store
+    from mhf_dist.train.ray_trainer import TrainOptions, train
+
+    monkeypatch.chdir(tmp_path)
+    recall = ["data.corpus=recall", "model.vocab_size=40", "train.seq_len=32"]
+    prepare(load_config("tiny", recall), tmp_path / "data", log=lambda _: None)
+    with sqlite3.connect(tmp_path / "other.db") as db:
+        db.execute("CREATE TABLE notes (text)")
+    cfg = load_config(
+        "tiny", [*recall, f"data.path={tmp_path / 'data'}", f"topology.storage={tmp_path / 'runs'}"]
+    )
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///other.db")
+    with pytest.raises(
+        TrackingError,
+        match=rf"^'{tmp_path}/other.db' \(MLFLOW_TRACKING_URI\) is not an MLflow store \(it has no MLflow "
+        r"tables\); fix MLFLOW_TRACKING_URI",
+    ):
+        train(cfg, TrainOptions(name="refused"))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "other.db"]
+    with sqlite3.connect(tmp_path / "other.db") as db:
+        assert db.execute("SELECT name FROM sqlite_master").fetchall() == [("notes",)]
+    connect("sqlite:///store/mlflow.db").search_experiments()  # a relative URI's store, made
+    require_store("sqlite:///store/mlflow.db")
 
 
 def test_an_unreachable_tracking_server_is_one_line_and_exit_2_within_30_s(tmp_path):

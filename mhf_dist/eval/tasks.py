@@ -110,7 +110,9 @@ def eval_prepared(exported: ExportedModel, path: Location, limit: int, batch_siz
     manifest = read_manifest(path)
     model = f"model {str(exported.path)!r}"
     fix = f"prepare the data with the model's tokenizer.json and --set data.signatures={exported.path}"
-    check_same_table(model, exported.table.fingerprint, manifest.signatures.fingerprint, fix, EvalDataError)
+    check_same_table(
+        model, exported.table.fingerprint, path, manifest.signatures.fingerprint, fix, EvalDataError
+    )
     check_document_format(manifest.document_format, exported.document_format, shards, model, EvalDataError)
     reader = RowReader(path, "validation", signatures=False)
     rows = reader.read_range(0, min(reader.num_rows, limit) if limit else None)["tokens"]

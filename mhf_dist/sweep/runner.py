@@ -31,6 +31,7 @@ from mhf_dist.readers import read_json
 from mhf_dist.storage import Location
 from mhf_dist.sweep.spec import STORAGE_KEY, SweepConfig, Trial, expand_trials, trial_configs
 from mhf_dist.tracking import (
+    check_writable_store,
     end_run,
     end_stopped_children,
     log_dataset,
@@ -89,6 +90,7 @@ def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
     shards exist, fit its model and hold the validation rows a val_ metric needs, and every file
     `evaluate` names exists (each trial's config, its batch split over its workers included, was validated
     when the sweep was parsed)."""
+    check_writable_store(tracking_uri(Location.of(spec.storage).uri))
     for task in spec.evaluate:
         if task.data is not None and not Location.of(task.data).exists():
             raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")

@@ -204,7 +204,9 @@ def check_resumable(path: Path | Location, cfg: Config, fingerprint: str) -> Non
             f"resume it with --workers {saved_workers} (only ZeRO-0 checkpoints resume on another count)"
         )
     fix = "resume with the shards the run was trained on"
-    check_same_table(f"checkpoint {str(path)!r}", run.fingerprint, fingerprint, fix, TrainingError)
+    check_same_table(
+        f"checkpoint {str(path)!r}", run.fingerprint, cfg.data.path, fingerprint, fix, TrainingError
+    )
     saved_trainable = run.trainable if "trainable" in run.model_fields_set else cfg.train.trainable
     if (saved_trainable or None) != (cfg.train.trainable or None):
         saved = json.dumps(run.trainable)
@@ -232,7 +234,8 @@ def check_initial_model(path: Path, cfg: Config, fingerprint: str) -> None:
     description = read_export_config(path)
     path = redact(str(path))
     fix = f"prepare the data with the model's tokenizer.json and --set data.signatures={path}"
-    check_same_table(f"model {path!r}", description.signature_fingerprint, fingerprint, fix, TrainingError)
+    model = f"model {path!r}"
+    check_same_table(model, description.signature_fingerprint, cfg.data.path, fingerprint, fix, TrainingError)
     if changed := _model_difference(description.model, cfg):
         raise TrainingError(
             f"model {path!r} has another model config than the run ({changed}); start from a matching "

@@ -27,6 +27,7 @@ from mhf_dist.readers import read_json
 from mhf_dist.signatures import load_table
 from mhf_dist.storage import UNREACHABLE, Location, StorageError, describe_failure, local_copy, redact
 from mhf_dist.tracking import (
+    check_writable_store,
     end_run,
     log_artifact,
     log_dataset,
@@ -252,6 +253,7 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
     check_tokenizer(cfg.data.path, manifest)  # the exported model carries it
     storage = Location.of(cfg.topology.storage)
     storage.check_writable(TrainingError, "choose another --storage")  # in one line, before any work
+    check_writable_store(tracking_uri(storage.uri))
     check_compatible(manifest, cfg)
     run_dir = storage / options.name
     if newest_checkpoint(run_dir) is not None and not options.continue_run:
