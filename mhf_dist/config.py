@@ -571,7 +571,7 @@ def validate_config(raw: Mapping[str, Any]) -> Config:
 
 def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, Any]:
     """A preset by name, or a YAML file (local or in a bucket) with the `preset:` chain it names."""
-    if Path(source).suffix not in (".yaml", ".yml"):
+    if Path(source).suffix.lower() not in (".yaml", ".yml"):
         where = Location.of(PRESET_DIR / f"{source}.yaml")
         if not where.is_file():
             raise ConfigError(
@@ -579,6 +579,11 @@ def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, An
                 "or pass a path to a .yaml file"
             )
     elif not (where := Location.of(source)).is_file():
+        if seen:  # named by a file's `preset:`
+            raise ConfigError(
+                f"{seen[-1]}: `preset: {source}` names no file ({str(where)!r}: a relative path is from the "
+                "working directory); check the path"
+            )
         raise ConfigError(f"config file {str(where)!r} does not exist; check the path")
     raw = read_yaml(where, ConfigError, "fix the YAML syntax")
     if not isinstance(raw, dict | None):

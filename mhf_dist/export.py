@@ -148,6 +148,21 @@ def check_documents_fit(
     check_document_format(data_format, trained_on, data_label, f"model {str(where)!r}", error)
 
 
+def exported_table(
+    directory: str | Path | Location, description: ExportRecord, shown: Location | None = None
+) -> SignatureTable:
+    """An exported model's signature table, the one its config.json (`description`) records. `shown`: the
+    directory as the user gave it, when `directory` is its local copy."""
+    table = load_table(Location.of(directory) / SIGNATURES_FILE)
+    if table.fingerprint != description.signature_fingerprint:
+        raise SignatureError(
+            f"{str(shown or directory)!r}: the signature table's fingerprint {table.fingerprint[:12]} "
+            f"differs from the one the model was trained with ({description.signature_fingerprint[:12]}); "
+            "restore the exported directory's signatures.safetensors"
+        )
+    return table
+
+
 def load_exported(directory: str | Path | Location) -> ExportedModel:
     """Build the model from config.json and load its weights; the signature table must match."""
     from safetensors.torch import load_model
@@ -165,13 +180,7 @@ def load_exported(directory: str | Path | Location) -> ExportedModel:
             f"{str(where)!r}: config.json's model.{key or 'config'} is not one mhf-dist builds ({message}); "
             "re-export the model"
         ) from None
-    table = load_table(local / SIGNATURES_FILE)
-    if table.fingerprint != description.signature_fingerprint:
-        raise SignatureError(
-            f"{str(where)!r}: the signature table's fingerprint {table.fingerprint[:12]} differs from "
-            f"the one the model was trained with ({description.signature_fingerprint[:12]}); "
-            "restore the exported directory's signatures.safetensors"
-        )
+    table = exported_table(local, description, where)
     model = build_model(config, table)
     if not (local / WEIGHTS_FILE).is_file():
         raise ExportError(f"{str(where)!r} has no {WEIGHTS_FILE}; re-export the model")

@@ -194,7 +194,9 @@ def test_a_section_given_a_mapping_merges_into_it():
     assert nested.model == cfg.model  # a shorthand deeper in a mapping keeps the widths too
 
 
-def test_config_files_naming_each_other_or_a_list_as_preset_is_a_one_line_error(tmp_path, monkeypatch):
+def test_config_files_naming_each_other_a_list_or_no_file_as_preset_is_a_one_line_error(
+    tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     Path("a.yaml").write_text("preset: b.yaml\n")
     Path("b.yaml").write_text("preset: a.yaml\n")
@@ -205,6 +207,13 @@ def test_config_files_naming_each_other_or_a_list_as_preset_is_a_one_line_error(
     Path("a.yaml").write_text("preset: [tiny]\n")
     with pytest.raises(
         ConfigError, match=r"a.yaml: `preset: \['tiny'\]` names no preset; give one name or YAML file$"
+    ):
+        load_config("a.yaml")
+    Path("upper.YML").write_text("preset: tiny\ntrain: {steps: 3}\n")  # a file by its suffix in any case
+    assert load_config("upper.YML").train.steps == 3
+    Path("a.yaml").write_text("preset: missing.yaml\n")
+    with pytest.raises(
+        ConfigError, match=r"a.yaml: `preset: missing.yaml` names no file \('.*missing.yaml': a"
     ):
         load_config("a.yaml")
 

@@ -8,6 +8,7 @@ Qwen3Model for the layers, everything else written out below), never through mhf
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -20,11 +21,12 @@ from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.cpt import expand_model
 from mhf_dist.data.tokenizer import TextTokenizer
+from mhf_dist.errors import SignatureError
 from mhf_dist.export import export_model
 from mhf_dist.hf_layout import LayoutError, export_hf, import_hf
 from mhf_dist.models import build_model, param_count
 from mhf_dist.models.generation import generate
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.signatures import SignatureTable, save_table
 
 H, B, D, K = 3, 32, 32, 8
 ROUNDED_VOCAB = 384  # the reference rounds V up to a multiple of 128; the bytes tokenizer has 259 tokens
@@ -432,6 +434,15 @@ def test_shards_for_an_imported_model_carry_its_own_table(reference_checkpoint, 
         match=r"seed 0 \(reference scheme, num_lsh 0\) but model.hash says H3B32 seed 1 \(reference",
     ):
         signature_table(other_seed, tokenizer)
+    # A model whose table is not the one its config.json records is refused, as loading it would be.
+    swapped = tmp_path / "swapped"
+    shutil.copytree(imported.path, swapped)
+    save_table(SignatureTable.build(imported.table.tokens, 3, 32, seed=1), swapped / "signatures.safetensors")
+    with pytest.raises(SignatureError, match=r"differs from the one the model was trained with"):
+        signature_table(
+            cfg.model_copy(update={"data": cfg.data.model_copy(update={"signatures": str(swapped)})}),
+            tokenizer,
+        )
 
 
 def local_tree(root):

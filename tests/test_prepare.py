@@ -3,6 +3,7 @@
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from mhf_dist.data.shards import (
 )
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError, SignatureError
-from mhf_dist.signatures import load_table
+from mhf_dist.signatures import SignatureTable, load_table, save_table
 from mhf_dist.storage import Location
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -196,6 +197,19 @@ def test_mhf_train_refuses_shards_that_do_not_fit_before_ray_starts_leaving_noth
         "error: shards have seq_len 32 but the model has 64; set --set train.seq_len=32 or re-prepare"
     )
     assert not (tmp_path / "runs").exists()  # a refused run leaves no storage folder
+    # A signature table that is not the one the manifest records is the data's fault, not model.hash's.
+    swapped = tmp_path / "swapped"
+    shutil.copytree(out, swapped)
+    table = load_table(out / "signatures.safetensors")
+    save_table(SignatureTable.build(table.tokens, 2, 64, seed=7), swapped / "signatures.safetensors")
+    argv = [*argv, "--set", "train.seq_len=32", "--set", f"data.path={swapped}"]
+    assert main(argv) == 2
+    assert re.fullmatch(
+        rf"error: {swapped}/signatures.safetensors has seed 7 but the manifest says 0; re-run `mhf prepare "
+        rf"--overwrite --out {swapped}`",
+        capsys.readouterr().err.strip().splitlines()[-1],
+    )
+    assert not (tmp_path / "runs").exists()
 
 
 def test_shard_files_hold_fixed_size_rows_one_per_row_group(prepared):

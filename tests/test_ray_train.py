@@ -19,7 +19,6 @@ from mhf_dist.storage import Location
 from mhf_dist.tracking import TrackingError
 from mhf_dist.train.checkpoints import (
     MODEL_DIR,
-    check_initial_model,
     check_resumable,
     is_complete,
     newest_checkpoint,
@@ -195,12 +194,16 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
             train(settings, TrainOptions(name="bad", resume=str(half), **options))
     with pytest.raises(TrainingError, match=r"^--resume goes on from .*; give one of them$"):
         TrainOptions(name="bad", resume=str(half), init_from=str(half / "model"))
+    # Shards of another hash seed for an --init-from model: re-prepared with its table, not --set seed.
+    seven = tmp_path / "seed7"
+    prepare(load_config("tiny", [*FEW_ROWS, "model.hash.seed=7"]), seven, log=lambda _: None)
+    elsewhere = load_config("tiny", [*FEW_ROWS, f"data.path={seven}", f"topology.storage={tmp_path}"])
     with pytest.raises(
         TrainingError,
-        match=r"^model .* has signature fingerprint \w{12} but the shards in '.*' have "
-        r"000000000000; prepare the data with the model's tokenizer.json and --set data.signatures=",
+        match=r"^model .* has signature fingerprint \w{12} but the shards in '.*seed7' have \w{12}; prepare "
+        r"the data with the model's tokenizer.json and --set data.signatures=",
     ):
-        check_initial_model(half / "model", cfg, "0" * 64)
+        train(elsewhere, TrainOptions(name="bad", init_from=str(half / "model")))
     assert not (tmp_path / "bad").exists()
 
 

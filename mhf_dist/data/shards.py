@@ -406,14 +406,9 @@ def check_tokenizer(path: str | Path | Location, manifest: Manifest) -> None:
         raise mismatch
 
 
-def verify_shards(path: str | Path | Location) -> int:
-    """Check every file the manifest lists against it, reading all of them; returns the shard count."""
-    directory = Location.of(path)
-    manifest = read_manifest(directory)
-    check_tokenizer(directory, manifest)
-    tokenizer = TextTokenizer.load(local_copy(directory / manifest.tokenizer.file))
-    recorded = tokenizer_info(tokenizer, manifest.document_format)
-    _check_recorded(directory, recorded, manifest.tokenizer, {"file", "sha256"})  # sha256: checked above
+def load_signatures(directory: str | Path | Location, manifest: Manifest) -> SignatureTable:
+    """The shards' signature table, the one their manifest records (a damaged or replaced one is refused)."""
+    directory = Location.of(directory)
     table_path = directory / manifest.signatures.file
     try:
         table = load_table(table_path)
@@ -422,10 +417,23 @@ def verify_shards(path: str | Path | Location) -> int:
             f"signature table {table_path} is damaged or not one mhf-dist wrote; {reprepare(directory)}"
         ) from None
     _check_recorded(directory, signatures_info(table), manifest.signatures, {"file"})
+    return table
+
+
+def verify_shards(path: str | Path | Location) -> int:
+    """Check every file the manifest lists against it, reading all of them; returns the shard count."""
+    directory = Location.of(path)
+    manifest = read_manifest(directory)
+    check_tokenizer(directory, manifest)
+    tokenizer = TextTokenizer.load(local_copy(directory / manifest.tokenizer.file))
+    recorded = tokenizer_info(tokenizer, manifest.document_format)
+    _check_recorded(directory, recorded, manifest.tokenizer, {"file", "sha256"})  # sha256: checked above
+    table = load_signatures(directory, manifest)
     difference = table.vocabulary_difference(tokenizer.vocabulary())
     if difference is not None:
         raise DataError(
-            f"signature table {table_path} is of another vocabulary than {manifest.tokenizer.file} "
+            f"signature table {directory / manifest.signatures.file} is of another vocabulary than "
+            f"{manifest.tokenizer.file} "
             f"({difference}); {reprepare(directory)}"
         )
     folder = directory / manifest.folder if manifest.folder else directory

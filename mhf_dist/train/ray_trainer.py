@@ -17,14 +17,13 @@ from typing import TYPE_CHECKING, Any
 from mhf_dist.config import Config, TopologyConfig, check_topology
 from mhf_dist.console import ConsoleRelay, WorkerLines
 from mhf_dist.data.reader import RowReader, training_plan
-from mhf_dist.data.shards import Manifest, check_compatible, check_tokenizer, read_manifest
+from mhf_dist.data.shards import Manifest, check_compatible, check_tokenizer, load_signatures, read_manifest
 from mhf_dist.errors import Interrupted, MhfError, TrainingError
 from mhf_dist.files import write_json_atomic
 from mhf_dist.interrupts import sigterm_as_sigint
 from mhf_dist.plugins import outside_registrations
 from mhf_dist.ray_utils import ensure_ray, workers_print_to_console
 from mhf_dist.readers import read_json
-from mhf_dist.signatures import load_table
 from mhf_dist.storage import UNREACHABLE, Location, StorageError, describe_failure, local_copy, redact
 from mhf_dist.tracking import (
     check_writable_store,
@@ -254,7 +253,6 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
     storage = Location.of(cfg.topology.storage)
     storage.check_writable(TrainingError, "choose another --storage")  # in one line, before any work
     check_writable_store(tracking_uri(storage.uri))
-    check_compatible(manifest, cfg)
     run_dir = storage / options.name
     if newest_checkpoint(run_dir) is not None and not options.continue_run:
         raise TrainingError(
@@ -262,6 +260,7 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
             f"{options.name} --name <new name>, continue it with --continue, or pick another --name"
         )
     init_from, resume = _checked_start(cfg, options, storage, manifest)
+    check_compatible(manifest, cfg)  # after the start's checks: shards not of its model need re-preparing
     # Workers run in their own working directories: hand them absolute paths (or URIs).
     data = cfg.data.model_copy(update={"path": Location.of(cfg.data.path).uri})
     topology = cfg.topology.model_copy(update={"storage": storage.uri})
@@ -270,7 +269,7 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
     reader.check_all()  # every shard's footer, once, here rather than in every worker
     training_plan(reader, cfg)  # enough rows for one batch
     # train.trainable: a bad pattern fails here, before any worker starts; the counts go to MLflow.
-    table = load_table(Location.of(data.path) / manifest.signatures.file)
+    table = load_signatures(data.path, manifest)
     split = config_split(cfg.model, table, cfg.train.trainable)
     return _Inputs(manifest, storage, run_dir, worker_cfg, init_from, resume, split)
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from mhf_dist.config import Config
 from mhf_dist.data.corpus import CorpusFile, read_documents
 from mhf_dist.data.mixture import Source
-from mhf_dist.data.shards import SIGNATURES_FILE, TOKENIZER_FILE, is_validation
+from mhf_dist.data.shards import TOKENIZER_FILE, is_validation
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import DataError
 from mhf_dist.signatures import SignatureTable, build_for_config, load_table
@@ -70,9 +70,15 @@ def no_text(source: Source) -> DataError:
 
 
 def given_table(cfg: Config) -> SignatureTable:
-    """The table `data.signatures` names, checked against model.hash."""
+    """The table `data.signatures` names (a model's: the one its config.json records), checked against
+    model.hash."""
     path = Location.of(cfg.data.signatures)
-    table = load_table(path / SIGNATURES_FILE if path.is_dir() else path)
+    if path.is_dir():
+        from mhf_dist.export import exported_table, read_export_config  # imports torch: for a model only
+
+        table = exported_table(path, read_export_config(path))
+    else:
+        table = load_table(path)
     fix = "set model.hash to the model's, or prepare without data.signatures"
     table.check_follows(cfg.model.hash, f"data.signatures {str(path)!r}", DataError, fix)
     return table
