@@ -26,7 +26,7 @@ from pydantic import (
 from mhf_dist.errors import ConfigError, first_problem, problem_line, refused_value
 from mhf_dist.plugins import BACKBONES, FAMILIES, Registry
 from mhf_dist.readers import DuplicateKeyError, load_yaml, read_yaml
-from mhf_dist.storage import Location
+from mhf_dist.storage import Location, redact
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -581,8 +581,8 @@ def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, An
     elif not (where := Location.of(source)).is_file():
         if seen:  # named by a file's `preset:`
             raise ConfigError(
-                f"{seen[-1]}: `preset: {source}` names no file ({str(where)!r}: a relative path is from the "
-                "working directory); check the path"
+                f"{redact(seen[-1])}: `preset: {source}` names no file ({str(where)!r}: a relative path is "
+                "from the working directory); check the path"
             )
         raise ConfigError(f"config file {str(where)!r} does not exist; check the path")
     raw = read_yaml(where, ConfigError, "fix the YAML syntax")

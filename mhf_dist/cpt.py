@@ -29,6 +29,7 @@ from mhf_dist.models.registry import resolved_config
 from mhf_dist.readers import read_json, read_text
 from mhf_dist.signatures import SignatureTable, check_same_table
 from mhf_dist.storage import Location, local_copy
+from mhf_dist.tracking import check_writable_store, tracking_uri
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 from mhf_dist.train.trainable import AUTHORS_VE, authors_ve_trainable, trainable_split
 
@@ -167,6 +168,7 @@ def run_cpt(
     from mhf_dist.data.prepare import prepare, recorded_data
     from mhf_dist.train.ray_trainer import train
 
+    check_writable_store(tracking_uri(cfg.topology.storage))  # before the prepare that starts Ray
     parent_dir = resolve_parent(parent_source)
     parent = load_exported(parent_dir)
     tokenizer = new_tokenizer(parent.tokenizer)

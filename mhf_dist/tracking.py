@@ -54,11 +54,14 @@ class TrackingError(MhfError):
 
 
 def tracking_uri(storage: str | Path | Location) -> str:
-    """`MLFLOW_TRACKING_URI`, else the embedded SQLite store for `storage` (its folder made by the first
-    client, after a command's checks)."""
+    """`MLFLOW_TRACKING_URI` (a relative SQLite path made absolute: Ray's workers run in folders of their
+    own), else the embedded SQLite store for `storage` (its folder made by the first client)."""
+    given = os.environ.get(URI_VARIABLE)
+    if given:
+        store = sqlite_file(given)
+        return given if store is None or "?" in given else f"sqlite:///{store}"
     where = Location.of(storage)
-    store = (Path(LOCAL_STORE_DIR) if where.remote else where.local).resolve() / "mlflow.db"
-    return os.environ.get(URI_VARIABLE) or f"sqlite:///{store}"
+    return f"sqlite:///{(Path(LOCAL_STORE_DIR) if where.remote else where.local).resolve() / 'mlflow.db'}"
 
 
 def reading_uri(storage: str | Path | Location) -> str:
@@ -77,25 +80,30 @@ def check_writable_store(uri: str) -> None:
     """Before a run starts: a SQLite store it can create, or an MLflow store, not another program's
     database (MLflow would add its tables to it)."""
     store = sqlite_file(uri)
+    given = _from_environment(uri)
     if store is not None and store.exists():
-        require_store(uri)
+        require_store(uri, f"fix {URI_VARIABLE}" if given else f"move it away or set {URI_VARIABLE}")
     elif store is not None:
-        Location.of(store).check_writable(TrackingError, f"fix {URI_VARIABLE} or choose another --storage")
+        fix = f"fix {URI_VARIABLE}" if given else f"choose another --storage or set {URI_VARIABLE}"
+        Location.of(store).check_writable(TrackingError, fix)
 
 
-def require_store(uri: str) -> None:
+def _from_environment(uri: str) -> bool:
+    given = os.environ.get(URI_VARIABLE)
+    return bool(given) and (given == uri or sqlite_file(given) == sqlite_file(uri))
+
+
+def require_store(uri: str, fix: str | None = None) -> None:
     """Refuse to read an embedded SQLite store that does not exist or has no MLflow tables (an empty file,
-    another program's database): MLflow would create them. It is opened read-only to look."""
+    another program's database): MLflow would create them. It is opened read-only to look. `fix`: a
+    writer's advice, where a reader's is to find the store a run wrote."""
     store = sqlite_file(uri)
     if store is None:
         return
-    given = os.environ.get(URI_VARIABLE) == uri
+    given = _from_environment(uri)
     where = f"{str(store)!r} ({URI_VARIABLE})" if given else repr(str(store))
-    fix = (
-        f"fix {URI_VARIABLE} to the store a run wrote to, or unset it to read --storage's"
-        if given
-        else STORE_FIX
-    )
+    reading = f"fix {URI_VARIABLE} to the store a run wrote to, or unset it to read --storage's"
+    fix = fix or (reading if given else STORE_FIX)
     if not store.is_file():
         raise TrackingError(f"no MLflow store at {where}; {fix}")
     try:

@@ -205,8 +205,8 @@ def test_mhf_train_refuses_shards_that_do_not_fit_before_ray_starts_leaving_noth
     argv = [*argv, "--set", "train.seq_len=32", "--set", f"data.path={swapped}"]
     assert main(argv) == 2
     assert re.fullmatch(
-        rf"error: {swapped}/signatures.safetensors has seed 7 but the manifest says 0; re-run `mhf prepare "
-        rf"--overwrite --out {swapped}`",
+        rf"error: {re.escape(str(swapped))}/signatures.safetensors has seed 7 but the manifest says 0; "
+        rf"re-run `mhf prepare --overwrite --out {re.escape(str(swapped))}`",
         capsys.readouterr().err.strip().splitlines()[-1],
     )
     assert not (tmp_path / "runs").exists()

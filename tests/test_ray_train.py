@@ -194,10 +194,12 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
             train(settings, TrainOptions(name="bad", resume=str(half), **options))
     with pytest.raises(TrainingError, match=r"^--resume goes on from .*; give one of them$"):
         TrainOptions(name="bad", resume=str(half), init_from=str(half / "model"))
-    # Shards of another hash seed for an --init-from model: re-prepared with its table, not --set seed.
+    # Shards of another hash seed (and a config to match them) are not the --init-from model's.
     seven = tmp_path / "seed7"
     prepare(load_config("tiny", [*FEW_ROWS, "model.hash.seed=7"]), seven, log=lambda _: None)
-    elsewhere = load_config("tiny", [*FEW_ROWS, f"data.path={seven}", f"topology.storage={tmp_path}"])
+    elsewhere = load_config(
+        "tiny", [*FEW_ROWS, "model.hash.seed=7", f"data.path={seven}", f"topology.storage={tmp_path}"]
+    )
     with pytest.raises(
         TrainingError,
         match=r"^model .* has signature fingerprint \w{12} but the shards in '.*seed7' have \w{12}; prepare "

@@ -5,7 +5,7 @@ from faults import KillLastWorker
 
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
-from mhf_dist.errors import ConfigError, DataError
+from mhf_dist.errors import ConfigError, DataError, MhfError
 from mhf_dist.eval.tasks import run_task
 from mhf_dist.export import load_exported
 from mhf_dist.sweep.runner import TRIALS_DIR, SweepError, run_sweep
@@ -61,6 +61,9 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
     with pytest.raises(SweepError, match=r"ppl reads 'nowhere.txt', which does not exist"):
         run_sweep(spec)
     assert not list(tmp_path.iterdir())  # no sweep record, no MLflow parent run
+    (tmp_path / "mlflow.db").write_text("notes")  # not an MLflow store: MLflow would add its tables
+    with pytest.raises(MhfError, match=r"mlflow.db' is not an MLflow store .*; move it away"):
+        run_sweep(spec)
 
 
 def test_a_sweep_whose_shards_do_not_fit_a_trials_model_fails_before_ray_starts(tmp_path, monkeypatch):

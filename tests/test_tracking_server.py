@@ -5,6 +5,7 @@ unreachable server as one line."""
 
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,6 +54,7 @@ def test_a_run_refuses_another_programs_sqlite_file_before_any_work(tmp_path, mo
     leaving it and --storage as they were. A relative sqlite URI is read from the working directory."""
     import sqlite3
 
+    from mhf_dist.cpt import run_cpt
     from mhf_dist.data.prepare import prepare
     from mhf_dist.tracking import TrackingError, connect, require_store
     from mhf_dist.train.ray_trainer import TrainOptions, train
@@ -75,7 +77,20 @@ def test_a_run_refuses_another_programs_sqlite_file_before_any_work(tmp_path, mo
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "other.db"]
     with sqlite3.connect(tmp_path / "other.db") as db:
         assert db.execute("SELECT name FROM sqlite_master").fetchall() == [("notes",)]
-    connect("sqlite:///store/mlflow.db").search_experiments()  # a relative URI's store, made
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    (tmp_path / "runs").mkdir()
+    shutil.copy(tmp_path / "other.db", tmp_path / "runs" / "mlflow.db")  # the embedded store's place
+    with pytest.raises(
+        TrackingError, match=r"runs/mlflow.db' is not an MLflow store .*; move it away or set"
+    ):
+        train(cfg, TrainOptions(name="refused"))
+    assert [path.name for path in (tmp_path / "runs").iterdir()] == ["mlflow.db"]
+    with pytest.raises(TrackingError, match="is not an MLflow store"):  # cpt's, before its prepare
+        run_cpt(cfg, "no-such-model", lambda tokenizer: tokenizer, TrainOptions(name="cpt"))
+    # A relative URI is the working directory's, for the workers too (they run in folders of their own).
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///store/mlflow.db")
+    assert tracking_uri("anywhere") == f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    connect(tracking_uri("anywhere")).search_experiments()
     require_store("sqlite:///store/mlflow.db")
 
 

@@ -86,10 +86,10 @@ def sweep_dir(spec: SweepConfig) -> Location:
 
 
 def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
-    """What would otherwise fail inside Tune's trials, checked before anything starts: every trial's
-    shards exist, fit its model and hold the validation rows a val_ metric needs, and every file
-    `evaluate` names exists (each trial's config, its batch split over its workers included, was validated
-    when the sweep was parsed)."""
+    """What would otherwise fail inside Tune's trials, checked before anything starts: the MLflow store
+    can be written, every trial's shards exist, fit its model and hold the validation rows a val_ metric
+    needs, and every file `evaluate` names exists (each trial's config, its batch split over its workers
+    included, was validated when the sweep was parsed)."""
     check_writable_store(tracking_uri(Location.of(spec.storage).uri))
     for task in spec.evaluate:
         if task.data is not None and not Location.of(task.data).exists():

@@ -253,6 +253,7 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
     storage = Location.of(cfg.topology.storage)
     storage.check_writable(TrainingError, "choose another --storage")  # in one line, before any work
     check_writable_store(tracking_uri(storage.uri))
+    check_compatible(manifest, cfg)
     run_dir = storage / options.name
     if newest_checkpoint(run_dir) is not None and not options.continue_run:
         raise TrainingError(
@@ -260,7 +261,6 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
             f"{options.name} --name <new name>, continue it with --continue, or pick another --name"
         )
     init_from, resume = _checked_start(cfg, options, storage, manifest)
-    check_compatible(manifest, cfg)  # after the start's checks: shards not of its model need re-preparing
     # Workers run in their own working directories: hand them absolute paths (or URIs).
     data = cfg.data.model_copy(update={"path": Location.of(cfg.data.path).uri})
     topology = cfg.topology.model_copy(update={"storage": storage.uri})
