@@ -132,6 +132,11 @@ def run_options(name: str) -> tuple[Argument, ...]:
     return (
         *TOPOLOGY_FLAGS.values(),
         with_default("--name", kinds.RUN_NAME, "run name under the storage path", name),
+        switch(
+            "--continue",
+            "continue the run --name from its newest checkpoint, logging to the same MLflow run",
+            dest="continue_run",
+        ),
         with_default("--experiment", kinds.TEXT, "MLflow experiment", "mhf"),
         arg("--max-failures", kinds.RETRIES, "worker-group restarts from the last checkpoint", default=0),
         arg(
@@ -301,9 +306,18 @@ def cmd_verify_data(args: argparse.Namespace) -> None:
     )
 
 
-def _train_options(args: argparse.Namespace) -> TrainOptions:
+def _train_options(args: argparse.Namespace, cfg: Config) -> TrainOptions:
+    """The run's options, checked before any preparing: --continue needs a checkpoint to go on from."""
+    from mhf_dist.storage import Location
+    from mhf_dist.train.checkpoints import newest_checkpoint
     from mhf_dist.train.ray_trainer import TrainOptions
 
+    storage = Location.of(cfg.topology.storage)
+    if args.continue_run and newest_checkpoint(storage / args.name) is None:  # (a sweep's trials: either)
+        raise TrainingError(
+            f"--continue: run {args.name!r} has no checkpoint in {storage} to go on from; leave --continue "
+            "out to start it"
+        )
     given = {field.name for field in dataclasses.fields(TrainOptions)} & set(vars(args))
     return TrainOptions(**{name: getattr(args, name) for name in given})
 
@@ -331,11 +345,6 @@ def _print_result(result: TrainResult, experiment: str) -> None:
         "continue exactly from a checkpoint directory, or from a run name's newest",
     ),
     arg("--stop-at-step", kinds.COUNT, "end this run at this step, with a checkpoint"),
-    switch(
-        "--continue",
-        "continue the run --name from its newest checkpoint, logging to the same MLflow run",
-        dest="continue_run",
-    ),
     arg(
         "--init-from", kinds.FILE_OR_DIRECTORY, "an exported model directory to start from (fresh optimizer)"
     ),
@@ -346,16 +355,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = _config(args)
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.data.prepare import prepare_if_missing
-        from mhf_dist.storage import Location
-        from mhf_dist.train.checkpoints import newest_checkpoint
         from mhf_dist.train.ray_trainer import train
 
-    storage, options = Location.of(cfg.topology.storage), _train_options(args)  # refused before preparing
-    if args.continue_run and newest_checkpoint(storage / args.name) is None:  # (a sweep's trials: either)
-        raise TrainingError(
-            f"--continue: run {args.name!r} has no checkpoint in {storage} to go on from; leave --continue "
-            "out to start it"
-        )
+    options = _train_options(args, cfg)  # refused before preparing
     if args.prepare:
         check_topology(cfg)  # train() checks it too; here before minutes of preparing
         prepare_if_missing(cfg, verbose=args.verbose)
@@ -402,7 +404,7 @@ def cmd_cpt(args: argparse.Namespace) -> None:
         texts = (lambda: corpus_texts(args.corpus, cfg.data.text_field)) if args.corpus else None
         return expanded_tokenizer(parent, args.tokenizer, args.add_tokens, args.train_new_tokens or 0, texts)
 
-    options = _train_options(args)
+    options = _train_options(args, cfg)
     result = run_cpt(cfg, args.parent, new_tokenizer, options, init_new_rows=args.init_new_rows)
     _print_result(result.train_result, args.experiment)
 

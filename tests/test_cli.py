@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from mhf_dist.cli import build_parser, config_overrides, main
+from mhf_dist.config import load_config
 from mhf_dist.errors import Interrupted
 
 SUB_COMMANDS = next(
@@ -66,7 +67,7 @@ def test_train_options_take_only_what_is_not_topology():
 
     argv = ["train", "--workers", "3", "--storage", "s", "--name", "n", "--stop-at-step", "4"]
     args = build_parser().parse_args(argv)
-    assert _train_options(args) == TrainOptions(name="n", stop_at_step=4)
+    assert _train_options(args, load_config("tiny")) == TrainOptions(name="n", stop_at_step=4)
 
 
 def test_a_topology_flag_reaches_the_config_validation_before_anything_starts(capsys):

@@ -18,6 +18,7 @@ from mhf_dist.models import build_model
 from mhf_dist.models.generation import generate
 from mhf_dist.models.registry import TRIPLE_STACKS
 from mhf_dist.signatures import SignatureTable
+from mhf_dist.train.checkpoints import read_history
 from mhf_dist.train.loop import train_local
 
 NEW_TOKENS = ["你好", "世界", "مرحبا", "नमस्ते"]
@@ -286,6 +287,14 @@ def test_cpt_trains_from_the_expanded_weights_and_the_trained_model_keeps_the_li
 
     tags = MlflowClient(result.train_result.tracking_uri).get_run(result.train_result.run_id).data.tags
     assert tags["cpt_parent_fingerprint"] == parent.table.fingerprint
+    # `mhf cpt --continue` goes on from the run's checkpoint (not from init/ again), in its MLflow run.
+    from mhf_dist.train.ray_trainer import TrainOptions
+
+    longer = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 6})})
+    grow = lambda old: old.with_added_tokens(NEW_TOKENS)  # noqa: E731
+    more = run_cpt(longer, str(parent.path), grow, TrainOptions(name="zh", continue_run=True)).train_result
+    assert [entry["step"] for entry in read_history(more.checkpoint)] == list(range(1, 7))
+    assert more.run_id == result.train_result.run_id
     assert tags["signature_fingerprint"] == exported.table.fingerprint
     frozen_params = sum(before[name].numel() for name in frozen)
     assert (tags["total_params"], tags["trainable_params"]) == (

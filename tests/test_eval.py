@@ -410,6 +410,9 @@ def test_text_files_split_into_documents_like_mhf_prepare(tmp_path):
         " = Heading = \n \n First paragraph .\r\n\t\nSecond one .\n"
     )  # WikiText's " " blank lines
     assert read_texts(path) == ["= Heading =", "First paragraph .", "Second one ."]
+    lines = tmp_path / "lines.jsonl"  # an empty text is no document there either
+    lines.write_text('{"text": "One ."}\n{"text": ""}\n{"text": "Two ."}\n')
+    assert read_texts(lines) == ["One .", "Two ."]
 
 
 # Batched scoring: right-padded batches of mixed lengths must score as one request at a time does.

@@ -426,7 +426,7 @@ def test_sigint_stops_a_two_worker_fit_in_seconds_and_resume_continues_it(ray_se
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130 and time.monotonic() - sent < 30
     (last_line,) = [line for line in stderr.splitlines() if line.startswith("interrupted:")]
-    assert "SIGINT after step" in last_line and "resume with --resume cut" in last_line
+    assert "SIGINT after step" in last_line and "rerun with --continue to go on from it" in last_line
     assert not list((tmp_path / "cut").glob(".staging-*"))
     assert len(list((tmp_path / "cut").glob("checkpoint-*"))) <= cfg.train.keep_checkpoints
     run_id = json.loads((tmp_path / "cut" / "mlflow-run.json").read_text())["run_id"]

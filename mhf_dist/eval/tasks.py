@@ -64,10 +64,11 @@ def _numbered_records(path: Location, fields: dict[str, type]) -> list[tuple[str
 
 
 def read_texts(path: str | Path | Location) -> list[str]:
-    """The documents of a .txt (separated by blank lines) or .jsonl (`text` fields) file."""
+    """The documents of a .txt (separated by blank lines) or .jsonl (`text` fields) file; an empty text
+    is no document, as `mhf prepare` leaves it out."""
     if str(path).endswith(".jsonl"):
         records = read_jsonl(_existing(path), EvalDataError, JSONL_FIX, {"text": str})
-        return [record["text"] for record in records]
+        return [record["text"] for record in records if record["text"]]
     return split_documents("\n".join(_lines(path)))
 
 

@@ -317,7 +317,7 @@ def _fit(
             # Ray Train's own SIGINT handler aborts the run and exits (before it is installed, Ctrl-C is a
             # KeyboardInterrupt): the run is stopped on purpose, not failed.
             end_run(uri, run_id, "KILLED")
-            raise _interrupted(stop.signal or signal.SIGINT, inputs.run_dir, name, keep) from None
+            raise _interrupted(stop.signal or signal.SIGINT, inputs.run_dir, keep) from None
         except BaseException as err:
             end_run(uri, run_id, "FAILED")
             unreachable = _storage_failure(err, inputs.storage)
@@ -359,7 +359,7 @@ def tidy_stopped_run(run_dir: Location, keep: int) -> None:
     prune_checkpoints(run_dir, keep)
 
 
-def _interrupted(sig: int, run_dir: Location, name: str, keep: int) -> Interrupted:
+def _interrupted(sig: int, run_dir: Location, keep: int) -> Interrupted:
     tidy_stopped_run(run_dir, keep)
     last = newest_checkpoint(run_dir)
     name_of = signal.Signals(sig).name
@@ -367,7 +367,7 @@ def _interrupted(sig: int, run_dir: Location, name: str, keep: int) -> Interrupt
         return Interrupted(f"{name_of} before the first checkpoint; nothing to resume from", 128 + sig)
     step = checkpoint_step(last)
     return Interrupted(
-        f"{name_of} after step {step}; last checkpoint: {last}; resume with --resume {name} --name NEW_NAME",
+        f"{name_of} after step {step}; last checkpoint: {last}; rerun with --continue to go on from it",
         128 + sig,
     )
 
