@@ -292,8 +292,11 @@ def test_cpt_trains_from_the_expanded_weights_and_the_trained_model_keeps_the_li
 
     longer = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 6})})
     grow = lambda old: old.with_added_tokens(NEW_TOKENS)  # noqa: E731
+    first = read_history(result.train_result.checkpoint)
     more = run_cpt(longer, str(parent.path), grow, TrainOptions(name="zh", continue_run=True)).train_result
-    assert [entry["step"] for entry in read_history(more.checkpoint)] == list(range(1, 7))
+    history = read_history(more.checkpoint)
+    assert [entry["step"] for entry in history] == list(range(1, 7))
+    assert history[:4] == first  # steps 1-4 carried over (their timings too), not trained again
     assert more.run_id == result.train_result.run_id
     assert tags["signature_fingerprint"] == exported.table.fingerprint
     frozen_params = sum(before[name].numel() for name in frozen)

@@ -181,7 +181,7 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
     stage1 = load_config("tiny", [*FEW_ROWS, *stored, "topology.zero_stage=1"])
     with pytest.raises(TrainingError, match="saved under ZeRO-0; resume it with --zero-stage 0"):
         train(stage1, TrainOptions(name="bad", resume=str(half)))
-    with pytest.raises(TrainingError, match="already holds checkpoints; continue it with --resume"):
+    with pytest.raises(TrainingError, match="already holds checkpoints; go on with --continue, or pick"):
         train(cfg, TrainOptions(name="whole"))
     with pytest.raises(TrainingError, match="is neither a checkpoint directory nor a run"):
         train(cfg, TrainOptions(name="bad", resume="nowhere"))

@@ -257,8 +257,8 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
     run_dir = storage / options.name
     if newest_checkpoint(run_dir) is not None and not options.continue_run:
         raise TrainingError(
-            f"run directory {str(run_dir)!r} already holds checkpoints; continue it with --resume "
-            f"{options.name} --name <new name>, continue it with --continue, or pick another --name"
+            f"run directory {str(run_dir)!r} already holds checkpoints; go on with --continue, or pick "
+            f"another --name (`mhf train --resume {options.name} --name NEW` starts a new run from it)"
         )
     init_from, resume = _checked_start(cfg, options, storage, manifest)
     # Workers run in their own working directories: hand them absolute paths (or URIs).
