@@ -433,8 +433,7 @@ def verify_shards(path: str | Path | Location) -> int:
     if difference is not None:
         raise DataError(
             f"signature table {directory / manifest.signatures.file} is of another vocabulary than "
-            f"{manifest.tokenizer.file} "
-            f"({difference}); {reprepare(directory)}"
+            f"{manifest.tokenizer.file} ({difference}); {reprepare(directory)}"
         )
     folder = directory / manifest.folder if manifest.folder else directory
     shards = [shard for split in SPLITS for shard in manifest.splits[split].shards]

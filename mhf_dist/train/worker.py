@@ -20,13 +20,13 @@ import torch
 from mhf_dist.config import Config, micro_batch_size
 from mhf_dist.console import WorkerLines
 from mhf_dist.data.reader import RowReader, step_batches, training_plan
-from mhf_dist.data.shards import load_signatures, read_manifest
+from mhf_dist.data.shards import read_manifest
 from mhf_dist.errors import TrainingError
 from mhf_dist.eval.perplexity import nll_summary, nll_totals
 from mhf_dist.export import export_model, load_exported
 from mhf_dist.models.checkpointing import checkpoint_layers
 from mhf_dist.plugins import register_missing
-from mhf_dist.signatures import SignatureTable
+from mhf_dist.signatures import SignatureTable, load_table
 from mhf_dist.storage import Location, local_copy
 from mhf_dist.train.callbacks import (
     Checkpoints,
@@ -185,7 +185,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             f"{manifest.content_sha256[:12]}, checked {spec.data_sha256[:12]}); start the run again "
             "(--continue goes on with the new data)"
         )
-    table = load_signatures(data, manifest)
+    table = load_table(data / manifest.signatures.file)  # checked against the manifest by the driver
     stepper, lineage = _build_stepper(spec, table, world_size)
     start_step, history = _restore(stepper, spec, rank)
     last_step = min(cfg.train.steps, spec.stop_at_step or cfg.train.steps)
