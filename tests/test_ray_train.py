@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import servers
 from faults import KillLastWorker, train_process
 
 from mhf_dist.config import load_config
@@ -279,46 +280,11 @@ def test_a_damaged_client_state_is_one_line_and_what_a_worker_saves_reads_back(t
 @pytest.fixture
 def mlflow_server(tmp_path):
     """A real MLflow tracking server on 127.0.0.1 with a SQLite backend, stopped after the test."""
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--backend-store-uri",
-        f"sqlite:///{tmp_path / 'server.db'}",
-        "--default-artifact-root",
-        str(tmp_path / "artifacts"),
-        "--workers",
-        "1",
-    ]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("mlflow server did not start within 60 s")
-        yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    server = servers.MlflowServer(
+        f"sqlite:///{tmp_path / 'server.db'}", str(tmp_path / "artifacts"), tmp_path / "mlflow-server.log"
+    )
+    yield server.url
+    server.stop()
 
 
 def test_training_logs_every_step_once_to_a_real_mlflow_server(shards, tmp_path, mlflow_server, monkeypatch):

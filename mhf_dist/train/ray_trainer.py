@@ -48,7 +48,8 @@ from mhf_dist.train.checkpoints import (
 )
 from mhf_dist.train.engine import check_precision_supported
 from mhf_dist.train.trainable import TrainableSplit, config_split
-from mhf_dist.train.worker import STAGING_PREFIX, WorkerSpec, train_loop_per_worker
+from mhf_dist.train.worker import STAGING_PREFIX, train_loop_per_worker
+from mhf_dist.train.worker_spec import WorkerSpec
 
 if TYPE_CHECKING:
     from ray.train import Result

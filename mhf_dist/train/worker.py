@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from mhf_dist.config import Config, micro_batch_size
-from mhf_dist.console import WorkerLines
 from mhf_dist.data.reader import RowReader, step_batches, training_plan
 from mhf_dist.data.shards import read_manifest
 from mhf_dist.errors import TrainingError
@@ -57,6 +56,7 @@ from mhf_dist.train.engine import DeepSpeedStepper, uses_bf16
 from mhf_dist.train.hardware import default_peak_flops, live_tensor_bytes, peak_memory_bytes
 from mhf_dist.train.loop import Throughput, run_training
 from mhf_dist.train.trainable import apply_trainable
+from mhf_dist.train.worker_spec import WorkerSpec
 
 STAGING_PREFIX = ".staging-"  # each rank's checkpoint files before Ray Train copies them into place
 
@@ -138,28 +138,6 @@ def max_over_workers(values: dict[str, float]) -> dict[str, float]:
     tensor = torch.tensor(list(values.values()), dtype=torch.float64)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return dict(zip(values, tensor.tolist(), strict=True))
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What `ray_trainer.train` hands every worker (through Ray Train's train_loop_config)."""
-
-    config: Config  # data.path and topology.storage absolute or URIs: workers run in their own directories
-    data_sha256: str  # the content hash of the prepared data the driver checked: the workers train on it
-    run_dir: str  # a local path or a URI (`storage.Location`)
-    tracking_uri: str
-    run_id: str
-    init_from: str | None = None  # an exported model whose weights training starts from
-    resume_from: str | None = None  # a checkpoint directory (--resume)
-    stop_at_step: int | None = None
-    peak_tflops: float = 0.0  # per worker; 0: the device's known bf16 peak
-    verbose: bool = False
-    console: WorkerLines | None = None  # where rank 0's lines go; None: printed here (Ray forwards them)
-    callbacks: tuple[StepCallback, ...] = field(default_factory=tuple)  # before the built-in ones
-    registrations: dict[str, dict[str, Any]] = field(default_factory=dict)  # plugins.outside_registrations
-
-    def say(self, line: str) -> None:
-        (self.console or partial(print, flush=True))(line)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
