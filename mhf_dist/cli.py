@@ -516,6 +516,12 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
 )
 def cmd_generate(args: argparse.Namespace) -> None:
     """stream tokens from an exported model"""
+    shaping = {"--top-k": args.top_k > 0, "--top-p": args.top_p < 1, "--seed": args.seed is not None}
+    if not args.temperature and any(shaping.values()):
+        given = ", ".join(flag for flag, on in shaping.items() if on)
+        raise ConfigError(
+            f"{given} shape sampling, but --temperature 0 is greedy; give --temperature above 0"
+        )
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.eval.tasks import check_positions
         from mhf_dist.export import load_exported

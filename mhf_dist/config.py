@@ -318,7 +318,9 @@ class TrainConfig(StrictModel):
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
     keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (the newest)")
     eval_every: int = Field(0, ge=0, description="steps between validation passes (exact NLL); 0: at the end")
-    eval_rows: int = Field(0, ge=0, description="validation rows per pass; 0: the whole split")
+    eval_rows: int = Field(
+        0, ge=0, description="validation rows per pass; 0: the whole split (less rows % workers)"
+    )
     precision: Literal["auto", "fp32", "bf16", "bf16-pure"] = Field(
         "auto",
         description="auto: bf16 on GPUs, fp32 on CPUs; bf16: bf16 compute, fp32 master weights and Adam "

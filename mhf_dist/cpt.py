@@ -128,6 +128,11 @@ def expanded_tokenizer(
         raise TrainingError(
             "give exactly one of --tokenizer, --add-tokens or --train-new-tokens N --corpus C"
         )
+    if texts is not None and not train_new_tokens:
+        raise TrainingError(
+            "--corpus is the text --train-new-tokens N learns from; "
+            "leave it out with --tokenizer or --add-tokens"
+        )
     if tokenizer is not None:
         new = TextTokenizer.load(tokenizer)
         new.check_extends(parent)

@@ -157,6 +157,7 @@ def start_local_cluster(
             f"a local cluster is already recorded in {directory}; "
             f"stop it first (mhf cluster stop --dir {directory})"
         )
+    _check_gpus(workers + 1, gpus_per_node)
     if reachable(f"tcp://{HOST}:{dashboard_port}"):
         raise ClusterError(f"port {dashboard_port} is in use; pass another --dashboard-port")
     token = auth_token()
@@ -185,6 +186,20 @@ def start_local_cluster(
             stop_local_cluster(directory)
         raise
     return cluster
+
+
+def _check_gpus(nodes: int, per_node: int) -> None:
+    """Every node runs on this machine, so together they can use no more GPUs than it has (Ray would
+    advertise them anyway, and a GPU run would fail in its workers)."""
+    if not per_node:
+        return
+    import torch
+
+    if nodes * per_node > (present := torch.cuda.device_count()):
+        raise ClusterError(
+            f"--gpus-per-node {per_node} on {nodes} node(s) needs {nodes * per_node} GPUs, but this machine "
+            f"has {present}, shared by all its nodes; lower --gpus-per-node or --workers"
+        )
 
 
 def _add_node(cluster: LocalCluster, args: list[str], log: Path) -> LocalCluster:

@@ -159,6 +159,8 @@ def test_bad_expansions_are_one_line_errors(english_tokenizer, tmp_path):
         expanded_tokenizer(english_tokenizer, tokenizer=str(tmp_path / "other.json"))
     with pytest.raises(TrainingError, match="exactly one of"):
         expanded_tokenizer(english_tokenizer, add_tokens="a.txt", train_new_tokens=5)
+    with pytest.raises(TrainingError, match=r"^--corpus is the text --train-new-tokens N learns from; leave"):
+        expanded_tokenizer(english_tokenizer, add_tokens="a.txt", texts=lambda: ["never read"])
 
 
 def test_learned_tokens_are_appended_and_shorten_the_new_text(english_tokenizer):

@@ -287,6 +287,10 @@ def test_mhf_generate_streams_reproducible_samples(exported, capsys):
     assert capsys.readouterr().out == first and first.startswith("The")
     assert main([*args, "--top-p", "1.5"]) == 2
     assert "--top-p: '1.5': use a number above 0 and at most 1" in capsys.readouterr().err
+    assert main([*args, "--top-k", "20", "--seed", "7"]) == 2  # greedy: they would change nothing
+    assert capsys.readouterr().err == (
+        "error: --top-k, --seed shape sampling, but --temperature 0 is greedy; give --temperature above 0\n"
+    )
 
 
 TINY_TASK = """task: mhf_tiny_choice

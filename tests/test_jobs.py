@@ -65,11 +65,17 @@ def submit(cluster, tmp_path, monkeypatch, capsys):
     reset_auth_token_state()
 
 
-def test_the_cluster_has_a_head_and_a_worker_node_and_refuses_a_second_start(cluster):
+def test_the_cluster_has_a_head_and_a_worker_node_and_refuses_a_second_start(cluster, tmp_path):
     assert alive_nodes(cluster.dashboard_url, auth_token()) == 2
     assert cluster.address.startswith("127.0.0.1:") and cluster.dashboard_url.startswith("http://127.0.0.1:")
     with pytest.raises(ClusterError, match="already recorded"):
         start_local_cluster(cluster.directory)
+    import torch
+
+    more = torch.cuda.device_count() + 1
+    with pytest.raises(ClusterError, match=rf"^--gpus-per-node {more} on 1 node\(s\) needs {more} GPUs, but"):
+        start_local_cluster(tmp_path / "gpus", workers=0, gpus_per_node=more)
+    assert not (tmp_path / "gpus").exists()
 
 
 def test_a_failing_job_surfaces_its_error_and_a_nonzero_exit_and_its_id_stays_taken(submit, cluster):
