@@ -561,19 +561,26 @@ def load_config(source: str | Path | None = None, overrides: Overrides = ()) -> 
             f"preset={preset} cannot be set; choose the preset with {fix} (or a file's `preset:`)"
         )
     apply_overrides(raw, parsed)
-    return validate_config(raw)
-
-
-def validate_config(raw: Mapping[str, Any]) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_describe(err)) from None
+        # A problem no override touches (the key, inside it or around it) is the file's: the line names it.
+        key = ".".join(str(part) for part in err.errors()[0]["loc"])
+        touched = any(
+            not key or f"{key}.".startswith(f"{given}.") or given.startswith(f"{key}.") for given in parsed
+        )
+        named = f"{redact(str(source))}: " if _is_file(source or "") and not touched else ""
+        raise ConfigError(named + _describe(err)) from None
+
+
+def _is_file(source: str | Path) -> bool:
+    """A config source is a YAML file by its suffix, else a preset's name."""
+    return Path(source).suffix.lower() in (".yaml", ".yml")
 
 
 def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, Any]:
     """A preset by name, or a YAML file (local or in a bucket) with the `preset:` chain it names."""
-    if Path(source).suffix.lower() not in (".yaml", ".yml"):
+    if not _is_file(source):
         where = Location.of(PRESET_DIR / f"{source}.yaml")
         if not where.is_file():
             raise ConfigError(

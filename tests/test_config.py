@@ -340,13 +340,28 @@ def test_malformed_yaml_names_the_line_and_too_deep_a_nesting_is_one_line(tmp_pa
 def test_unknown_key_in_yaml_lists_the_allowed_keys(tmp_path):
     path = tmp_path / "typo.yaml"
     path.write_text("preset: tiny\ntrain:\n  stepz: 3\n")
-    with pytest.raises(ConfigError, match=r"unknown key 'train.stepz'; keys under train: seed, steps"):
+    with pytest.raises(
+        ConfigError, match=r"^\S+typo.yaml: unknown key 'train.stepz'; keys under train: seed"
+    ):
         load_config(path)
     path.write_text("preset: tiny\ntrain.steps: 3\n")  # a --set key written in a file: a top-level key
     with pytest.raises(
-        ConfigError, match=r"unknown key 'train.steps'; keys under the top level: preset, model"
+        ConfigError, match=r"typo.yaml: unknown key 'train.steps'; keys under the top level: preset, model"
     ):
         load_config(path)
+    # The file names itself where its own value is wrong; a --set that gave the value is named instead.
+    path.write_text("preset: tiny\ntrain: {steps: -3, seq_len: 100000}\n")
+    with pytest.raises(
+        ConfigError, match=r"^\S+typo.yaml: train.steps: Input should be greater than 0 \(got -3\)$"
+    ):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^train.steps: Input should be greater than 0 \(got -4\)$"):
+        load_config(path, ["train.steps=-4"])
+    path.write_text("preset: tiny\ntrain: {seq_len: 100000}\n")  # a rule across keys (config-wide)
+    with pytest.raises(ConfigError, match=r"^\S+typo.yaml: train.seq_len=100000 is above"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^train.seq_len=100000 is above"):  # the --set may be at fault
+        load_config(path, ["train.lr=0.1"])
 
 
 def test_a_file_without_a_preset_or_a_section_says_to_start_from_a_preset(tmp_path):
@@ -354,7 +369,8 @@ def test_a_file_without_a_preset_or_a_section_says_to_start_from_a_preset(tmp_pa
     path = tmp_path / "partial.yaml"
     path.write_text("train: {steps: 5}\n")
     with pytest.raises(
-        ConfigError, match=r"^missing section 'model'; start the file with `preset: NAME` \(one of .*tiny"
+        ConfigError,
+        match=r"partial.yaml: missing section 'model'; start the file with `preset: NAME` \(one of .*tiny",
     ):
         load_config(path)
 
