@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mhf_dist.config import INIT_NEW_ROWS, Config, ModelConfig
+from mhf_dist.data import recall
 from mhf_dist.data.shards import MANIFEST, file_sha256, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import TrainingError
@@ -173,6 +174,11 @@ def run_cpt(
     from mhf_dist.data.prepare import prepare, recorded_data
     from mhf_dist.train.ray_trainer import train
 
+    if recall.CORPUS in (cfg.data.corpus, cfg.data.replay.corpus):
+        raise TrainingError(
+            "recall rows have token ids of their own (k1.., v0..), not the parent's vocabulary grown; "
+            "give --data and --replay text corpora"
+        )
     check_writable_store(tracking_uri(cfg.topology.storage))  # before the prepare that starts Ray
     parent_dir = resolve_parent(parent_source)
     parent = load_exported(parent_dir)

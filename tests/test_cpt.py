@@ -320,6 +320,15 @@ def test_mhf_cpt_refuses_an_unknown_trainable_pattern_before_preparing(english_t
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "'backbone.layers.9.*' matches no parameter" in err
     assert err.count("\n") == 1 and not (storage / "mhf-cpt" / "data").exists()
+    for data in (
+        ["--data", "recall"],
+        ["--data", "builtin", "--replay", "recall", "--replay-fraction", "0.5"],
+    ):
+        code = main([*args[:3], *data, *args[5:], "--storage", str(storage)])
+        assert code == 2 and capsys.readouterr().err == (
+            "error: recall rows have token ids of their own (k1.., v0..), not the parent's vocabulary grown; "
+            "give --data and --replay text corpora\n"
+        )
 
 
 def test_mhf_cpt_reports_a_parent_that_is_no_model_in_one_line(tmp_path, capsys):
