@@ -21,7 +21,7 @@ from mhf_dist.config import INIT_NEW_ROWS, Config, ModelConfig
 from mhf_dist.data import recall
 from mhf_dist.data.shards import MANIFEST, file_sha256, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
-from mhf_dist.errors import TrainingError
+from mhf_dist.errors import DataError, TrainingError
 from mhf_dist.export import CONFIG_FILE, WEIGHTS_FILE, ExportedModel, export_model, load_exported
 from mhf_dist.files import write_json_atomic
 from mhf_dist.models import build_model, param_count
@@ -29,7 +29,7 @@ from mhf_dist.models.base import CausalLM
 from mhf_dist.models.registry import resolved_config
 from mhf_dist.readers import read_json, read_text
 from mhf_dist.signatures import SignatureTable, check_same_table
-from mhf_dist.storage import Location, local_copy
+from mhf_dist.storage import Location, local_copy, redact
 from mhf_dist.tracking import check_writable_store, tracking_uri
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 from mhf_dist.train.trainable import AUTHORS_VE, authors_ve_trainable, trainable_split
@@ -140,7 +140,10 @@ def expanded_tokenizer(
         return new
     if add_tokens is not None:
         text = read_text(add_tokens, TrainingError, "give --add-tokens a UTF-8 file, one new token per line")
-        return parent.with_added_tokens([line for line in text.splitlines() if line.strip()])
+        try:
+            return parent.with_added_tokens([line for line in text.splitlines() if line.strip()])
+        except DataError as err:
+            raise DataError(f"{redact(add_tokens)}: {err}") from None
     if texts is None:
         raise TrainingError("--train-new-tokens needs --corpus: the text the new tokens are learned from")
     return parent.with_trained_tokens(texts(), train_new_tokens)

@@ -151,8 +151,11 @@ def test_bad_expansions_are_one_line_errors(english_tokenizer, tmp_path):
     existing = english_tokenizer.vocabulary()[100]
     with pytest.raises(DataError, match=f"token {existing!r} is already in the vocabulary"):
         english_tokenizer.with_added_tokens([existing])
-    with pytest.raises(DataError, match=r"^token 'zebrafish' is listed twice; list each new token once$"):
-        english_tokenizer.with_added_tokens(["zebrafish", "zebrafish"])
+    (tmp_path / "new.txt").write_text("zebrafish\n\nzebrafish\n")
+    with pytest.raises(
+        DataError, match=r"new.txt: token 'zebrafish' is listed twice; list each new token once$"
+    ):
+        expanded_tokenizer(english_tokenizer, add_tokens=str(tmp_path / "new.txt"))
     other = TextTokenizer.train_bpe(builtin_documents()[40:60], 320)
     other.save(tmp_path / "other.json")
     with pytest.raises(DataError, match=r"renumbers old token .* append new tokens after"):
