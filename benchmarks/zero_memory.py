@@ -25,7 +25,7 @@ from pathlib import Path
 
 from common import write_results
 
-from mhf_dist.config import load_config, validate_config
+from mhf_dist.config import Config, load_config
 from mhf_dist.data.prepare import prepare
 from mhf_dist.models import param_count
 from mhf_dist.plan import Cluster, largest_layer_params, model_state_bytes
@@ -45,7 +45,7 @@ def estimate_gb(params: int, largest: int, stage: int, workers: int) -> float:
 
 def measure_stage(cfg, stage: int, workers: int, gpus: int, workdir: Path) -> dict:
     topology = {"workers": workers, "gpus_per_worker": gpus, "zero_stage": stage, "storage": str(workdir)}
-    run_cfg = validate_config({**cfg.model_dump(), "topology": topology})
+    run_cfg = Config.model_validate({**cfg.model_dump(), "topology": topology})
     history = read_history(train(run_cfg, TrainOptions(name=f"zero{stage}")).checkpoint)
     timed = history[1:] or history
     step_s = statistics.median(h["step_time"] for h in timed)

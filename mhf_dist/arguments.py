@@ -131,7 +131,8 @@ def _corpus(text: str) -> str:
         return check_corpus(text)
     if text in (BUILTIN_NAME, RECALL) or glob.has_magic(text):
         return text
-    return _path(text, "file or directory")
+    path = _path(text, "file or directory")
+    return f"./{path}" if path in (BUILTIN_NAME, RECALL) else path  # a folder `./recall`, not the corpus
 
 
 COUNT = number("use a whole number of at least 1", ge=1)

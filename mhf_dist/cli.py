@@ -395,9 +395,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_cpt(args: argparse.Namespace) -> None:
     """continued pretraining with an expanded vocabulary (mhf: zero new parameters)"""
     with interrupts.importing():  # torch, loaded by these
-        from mhf_dist.cpt import expanded_tokenizer, run_cpt
+        from mhf_dist.cpt import check_expansion, expanded_tokenizer, run_cpt
         from mhf_dist.data.corpus import corpus_texts
 
+    check_expansion(args.tokenizer, args.add_tokens, args.train_new_tokens or 0, args.corpus is not None)
     cfg = _config(args)
 
     def new_tokenizer(parent: TextTokenizer) -> TextTokenizer:
@@ -509,18 +510,24 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
     arg("--model", kinds.DIRECTORY, EXPORTED_MODEL, required=True),
     arg("--prompt", kinds.TEXT, "the text to continue", required=True),
     with_default("--max-new-tokens", kinds.COUNT, "tokens to add", 64),
-    arg("--temperature", kinds.NON_NEGATIVE, "0 is greedy (default)", default=0.0),
+    arg(
+        "--temperature",
+        kinds.NON_NEGATIVE,
+        "0: greedy (default); --top-k/--top-p/--seed need more",
+        default=0.0,
+    ),
     arg("--top-k", kinds.NATURAL, "sample from the k likeliest; 0: all", default=0),
     arg("--top-p", kinds.PROBABILITY, "sample from the nucleus of this mass; 1: all", default=1.0),
     arg("--seed", kinds.SEED, "seed for reproducible sampling"),
 )
 def cmd_generate(args: argparse.Namespace) -> None:
     """stream tokens from an exported model"""
-    shaping = {"--top-k": args.top_k > 0, "--top-p": args.top_p < 1, "--seed": args.seed is not None}
-    if not args.temperature and any(shaping.values()):
-        given = ", ".join(flag for flag, on in shaping.items() if on)
+    sampling_only = {"--top-k": args.top_k > 0, "--top-p": args.top_p < 1, "--seed": args.seed is not None}
+    if not args.temperature and any(sampling_only.values()):
+        given = ", ".join(flag for flag, on in sampling_only.items() if on)
         raise ConfigError(
-            f"{given} shape sampling, but --temperature 0 is greedy; give --temperature above 0"
+            f"{given} only apply when sampling and --temperature 0 is greedy; give --temperature above 0 "
+            "or leave them out"
         )
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.eval.tasks import check_positions

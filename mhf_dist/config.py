@@ -319,7 +319,7 @@ class TrainConfig(StrictModel):
     keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (the newest)")
     eval_every: int = Field(0, ge=0, description="steps between validation passes (exact NLL); 0: at the end")
     eval_rows: int = Field(
-        0, ge=0, description="validation rows per pass; 0: the whole split (less rows % workers)"
+        0, ge=0, description="validation rows per pass (0: the whole split), less the last rows % workers"
     )
     precision: Literal["auto", "fp32", "bf16", "bf16-pure"] = Field(
         "auto",
@@ -564,13 +564,30 @@ def load_config(source: str | Path | None = None, overrides: Overrides = ()) -> 
     try:
         return Config.model_validate(raw)
     except ValidationError as err:
-        # A problem no override touches (the key, inside it or around it) is the file's: the line names it.
-        key = ".".join(str(part) for part in err.errors()[0]["loc"])
-        touched = any(
-            not key or f"{key}.".startswith(f"{given}.") or given.startswith(f"{key}.") for given in parsed
-        )
-        named = f"{redact(str(source))}: " if _is_file(source or "") and not touched else ""
+        # A problem at a key no override touches (the key, inside it or around it) is a file's: the line
+        # names the file that sets it. A rule across sections names its keys, whoever gave them.
+        key, _ = first_problem(err)
+        touched = any(f"{key}.".startswith(f"{given}.") or given.startswith(f"{key}.") for given in parsed)
+        named = f"{_file_setting(source, key)}: " if _is_file(source or "") and key and not touched else ""
         raise ConfigError(named + _describe(err)) from None
+
+
+def _file_setting(source: str | Path, key: str) -> str:
+    """The file of `source`'s `preset:` chain that sets `key` (the nearest to `source` wins the merge), or
+    `source` where none does (a missing key)."""
+    where: Any = source
+    while _is_file(where):
+        raw = read_yaml(Location.of(where), ConfigError, "fix the YAML syntax")
+        value = raw
+        for part in key.split("."):
+            if isinstance(value, list) and part.isdigit() and int(part) < len(value):
+                value = value[int(part)]
+            else:
+                value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            return redact(str(where))
+        where = (raw.get("preset") or "") if isinstance(raw, dict) else ""
+    return redact(str(source))
 
 
 def _is_file(source: str | Path) -> bool:

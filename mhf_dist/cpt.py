@@ -125,15 +125,7 @@ def expanded_tokenizer(
     texts: Callable[[], Sequence[str]] | None = None,
 ) -> TextTokenizer:
     """Exactly one way: a new tokenizer.json extending the parent's, a file of tokens, or N learned ones."""
-    if sum([tokenizer is not None, add_tokens is not None, train_new_tokens > 0]) != 1:
-        raise TrainingError(
-            "give exactly one of --tokenizer, --add-tokens or --train-new-tokens N --corpus C"
-        )
-    if texts is not None and not train_new_tokens:
-        raise TrainingError(
-            "--corpus is the text --train-new-tokens N learns from; "
-            "leave it out with --tokenizer or --add-tokens"
-        )
+    check_expansion(tokenizer, add_tokens, train_new_tokens, texts is not None)
     if tokenizer is not None:
         new = TextTokenizer.load(tokenizer)
         new.check_extends(parent)
@@ -144,9 +136,24 @@ def expanded_tokenizer(
             return parent.with_added_tokens([line for line in text.splitlines() if line.strip()])
         except DataError as err:
             raise DataError(f"{redact(add_tokens)}: {err}") from None
-    if texts is None:
-        raise TrainingError("--train-new-tokens needs --corpus: the text the new tokens are learned from")
     return parent.with_trained_tokens(texts(), train_new_tokens)
+
+
+def check_expansion(
+    tokenizer: str | None, add_tokens: str | None, train_new_tokens: int, corpus: bool
+) -> None:
+    """The flags of one way to grow the vocabulary (before the parent is loaded)."""
+    if sum([tokenizer is not None, add_tokens is not None, train_new_tokens > 0]) != 1:
+        raise TrainingError(
+            "give exactly one of --tokenizer, --add-tokens or --train-new-tokens N --corpus C"
+        )
+    if train_new_tokens and not corpus:
+        raise TrainingError("--train-new-tokens needs --corpus: the text the new tokens are learned from")
+    if corpus and not train_new_tokens:
+        raise TrainingError(
+            "--corpus is the text --train-new-tokens N learns from; "
+            "leave it out with --tokenizer or --add-tokens"
+        )
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mhf_dist.errors import MhfError
 from mhf_dist.files import write_json_atomic
-from mhf_dist.interrupts import deferred
+from mhf_dist.interrupts import deferred, importing
 from mhf_dist.readers import read_record
 from mhf_dist.storage import reachable
 
@@ -93,10 +93,11 @@ def auth_token() -> str:
     return generated.stdout.strip().splitlines()[-1]
 
 
-def _ray_start(args: list[str], log: Path) -> int:
+def _ray_start(args: list[str], log: Path, devices: dict[str, str]) -> int:
     command = [_ray_command(), "start", "--block", "--disable-usage-stats", *args]
     env = {
         **os.environ,
+        **devices,  # the node's own GPUs
         # Jobs' entrypoints (`mhf ...`) resolve on the nodes' PATH: this Python's environment first.
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         AUTH_MODE_VARIABLE: "token",
@@ -157,7 +158,7 @@ def start_local_cluster(
             f"a local cluster is already recorded in {directory}; "
             f"stop it first (mhf cluster stop --dir {directory})"
         )
-    _check_gpus(workers + 1, gpus_per_node)
+    devices = _gpu_slices(workers + 1, gpus_per_node)
     if reachable(f"tcp://{HOST}:{dashboard_port}"):
         raise ClusterError(f"port {dashboard_port} is in use; pass another --dashboard-port")
     token = auth_token()
@@ -176,11 +177,12 @@ def start_local_cluster(
     )
     _write_state(cluster)  # from here on, whatever stops the start-up stops what it started
     try:
-        cluster = _add_node(cluster, head, logs / "head.log")
+        cluster = _add_node(cluster, head, logs / "head.log", devices[0])
         _wait_for_nodes(cluster, 1, token, timeout)
         for index in range(workers):
             worker = ["--address", cluster.address, "--temp-dir", str(Path(temp_dir) / f"worker-{index}")]
-            cluster = _add_worker(cluster, [*worker, *node], logs / f"worker-{index}.log", token, timeout)
+            log = logs / f"worker-{index}.log"
+            cluster = _add_worker(cluster, [*worker, *node], log, devices[index + 1], token, timeout)
     except BaseException:
         with deferred("while stopping the started nodes"):  # a second Ctrl-C waits for them
             stop_local_cluster(directory)
@@ -188,34 +190,47 @@ def start_local_cluster(
     return cluster
 
 
-def _check_gpus(nodes: int, per_node: int) -> None:
-    """Every node runs on this machine, so together they can use no more GPUs than it has (Ray would
-    advertise them anyway, and a GPU run would fail in its workers)."""
+def _gpu_slices(nodes: int, per_node: int) -> list[dict[str, str]]:
+    """Each node's CUDA_VISIBLE_DEVICES: its own `per_node` of this machine's GPUs (every node would
+    otherwise hand out GPUs 0..per_node-1 to its workers, the same ones)."""
     if not per_node:
-        return
-    import torch
+        return [{}] * nodes
+    with importing():
+        import torch
 
-    if nodes * per_node > (present := torch.cuda.device_count()):
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    ids = ids[: torch.cuda.device_count()]
+    if nodes * per_node > len(ids):
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        fix = "lower --gpus-per-node or --workers" if ids else "leave --gpus-per-node out"
         raise ClusterError(
             f"--gpus-per-node {per_node} on {nodes} node(s) needs {nodes * per_node} GPUs, but this machine "
-            f"has {present}, shared by all its nodes; lower --gpus-per-node or --workers"
+            f"has {len(ids)}{shown}; {fix}"
         )
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(ids[i * per_node : (i + 1) * per_node])} for i in range(nodes)]
 
 
-def _add_node(cluster: LocalCluster, args: list[str], log: Path) -> LocalCluster:
+def _add_node(cluster: LocalCluster, args: list[str], log: Path, devices: dict[str, str]) -> LocalCluster:
     """Start one node and record it (no interrupt in between, which would leave it unrecorded)."""
     with deferred("while starting a node"):
-        cluster = cluster.model_copy(update={"pids": [*cluster.pids, _ray_start(args, log)]})
+        cluster = cluster.model_copy(update={"pids": [*cluster.pids, _ray_start(args, log, devices)]})
         _write_state(cluster)
     return cluster
 
 
 def _add_worker(
-    cluster: LocalCluster, args: list[str], log: Path, token: str, timeout: float, retries: int = 1
+    cluster: LocalCluster,
+    args: list[str],
+    log: Path,
+    devices: dict[str, str],
+    token: str,
+    timeout: float,
+    retries: int = 1,
 ) -> LocalCluster:
     """Start a worker node and wait for it. Ray gives a node 30 s to register with the GCS, which a loaded
     host can miss: a worker that exits during start-up is started once more (its log `*.retry.log`)."""
-    started = _add_node(cluster, [*args, *_node_ports()], log)
+    started = _add_node(cluster, [*args, *_node_ports()], log, devices)
     try:
         _wait_for_nodes(started, len(started.pids), token, timeout)
     except NodeExited:
@@ -224,7 +239,7 @@ def _add_worker(
         with deferred("while removing a node that exited"):
             _signal_group(started.pids[-1], signal.SIGKILL)  # what it started
             _write_state(cluster)
-        return _add_worker(cluster, args, log.with_suffix(".retry.log"), token, timeout, retries - 1)
+        return _add_worker(cluster, args, log.with_suffix(".retry.log"), devices, token, timeout, retries - 1)
     return started
 
 

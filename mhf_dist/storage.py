@@ -217,6 +217,8 @@ def local_path(text: str) -> Path:
     path = text
     if text[:5].lower() == "file:":
         parts = urlsplit(text)
+        if "@" in parts.netloc:  # user info, perhaps a secret: not echoed
+            raise StorageError(f"{redact(text)!r}: a file: URI takes no user; write file:///ABSOLUTE/PATH")
         if parts.netloc.lower() not in ("", "localhost") or not parts.path.startswith("/"):
             raise StorageError(f"{text!r} is no absolute path on this machine; write file:///ABSOLUTE/PATH")
         if parts.query or parts.fragment:

@@ -349,19 +349,50 @@ def test_unknown_key_in_yaml_lists_the_allowed_keys(tmp_path):
         ConfigError, match=r"typo.yaml: unknown key 'train.steps'; keys under the top level: preset, model"
     ):
         load_config(path)
-    # The file names itself where its own value is wrong; a --set that gave the value is named instead.
-    path.write_text("preset: tiny\ntrain: {steps: -3, seq_len: 100000}\n")
-    with pytest.raises(
-        ConfigError, match=r"^\S+typo.yaml: train.steps: Input should be greater than 0 \(got -3\)$"
-    ):
-        load_config(path)
-    with pytest.raises(ConfigError, match=r"^train.steps: Input should be greater than 0 \(got -4\)$"):
-        load_config(path, ["train.steps=-4"])
-    path.write_text("preset: tiny\ntrain: {seq_len: 100000}\n")  # a rule across keys (config-wide)
-    with pytest.raises(ConfigError, match=r"^\S+typo.yaml: train.seq_len=100000 is above"):
-        load_config(path)
-    with pytest.raises(ConfigError, match=r"^train.seq_len=100000 is above"):  # the --set may be at fault
-        load_config(path, ["train.lr=0.1"])
+
+
+@pytest.mark.parametrize(
+    ("files", "overrides", "line"),
+    [
+        ({"a": "train: {steps: -3}"}, [], "a.yaml: train.steps: Input should be greater than 0 (got -3)"),
+        (
+            {"a": "train: {steps: -3}"},
+            ["train.steps=-4"],
+            "train.steps: Input should be greater than 0 (got -4)",
+        ),
+        (
+            {"a": "train: {steps: -3}"},
+            ["train.lr=0.1"],
+            "a.yaml: train.steps: Input should be greater than 0",
+        ),
+        ({"a": "train: {steps: -3}"}, ["train={steps: -4}"], "train.steps: Input should be greater than 0"),
+        # a rule over a section that an override inside it may break; one across sections names its keys
+        ({"a": "model: {hash: {num_lsh: 2, scheme: murmur32}}"}, [], "a.yaml: model.hash: num_lsh=2 needs"),
+        ({"a": "model: {hash: {num_lsh: 2}}"}, ["model.hash.scheme=murmur32"], "model.hash: num_lsh=2 needs"),
+        ({"a": "train: {seq_len: 100000}"}, [], "train.seq_len=100000 is above"),
+        # in a `preset:` chain, the file that sets the key
+        (
+            {"a": "preset: b.yaml\ntrain: {lr: 0.1}", "b": "train: {steps: -3}"},
+            [],
+            "b.yaml: train.steps: Input",
+        ),
+        (
+            {"a": "preset: b.yaml\ntrain: {steps: -3}", "b": "train: {steps: -2}"},
+            [],
+            "a.yaml: train.steps: Input",
+        ),
+    ],
+)
+def test_a_files_own_mistake_names_the_file_that_makes_it_and_an_overrides_names_none(
+    files, overrides, line, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # a `preset:` path is from the working directory
+    for name, text in files.items():
+        preset = "" if text.startswith("preset:") else "preset: tiny\n"
+        (tmp_path / f"{name}.yaml").write_text(preset + text + "\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config("a.yaml", overrides)
+    assert str(refused.value).startswith(line), refused.value
 
 
 def test_a_file_without_a_preset_or_a_section_says_to_start_from_a_preset(tmp_path):

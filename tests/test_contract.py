@@ -244,6 +244,15 @@ def test_a_good_value_is_taken(command, argument, text, ws, nothing_runs):
     assert nothing_runs == ["cmd_" + command.replace("-", "_")]
 
 
+def test_a_folder_named_like_a_built_in_corpus_is_read_as_the_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("recall", "builtin"):
+        (tmp_path / name).mkdir()
+        assert (kinds.CORPUS(f"./{name}"), kinds.CORPUS(f"{name}/"), kinds.CORPUS(name)) == (
+            f"./{name}",
+        ) * 2 + (name,)
+
+
 def with_argument(argv: list[str], argument: str, text: str) -> list[str]:
     """`argv` with `argument` (a flag, or the one positional) given `text`."""
     if not argument.startswith("-"):

@@ -323,15 +323,35 @@ def test_mhf_cpt_refuses_an_unknown_trainable_pattern_before_preparing(english_t
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "'backbone.layers.9.*' matches no parameter" in err
     assert err.count("\n") == 1 and not (storage / "mhf-cpt" / "data").exists()
-    for data in (
-        ["--data", "recall"],
-        ["--data", "builtin", "--replay", "recall", "--replay-fraction", "0.5"],
+
+
+def test_mhf_cpt_refuses_what_it_cannot_use_before_reading_the_parent(tmp_path, capsys):
+    """Flags it would ignore and recall data (its rows have ids of their own) are refused first: the
+    parent here is no model, which would be the line if it were read."""
+    from mhf_dist.cli import main
+
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "new.txt").write_text("new\n")
+    grow = ["--add-tokens", str(tmp_path / "new.txt")]
+    recall = (
+        "error: recall rows have token ids of their own (k1.., v0..), not the parent's vocabulary grown; "
+    )
+    for argv, line in (
+        (
+            [*grow, "--corpus", "builtin"],
+            "error: --corpus is the text --train-new-tokens N learns from; leave",
+        ),
+        (["--train-new-tokens", "5"], "error: --train-new-tokens needs --corpus: the text"),
+        ([*grow, "--data", "recall"], recall),
+        ([*grow, "--replay", "recall", "--replay-fraction", "0.5"], recall),
     ):
-        code = main([*args[:3], *data, *args[5:], "--storage", str(storage)])
-        assert code == 2 and capsys.readouterr().err == (
-            "error: recall rows have token ids of their own (k1.., v0..), not the parent's vocabulary grown; "
-            "give --data and --replay text corpora\n"
+        data = [] if "--data" in argv else ["--data", "builtin"]
+        code = main(
+            ["cpt", "--from", str(tmp_path / "nothing"), *data, *argv, "--storage", str(tmp_path / "s")]
         )
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(line) and err.count("\n") == 1, err
+    assert not (tmp_path / "s").exists()
 
 
 def test_mhf_cpt_reports_a_parent_that_is_no_model_in_one_line(tmp_path, capsys):

@@ -287,10 +287,15 @@ def test_mhf_generate_streams_reproducible_samples(exported, capsys):
     assert capsys.readouterr().out == first and first.startswith("The")
     assert main([*args, "--top-p", "1.5"]) == 2
     assert "--top-p: '1.5': use a number above 0 and at most 1" in capsys.readouterr().err
-    assert main([*args, "--top-k", "20", "--seed", "7"]) == 2  # greedy: they would change nothing
-    assert capsys.readouterr().err == (
-        "error: --top-k, --seed shape sampling, but --temperature 0 is greedy; give --temperature above 0\n"
-    )
+    for flags, named in (
+        (["--top-k", "20", "--seed", "7"], "--top-k, --seed"),
+        (["--top-p", "0.9", "--temperature", "0"], "--top-p"),
+    ):
+        assert main([*args, *flags]) == 2  # greedy: they would change nothing
+        assert capsys.readouterr().err == (
+            f"error: {named} only apply when sampling and --temperature 0 is greedy; give --temperature "
+            "above 0 or leave them out\n"
+        )
 
 
 TINY_TASK = """task: mhf_tiny_choice

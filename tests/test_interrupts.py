@@ -242,7 +242,9 @@ def test_an_interrupted_cluster_start_leaves_no_node_running(moment, tmp_path, m
     started = []
     write_state = local_cluster._write_state
 
-    def start_node(args, log):  # a stand-in node: a process in a session of its own, as Ray's are, with
+    def start_node(
+        args, log, devices
+    ):  # a stand-in node: a process in a session of its own, as Ray's are, with
         # their arguments (a stop signals only a process whose --temp-dir is the cluster's)
         process = subprocess.Popen(
             [sys.executable, "-c", "import time; time.sleep(60)", *args], start_new_session=True
@@ -275,7 +277,7 @@ def test_a_worker_node_that_exits_during_start_up_is_started_once_more(tmp_path,
     exits, and the cluster starts it again rather than failing."""
     started, logs = [], []
 
-    def start_node(args, log):  # stand-in nodes; the first worker exits at once
+    def start_node(args, log, devices):  # stand-in nodes; the first worker exits at once
         exits = "--address" in args and not any("--address" in process.args for process in started)
         code = "pass" if exits else "import time; time.sleep(60)"
         process = subprocess.Popen([sys.executable, "-c", code, *args], start_new_session=True)

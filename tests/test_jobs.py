@@ -65,17 +65,58 @@ def submit(cluster, tmp_path, monkeypatch, capsys):
     reset_auth_token_state()
 
 
-def test_the_cluster_has_a_head_and_a_worker_node_and_refuses_a_second_start(cluster, tmp_path):
+def test_the_cluster_has_a_head_and_a_worker_node_and_refuses_a_second_start(cluster):
     assert alive_nodes(cluster.dashboard_url, auth_token()) == 2
     assert cluster.address.startswith("127.0.0.1:") and cluster.dashboard_url.startswith("http://127.0.0.1:")
     with pytest.raises(ClusterError, match="already recorded"):
         start_local_cluster(cluster.directory)
+
+
+def test_each_local_node_gets_gpus_of_its_own_and_more_than_the_machine_has_are_refused(
+    tmp_path, monkeypatch
+):
+    """Nodes on one machine would each hand out GPUs 0..n-1: each `ray start` sees its own slice."""
+    import subprocess
+    import sys
+
     import torch
 
-    more = torch.cuda.device_count() + 1
-    with pytest.raises(ClusterError, match=rf"^--gpus-per-node {more} on 1 node\(s\) needs {more} GPUs, but"):
-        start_local_cluster(tmp_path / "gpus", workers=0, gpus_per_node=more)
-    assert not (tmp_path / "gpus").exists()
+    from mhf_dist import local_cluster
+
+    given, nodes = [], []
+
+    def start_node(args, log, devices):  # stand-in nodes (`stop` knows a node by its arguments)
+        given.append(devices)
+        sleep = [sys.executable, "-c", "import time; time.sleep(60)", *args]
+        nodes.append(subprocess.Popen(sleep, start_new_session=True))
+        return nodes[-1].pid
+
+    monkeypatch.setattr(local_cluster, "auth_token", lambda: "token")
+    monkeypatch.setattr(local_cluster, "_ray_start", start_node)
+    monkeypatch.setattr(local_cluster, "alive_nodes", lambda *_: len(nodes))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(
+        ClusterError, match=r"^--gpus-per-node 3 on 2 node\(s\) needs 6 GPUs, but this machine has 4; "
+    ):
+        start_local_cluster(tmp_path / "refused", workers=1, gpus_per_node=3)
+    assert not (tmp_path / "refused").exists() and not given
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(
+        ClusterError, match=r"needs 2 GPUs, but this machine has 0; leave --gpus-per-node out$"
+    ):
+        start_local_cluster(tmp_path / "refused", workers=1, gpus_per_node=1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    for visible, per_node in ((None, 2), ("5,7,9", 1)):
+        if visible:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        start_local_cluster(
+            tmp_path / str(per_node), workers=1, gpus_per_node=per_node, dashboard_port=free_port()
+        )
+        stop_local_cluster(tmp_path / str(per_node))
+    assert [devices["CUDA_VISIBLE_DEVICES"] for devices in given] == ["0,1", "2,3", "5", "7"]
+    for node in nodes:
+        node.wait(timeout=30)
 
 
 def test_a_failing_job_surfaces_its_error_and_a_nonzero_exit_and_its_id_stays_taken(submit, cluster):

@@ -89,6 +89,8 @@ def test_seeded_sampling_is_reproducible_and_filters_apply(small_cfg, small_tabl
         logprobs, _ = model.next_token_logprobs(torch.tensor([[1, 2, 3]]), None)
     top1 = int(logprobs.argmax())
     assert set(generate(model, [1, 2, 3], 1, Sampling(temperature=1.0, top_k=1, seed=0))) == {top1}
+    # a temperature so small that the scores would overflow: greedy in effect, not nan
+    assert list(generate(model, [1, 2, 3], 1, Sampling(temperature=1e-40, seed=0))) == [top1]
 
 
 RAGGED_PROMPTS = [[7, 41, 3, 99, 250], [12], [5, 5, 180, 64, 2, 77, 31, 9], [201, 8, 140]]

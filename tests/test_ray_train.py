@@ -99,6 +99,33 @@ PEAK_TFLOPS = 0.05  # per worker, as --peak-tflops gives it: MFU is measured aga
 TRAIN_AND_EVAL = ("train.steps=20", "train.eval_every=10", "train.eval_rows=41", "train.checkpoint_every=10")
 
 
+def test_ray_trains_controller_is_handed_nothing_that_imports_the_model_code(tmp_path):
+    """Ray Train's controller unpickles the trainer's run context (the train function reaches it as an
+    object reference it never opens): the spec rides in the function, so no fit's controller spends seconds
+    importing transformers and the models."""
+    import subprocess
+    import sys
+
+    import cloudpickle
+
+    from mhf_dist.train.ray_trainer import _trainer
+    from mhf_dist.train.worker import WorkerSpec
+
+    cfg = load_config("tiny")
+    spec = WorkerSpec(cfg, "0" * 64, str(tmp_path), f"sqlite:///{tmp_path / 'mlflow.db'}", "run")
+    trainer = _trainer(spec, cfg, TrainOptions(), Location.of(tmp_path), None)
+    imported = (
+        "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
+        "print([m for m in ('transformers', 'mhf_dist.models', 'mhf_dist.train.worker') if m in sys.modules])"
+    )
+    unpickled = subprocess.run(
+        [sys.executable, "-c", imported],
+        input=cloudpickle.dumps(trainer.train_run_context),
+        capture_output=True,
+    )
+    assert unpickled.returncode == 0 and unpickled.stdout == b"[]\n", unpickled.stderr[-2000:]
+
+
 # Stages 1 (the MLflow server test) and 0 (resume) train mhf over qwen3; these two train the
 # triple-latent family's standard form, and mhf on the exact-V objective under ZeRO-3, where the decoder
 # reads the encoder's partitioned table (tied, registered in both modules so both gather it).

@@ -217,6 +217,15 @@ def test_bad_sweep_files_are_one_line_errors(raw, message):
     assert "\n" not in str(caught.value)
 
 
+def test_a_sweeps_set_may_be_what_makes_its_config_file_valid(tmp_path):
+    config = tmp_path / "long.yaml"
+    config.write_text("preset: tiny\ntrain: {seq_len: 8192}\n")  # above the preset's 4096 positions
+    for kind, extra in (("seeds", {}), ("grid", {"grid": {"train.lr": [0.01]}})):
+        spec = parse_sweep({"name": "x", "kind": kind, "config": str(config),
+                            "set": {"model.backbone.max_position_embeddings": 8192}, **extra})  # fmt: skip
+        assert [trial.family for trial in expand_trials(spec)] == ["mhf"]  # the tiny preset's
+
+
 def test_a_missing_sweep_file_is_a_one_line_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_sweep(tmp_path / "nope.yaml")

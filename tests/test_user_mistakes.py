@@ -216,6 +216,7 @@ def test_lm_eval_never_reads_past_the_models_positions(byte_model):
             "'file://otherhost/runs' is no absolute path on this machine; write file:///",
         ),
         ("file:runs", "'file:runs' is no absolute path on this machine"),
+        ("file://me:s3cret@localhost/x", r"'file://localhost/x': a file: URI takes no user; write file:///"),
         ("file:///x/run#1", r"a file: URI keeps no \? or #; write them as %3F and %23"),
         ("file:///x/%00", r"'file:///x/%00' holds a NUL byte \(%00\), which no path may; remove it"),
         ("az:/container/x", r"'az:/container/x' is missing a slash of az://: write az://container/x, or"),

@@ -39,7 +39,8 @@ def choose_next(
     """Pick one id per row of log-probabilities [B, V]."""
     if sampling.temperature == 0:
         return logprobs.argmax(-1)
-    scores = logprobs / sampling.temperature
+    # From the row's best, so a tiny temperature sends the rest to -inf, never the best to +inf (nan).
+    scores = (logprobs - logprobs.amax(-1, keepdim=True)) / sampling.temperature
     if sampling.top_k:
         kth = scores.topk(min(sampling.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -294,11 +294,20 @@ def expand_trials(spec: SweepConfig) -> list[Trial]:
     for overrides, group in variants:
         for seed in spec.seeds:
             trial_overrides = {**spec.set, **overrides, "train.seed": seed}
-            family = trial_overrides.get("model.family") or load_config(spec.config).model.family
+            family = trial_overrides.get("model.family") or _family(spec.config, trial_overrides)
             group = group or family
             name = re.sub(r"[^A-Za-z0-9._=,-]+", "_", f"{group}-seed{seed}")
             trials.append(Trial(name, group, family, seed, trial_overrides))
     return trials
+
+
+def _family(config: str, overrides: dict[str, Any]) -> str:
+    """The trial's model family: its config's with its overrides (which may be what makes the config
+    valid); a trial config that does not resolve is `trial_configs`' to report, naming the trial."""
+    try:
+        return load_config(config, overrides).model.family
+    except ConfigError:
+        return load_config(config).model.family
 
 
 def family_groups(families: list[str | FamilyVariant]) -> list[tuple[dict[str, Any], str]]:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -48,8 +49,7 @@ from mhf_dist.train.checkpoints import (
 )
 from mhf_dist.train.engine import check_precision_supported
 from mhf_dist.train.trainable import TrainableSplit, config_split
-from mhf_dist.train.worker import STAGING_PREFIX, train_loop_per_worker
-from mhf_dist.train.worker_spec import WorkerSpec
+from mhf_dist.train.worker import STAGING_PREFIX, WorkerSpec, train_loop_per_worker
 
 if TYPE_CHECKING:
     from ray.train import Result
@@ -209,8 +209,7 @@ def _trainer(
 
     gpus = cfg.topology.gpus_per_worker
     return TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"spec": spec},
+        partial(train_loop_per_worker, spec),
         scaling_config=ScalingConfig(
             num_workers=cfg.topology.workers,
             use_gpu=gpus > 0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from mhf_dist.config import Config, micro_batch_size
+from mhf_dist.console import WorkerLines
 from mhf_dist.data.reader import RowReader, step_batches, training_plan
 from mhf_dist.data.shards import read_manifest
 from mhf_dist.errors import TrainingError
@@ -56,7 +57,6 @@ from mhf_dist.train.engine import DeepSpeedStepper, uses_bf16
 from mhf_dist.train.hardware import default_peak_flops, live_tensor_bytes, peak_memory_bytes
 from mhf_dist.train.loop import Throughput, run_training
 from mhf_dist.train.trainable import apply_trainable
-from mhf_dist.train.worker_spec import WorkerSpec
 
 STAGING_PREFIX = ".staging-"  # each rank's checkpoint files before Ray Train copies them into place
 
@@ -140,13 +140,35 @@ def max_over_workers(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(values, tensor.tolist(), strict=True))
 
 
-def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What `ray_trainer.train` hands every worker, bound into the train function: Ray Train's controller
+    unpickles the train_loop_config but not the function, so it never imports this module's model code."""
+
+    config: Config  # data.path and topology.storage absolute or URIs: workers run in their own directories
+    data_sha256: str  # the content hash of the prepared data the driver checked: the workers train on it
+    run_dir: str  # a local path or a URI (`storage.Location`)
+    tracking_uri: str
+    run_id: str
+    init_from: str | None = None  # an exported model whose weights training starts from
+    resume_from: str | None = None  # a checkpoint directory (--resume)
+    stop_at_step: int | None = None
+    peak_tflops: float = 0.0  # per worker; 0: the device's known bf16 peak
+    verbose: bool = False
+    console: WorkerLines | None = None  # where rank 0's lines go; None: printed here (Ray forwards them)
+    callbacks: tuple[StepCallback, ...] = field(default_factory=tuple)  # before the built-in ones
+    registrations: dict[str, dict[str, Any]] = field(default_factory=dict)  # plugins.outside_registrations
+
+    def say(self, line: str) -> None:
+        (self.console or partial(print, flush=True))(line)
+
+
+def train_loop_per_worker(spec: WorkerSpec) -> None:
     """Runs on every Ray Train worker (torch.distributed is already initialised by TorchTrainer)."""
     import ray.train
 
     from mhf_dist.models import train_flops_per_token
 
-    spec: WorkerSpec = loop_config["spec"]
     register_missing(spec.registrations)  # families the driver's own code registered
     cfg = spec.config
     if not spec.verbose:
