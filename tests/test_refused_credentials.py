@@ -87,7 +87,17 @@ COMMANDS = {
     "generate": ["generate", "--model", "s3://owned/model", "--prompt", "Hello"],
     "export-hf": ["export-hf", "s3://owned/model", "--out", "{tmp}/hf"],
     "export-hf to a bucket": ["export-hf", "{model}", "--out", "s3://owned/hf"],
-    "cpt": ["cpt", "--from", "s3://owned/model", "--data", "{text}", "--storage", "s3://owned/runs"],
+    "cpt": [
+        "cpt",
+        "--from",
+        "s3://owned/model",
+        "--data",
+        "{text}",
+        "--add-tokens",
+        "{text}",
+        "--storage",
+        "s3://owned/runs",
+    ],
     "compare": ["compare", "--experiment", "mhf", "--out", "s3://owned/report"],
     "sweep": ["sweep", "--config", "{sweep}"],
 }

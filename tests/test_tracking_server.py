@@ -86,7 +86,8 @@ def test_a_run_refuses_another_programs_sqlite_file_before_any_work(tmp_path, mo
         train(cfg, TrainOptions(name="refused"))
     assert [path.name for path in (tmp_path / "runs").iterdir()] == ["mlflow.db"]
     with pytest.raises(TrackingError, match="is not an MLflow store"):  # cpt's, before its prepare
-        run_cpt(cfg, "no-such-model", lambda tokenizer: tokenizer, TrainOptions(name="cpt"))
+        text = load_config("tiny", [f"topology.storage={tmp_path / 'runs'}"])  # cpt continues on text
+        run_cpt(text, "no-such-model", lambda tokenizer: tokenizer, TrainOptions(name="cpt"))
     # A relative URI is the working directory's, for the workers too (they run in folders of their own).
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///store/mlflow.db")
     assert tracking_uri("anywhere") == f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
