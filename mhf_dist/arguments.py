@@ -129,10 +129,11 @@ def _corpus(text: str) -> str:
         return "hf:" + TEXT.parse(text.removeprefix("hf:"))
     if text.startswith(DATASET_PREFIX):
         return check_corpus(text)
-    if text in (BUILTIN_NAME, RECALL) or glob.has_magic(text):
+    names = (BUILTIN_NAME, RECALL)
+    if text in names or glob.has_magic(text):
         return text
     path = _path(text, "file or directory")
-    return f"./{path}" if path in (BUILTIN_NAME, RECALL) else path  # a folder `./recall`, not the corpus
+    return f"./{path}" if path in names else path  # a folder `./recall`, not the corpus
 
 
 COUNT = number("use a whole number of at least 1", ge=1)

@@ -567,9 +567,14 @@ def load_config(source: str | Path | None = None, overrides: Overrides = ()) -> 
         # A problem at a key no override touches (the key, inside it or around it) is a file's: the line
         # names the file that sets it. A rule across sections names its keys, whoever gave them.
         key, _ = first_problem(err)
-        touched = any(f"{key}.".startswith(f"{given}.") or given.startswith(f"{key}.") for given in parsed)
+        touched = any(_nested(key, given) for given in parsed)
         named = f"{_file_setting(source, key)}: " if _is_file(source or "") and key and not touched else ""
         raise ConfigError(named + _describe(err)) from None
+
+
+def _nested(key: str, other: str) -> bool:
+    """Whether two dotted keys are one, or one lies inside the other (`train` and `train.steps`)."""
+    return f"{key}.".startswith(f"{other}.") or f"{other}.".startswith(f"{key}.")
 
 
 def _file_setting(source: str | Path, key: str) -> str:
@@ -578,15 +583,10 @@ def _file_setting(source: str | Path, key: str) -> str:
     where: Any = source
     while _is_file(where):
         raw = read_yaml(Location.of(where), ConfigError, "fix the YAML syntax")
-        value = raw
-        for part in key.split("."):
-            if isinstance(value, list) and part.isdigit() and int(part) < len(value):
-                value = value[int(part)]
-            else:
-                value = value.get(part) if isinstance(value, dict) else None
-        if value is not None:
+        raw = raw if isinstance(raw, dict) else {}
+        if any(_nested(key, given) for given, _ in _flatten(raw)):
             return redact(str(where))
-        where = (raw.get("preset") or "") if isinstance(raw, dict) else ""
+        where = raw.get("preset") or ""
     return redact(str(source))
 
 

@@ -198,9 +198,8 @@ def _gpu_slices(nodes: int, per_node: int) -> list[dict[str, str]]:
     with importing():
         import torch
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    ids = ids[: torch.cuda.device_count()]
+    visible, count = os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()
+    ids = (visible.split(",") if visible else [str(i) for i in range(count)])[:count]
     if nodes * per_node > len(ids):
         shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
         fix = "lower --gpus-per-node or --workers" if ids else "leave --gpus-per-node out"

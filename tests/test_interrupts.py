@@ -242,10 +242,9 @@ def test_an_interrupted_cluster_start_leaves_no_node_running(moment, tmp_path, m
     started = []
     write_state = local_cluster._write_state
 
-    def start_node(
-        args, log, devices
-    ):  # a stand-in node: a process in a session of its own, as Ray's are, with
-        # their arguments (a stop signals only a process whose --temp-dir is the cluster's)
+    def start_node(args, log, devices):
+        # a stand-in node: a process in a session of its own, as Ray's are, with its arguments (a stop
+        # signals only a process whose --temp-dir is the cluster's)
         process = subprocess.Popen(
             [sys.executable, "-c", "import time; time.sleep(60)", *args], start_new_session=True
         )
