@@ -204,9 +204,11 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     from mhf_dist.sweep.spec import load_sweep, parse_sweep
     from mhf_dist.tracking import browse_hint
 
-    spec = load_sweep(args.config)
-    changed = {"set": {**spec.set, **config_overrides(args)}, "storage": args.storage or spec.storage}
-    spec = parse_sweep({**spec.model_dump(exclude_unset=True), **changed}, args.config)
+    spec = load_sweep(args.config)  # the file's own mistakes name the file
+    given = [flag for flag, value in (("--set", args.overrides), ("--storage", args.storage)) if value]
+    if given:  # the file alone is valid: what fails now is the command line's
+        changed = {"set": {**spec.set, **config_overrides(args)}, "storage": args.storage or spec.storage}
+        spec = parse_sweep({**spec.model_dump(exclude_unset=True), **changed}, " and ".join(given))
     if args.prepare:
         from mhf_dist.data.prepare import prepare_if_missing
         from mhf_dist.sweep.spec import trial_configs
@@ -595,12 +597,7 @@ def _shared_signatures(cfg: Config, vocab_sizes: list[int]) -> list[str]:
     from mhf_dist.signatures import scheme_for_config
 
     scheme = scheme_for_config(cfg.model.hash)
-    return [
-        f"warning: {short}): {vocab - scheme.capacity:,} tokens at least share another's signature and score "
-        "alike; use more hashes or buckets"
-        for vocab in vocab_sizes
-        if (short := scheme.room_for(vocab)) is not None
-    ]
+    return [warning for vocab in vocab_sizes if (warning := scheme.room_for(vocab))]
 
 
 @command(
@@ -614,7 +611,7 @@ def _shared_signatures(cfg: Config, vocab_sizes: list[int]) -> list[str]:
     arg("--gpus", kinds.COUNT, "GPUs per node", required=True),
     arg("--gpu-mem-gb", kinds.POSITIVE, "memory of one GPU in GiB", required=True),
     with_default("--nodes", kinds.COUNT, "nodes", 1),
-    arg("--seq-len", kinds.WINDOW, "tokens per sequence (default: the config's)"),
+    key_flag("--seq-len", "train.seq_len", kinds.WINDOW, "tokens per sequence"),
     arg("--micro-batch", kinds.COUNT, "sequences per GPU per forward (default: recommended)"),
     arg(
         "--vocab",
@@ -631,9 +628,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from mhf_dist.plan import Cluster, check_fits, plan, plan_legend, plan_rows, readable
     from mhf_dist.tables import markdown_table
 
-    cfg = _config(args)
-    seq_len = args.seq_len or cfg.train.seq_len
-    tokens = args.tokens or cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len
+    cfg = _config(args)  # --seq-len is its train.seq_len: checked against the model's positions
+    seq_len = cfg.train.seq_len
+    tokens = args.tokens or cfg.train.steps * cfg.train.batch_size * seq_len
     cluster = Cluster(args.gpus, args.nodes, args.gpu_mem_gb, args.peak_tflops)
     vocabs = args.vocab or dict.fromkeys([cfg.model.vocab_size, QWEN3_VOCAB])
     families = args.family or ["mhf", "qwen3"]

@@ -202,6 +202,9 @@ def run_cpt(
         f"(+{len(new_tokens):,} tokens); parameters {param_count(parent.config):,} -> "
         f"{param_count(expansion.config):,} (+{expansion.params_added:,})"
     )
+    scheme, vocab_size = expansion.table.scheme, expansion.config.vocab_size
+    if expansion.config.family == "mhf" and (crowded := scheme.room_for(vocab_size)):
+        log(crowded)  # as `mhf count` warns
     if expansion.init_new_rows != "none":
         rows = expansion.fallback_rows
         fallback = f", {rows} without old pieces: mean of all" if rows else ""

@@ -29,17 +29,17 @@ def english_tokenizer():
     return TextTokenizer.train_bpe(builtin_documents()[:20], 300)
 
 
-def exported_parent(tmp_path, tokenizer, family, *overrides):
+def exported_parent(tmp_path, tokenizer, family, *overrides, buckets=64):
     cfg = load_config(
         "tiny",
         [
             f"model.vocab_size={tokenizer.vocab_size}",
-            "model.hash.spec=H2B64",
+            f"model.hash.spec=H2B{buckets}",
             f"model.family={family}",
             *overrides,
         ],
     )
-    table = SignatureTable.build(tokenizer.vocabulary(), 2, 64)
+    table = SignatureTable.build(tokenizer.vocabulary(), 2, buckets)
     tokenizer.save(tmp_path / "tokenizer.json")
     torch.manual_seed(0)
     model = build_model(cfg.model, table)
@@ -311,18 +311,29 @@ def test_cpt_trains_from_the_expanded_weights_and_the_trained_model_keeps_the_li
     )
 
 
-def test_mhf_cpt_refuses_an_unknown_trainable_pattern_before_preparing(english_tokenizer, tmp_path, capsys):
+@pytest.mark.parametrize("buckets", [64, 16])
+def test_mhf_cpt_refuses_an_unknown_trainable_pattern_before_preparing(
+    english_tokenizer, tmp_path, capsys, buckets
+):
+    """... having said, as `mhf count` does, when the grown vocabulary (the parent's 300 tokens and one
+    new) has more tokens than H2B16 has signatures (226)."""
     from mhf_dist.cli import main
 
-    parent, _ = exported_parent(tmp_path, english_tokenizer, "mhf")
+    parent, _ = exported_parent(tmp_path, english_tokenizer, "mhf", buckets=buckets)
     (tmp_path / "new.txt").write_text("你好\n")
     args = ["cpt", "--from", str(parent.path), "--data", "builtin", "--add-tokens", str(tmp_path / "new.txt")]
     storage = tmp_path / "cpt"
     code = main([*args, "--set", "train.trainable=[backbone.layers.9.*]", "--storage", str(storage)])
     assert code == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert err.startswith("error: ") and "'backbone.layers.9.*' matches no parameter" in err
     assert err.count("\n") == 1 and not (storage / "mhf-cpt" / "data").exists()
+    warnings = [line for line in out.splitlines() if line.startswith("warning")]
+    crowded = (
+        "warning: vocabulary of 301 tokens exceeds the 226 signatures of H=2, B=16 (reference scheme): 75 "
+        "tokens at least share another's signature and score alike; use more hashes or buckets"
+    )
+    assert warnings == ([] if buckets == 64 else [crowded])
 
 
 def test_mhf_cpt_refuses_what_it_cannot_use_before_reading_the_parent(tmp_path, capsys):

@@ -240,6 +240,13 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
     triple = ["--set", "model.backbone.kind=triple_hybrid"]
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", *triple]) == 2
     assert "model.backbone.kind=triple_hybrid has no activation model" in capsys.readouterr().err
+    # --seq-len is the config's train.seq_len: a plan for more positions than the model has is refused
+    positions = load_config("tiny").model.backbone.max_position_embeddings
+    assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--seq-len", "100000"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: train.seq_len=100000 is above model.backbone.max_position_embeddings={positions}; lower "
+        "train.seq_len or raise max_position_embeddings\n"
+    )
 
 
 def _table_rows(out):

@@ -206,7 +206,8 @@ def test_mhf_train_refuses_shards_that_do_not_fit_before_ray_starts_leaving_noth
     assert main(argv) == 2
     assert re.fullmatch(
         rf"error: {re.escape(str(swapped))}/signatures.safetensors has seed 7 but the manifest says 0; "
-        rf"re-run `mhf prepare --overwrite --out {re.escape(str(swapped))}`",
+        rf"re-run `mhf prepare --overwrite --out {re.escape(str(swapped))}` with the settings it was prepared "
+        "with",
         capsys.readouterr().err.strip().splitlines()[-1],
     )
     assert not (tmp_path / "runs").exists()
@@ -442,7 +443,7 @@ def test_a_manifest_edited_by_hand_fails_to_load_with_one_line(tmp_path, edit, p
     with pytest.raises(DataError, match=problem) as info:
         RowReader(data, "train")
     assert "\n" not in str(info.value) and str(info.value).endswith(
-        f"re-run `mhf prepare --overwrite --out {data}`"
+        f"re-run `mhf prepare --overwrite --out {data}` with the settings it was prepared with"
     )
 
 
@@ -861,7 +862,9 @@ def test_verify_data_checks_every_file_the_manifest_lists_and_its_fields(tmp_pat
     with pytest.raises(DataError, match=problem) as info:
         verify_shards(data)
     assert "\n" not in str(info.value)
-    assert str(info.value).endswith(f"re-run `mhf prepare --overwrite --out {data}`")
+    assert str(info.value).endswith(
+        f"re-run `mhf prepare --overwrite --out {data}` with the settings it was prepared with"
+    )
     assert main(["verify-data", str(data)]) == 2 and "error: " in capsys.readouterr().err
 
 
@@ -879,7 +882,7 @@ def test_a_run_refuses_a_broken_tokenizer_json_before_any_ray_work(tmp_path, mon
         ray_trainer.train(cfg, ray_trainer.TrainOptions())
     assert str(info.value) == (
         f"{data / 'tokenizer.json'} does not match the manifest's sha256; "
-        f"re-run `mhf prepare --overwrite --out {data}`"
+        f"re-run `mhf prepare --overwrite --out {data}` with the settings it was prepared with"
     )
     assert not (tmp_path / "runs").exists()
 

@@ -180,7 +180,10 @@ def test_a_truncated_empty_or_non_utf8_manifest_is_one_line_for_verify_data_and_
     shutil.copytree(prepared, copy)
     manifest = copy / "manifest.json"
     manifest.write_bytes(content if content is not None else manifest.read_bytes()[:200])
-    expected = rf"manifest.json' {problem}; re-run `mhf prepare --overwrite --out {copy}`$"
+    expected = (
+        rf"manifest.json' {problem}; re-run `mhf prepare --overwrite --out {copy}` with the settings it was "
+        "prepared with$"
+    )
     for read in (read_manifest, verify_shards, lambda path: RowReader(path, "train")):  # train reads these
         with pytest.raises(DataError, match=expected) as err:
             read(copy)

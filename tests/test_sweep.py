@@ -125,6 +125,10 @@ def test_a_sweep_whose_shards_do_not_fit_a_trials_model_fails_before_ray_starts(
             r"^sweep: set: train.seed is set by the sweep's",
         ),
         (
+            {"name": "x", "kind": "seeds", "set": {"preset": "tiny"}},
+            r"^sweep: set: preset is set by the sweep's `config`, not by `set:` or --set$",
+        ),
+        (
             {"name": "x", "kind": "matched", "set": {"model.family": "qwen3"}},
             r"^sweep: set: model.family is set by its `families`",
         ),
@@ -224,6 +228,26 @@ def test_a_sweeps_set_may_be_what_makes_its_config_file_valid(tmp_path):
         spec = parse_sweep({"name": "x", "kind": kind, "config": str(config),
                             "set": {"model.backbone.max_position_embeddings": 8192}, **extra})  # fmt: skip
         assert [trial.family for trial in expand_trials(spec)] == ["mhf"]  # the tiny preset's
+
+
+def test_mhf_sweeps_command_line_mistakes_name_the_flag_and_the_files_name_the_file(tmp_path, capsys):
+    from mhf_dist.cli import main
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nkind: seeds\n")
+    for flags, line in (
+        (["--set", "train.lr=abc"], "--set: trial mhf-seed0: train.lr: Input should be a valid number"),
+        (
+            ["--set", "preset=100m"],
+            "--set: set: preset is set by the sweep's `config`, not by `set:` or --set",
+        ),
+        (["--storage", "s3://x/../y"], "--storage: storage: 's3://x/../y' has an empty, . or .. folder"),
+    ):
+        assert main(["sweep", "--config", str(sweep), *flags]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {line}")
+    sweep.write_text("name: s\nkind: seeds\nset: {train.lr: abc}\n")
+    assert main(["sweep", "--config", str(sweep), "--set", "train.lr=0.01"]) == 2  # the file is read alone
+    assert capsys.readouterr().err.startswith(f"error: {sweep}: trial mhf-seed0: train.lr: Input should be")
 
 
 def test_a_missing_sweep_file_is_a_one_line_error(tmp_path):

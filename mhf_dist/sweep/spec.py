@@ -49,7 +49,11 @@ VARIANT_FORM = "a variant mapping {group: NAME, family: FAMILY, set: {key: value
 STORAGE_KEY = "topology.storage"  # every trial's: the sweep's trials directory
 MATCHING = ("families", "matched_to")  # what only a matched sweep reads
 # Config keys the sweep sets for each trial itself: a `set:`, `grid:` or --set of one would be overridden.
-SWEEP_KEYS = {"train.seed": "the sweep's `seeds`", STORAGE_KEY: "the sweep's `storage`"}
+SWEEP_KEYS = {
+    "train.seed": "the sweep's `seeds`",
+    STORAGE_KEY: "the sweep's `storage`",
+    "preset": "the sweep's `config`",
+}
 
 
 class AshaConfig(StrictModel):
