@@ -206,8 +206,8 @@ def test_mhf_train_refuses_shards_that_do_not_fit_before_ray_starts_leaving_noth
     assert main(argv) == 2
     assert re.fullmatch(
         rf"error: {re.escape(str(swapped))}/signatures.safetensors has seed 7 but the manifest says 0; "
-        rf"re-run `mhf prepare --overwrite --out {re.escape(str(swapped))}` with the settings it was prepared "
-        "with",
+        rf"re-run `mhf prepare --overwrite --out {re.escape(str(swapped))}` with the settings it was "
+        "prepared with",
         capsys.readouterr().err.strip().splitlines()[-1],
     )
     assert not (tmp_path / "runs").exists()
@@ -928,7 +928,8 @@ def test_a_learned_bpe_the_settings_refuse_leaves_nothing_and_a_hash_without_roo
 ):
     """A BPE smaller than model.vocab_size is refused once learned, leaving no work area behind (but a
     staged Dataset snapshot, which a rerun of other settings reuses); a vocabulary no table of
-    model.hash can hold is refused before any BPE is learned."""
+    model.hash can hold, or a BPE to learn with a data.signatures table, is refused before any BPE is
+    learned."""
     (tmp_path / "small.txt").write_text("".join(f"{p}\n\n" for p in PARAGRAPHS))
     sets = [f"data.corpus={tmp_path / 'small.txt'}", "data.tokenizer=bpe", "model.vocab_size=5000"]
     refused = r"^tokenizer has \d+ tokens but model.vocab_size=5000; set"
@@ -941,11 +942,20 @@ def test_a_learned_bpe_the_settings_refuse_leaves_nothing_and_a_hash_without_roo
     with pytest.raises(DataError, match=refused):
         prepare(load_config("tiny", sets), tmp_path / "out", log=lambda _: None)
     assert [p for p in (tmp_path / ".out.partial").rglob("*") if p.is_file()] == [staged]
-    no_table = [*sets[:2], "model.vocab_size=300", f"data.signatures={tmp_path / 'no-model'}"]
+    no_table = [
+        sets[0],
+        "data.tokenizer=bytes",
+        "model.vocab_size=259",
+        f"data.signatures={tmp_path / 'no-model'}",
+    ]
     with pytest.raises(SignatureError, match=r"no-model.* does not exist"):
         prepare(load_config("tiny", no_table), tmp_path / "out", log=lambda _: None)
     assert [p for p in (tmp_path / ".out.partial").rglob("*") if p.is_file()] == [staged]
     monkeypatch.setattr(TextTokenizer, "train_bpe", lambda *_: pytest.fail("a BPE was learned"))
+    with pytest.raises(
+        DataError, match=r"^data.signatures fixes the vocabulary .* \(data.tokenizer=bpe\) would"
+    ):
+        prepare(load_config("tiny", [*no_table, *sets[1:]]), tmp_path / "out", log=lambda _: None)
     with pytest.raises(SignatureError, match=r"exceeds the 2 signatures of H=8, B=2 \(reference scheme\)"):
         prepare(load_config("tiny", [*sets, "model.hash.spec=H8B2"]), tmp_path / "out", log=lambda _: None)
     recall = ["data.corpus=recall", "model.vocab_size=40", "train.seq_len=32", "model.hash.spec=H8B2"]

@@ -67,7 +67,12 @@ def prepare(
         if source_files:  # a missing field is an error before any work
             next(read_documents(source_files[0], source.text_field), None)
     tokenizer = None if cfg.data.tokenizer == "bpe" else vocabulary.named_tokenizer(cfg)
-    given = vocabulary.given_table(cfg) if cfg.data.signatures else None  # before a BPE is learned
+    if cfg.data.signatures and tokenizer is None:
+        raise DataError(
+            "data.signatures fixes the vocabulary to its table's tokens, which a BPE learned here "
+            "(data.tokenizer=bpe) would not have; set data.tokenizer to the tokenizer.json it was made from"
+        )
+    given = vocabulary.given_table(cfg) if cfg.data.signatures else None
     checked = _vocabulary(cfg, tokenizer, given) if tokenizer else None  # before any staging, too
     work = output.work_directory(out)
     snapshots: list[StagedSnapshot | None] = [None] * len(sources)
