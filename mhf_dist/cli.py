@@ -201,14 +201,10 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_sweep(args: argparse.Namespace) -> None:
     """matched-baseline, seed or grid sweeps on Ray Tune"""
     from mhf_dist.sweep.runner import compare_sweep, run_sweep
-    from mhf_dist.sweep.spec import load_sweep, parse_sweep
+    from mhf_dist.sweep.spec import load_sweep
     from mhf_dist.tracking import browse_hint
 
-    spec = load_sweep(args.config)  # the file's own mistakes name the file
-    given = [flag for flag, value in (("--set", args.overrides), ("--storage", args.storage)) if value]
-    if given:  # the file alone is valid: what fails now is the command line's
-        changed = {"set": {**spec.set, **config_overrides(args)}, "storage": args.storage or spec.storage}
-        spec = parse_sweep({**spec.model_dump(exclude_unset=True), **changed}, " and ".join(given))
+    spec = load_sweep(args.config, args.storage, config_overrides(args))
     if args.prepare:
         from mhf_dist.data.prepare import prepare_if_missing
         from mhf_dist.sweep.spec import trial_configs
@@ -597,7 +593,12 @@ def _shared_signatures(cfg: Config, vocab_sizes: list[int]) -> list[str]:
     from mhf_dist.signatures import scheme_for_config
 
     scheme = scheme_for_config(cfg.model.hash)
-    return [warning for vocab in vocab_sizes if (warning := scheme.room_for(vocab))]
+    return [
+        f"warning: {short}): {vocab - scheme.capacity:,} tokens at least share another's signature and score "
+        "alike; use more hashes or buckets"
+        for vocab in vocab_sizes
+        if (short := scheme.room_for(vocab)) is not None
+    ]
 
 
 @command(
@@ -619,7 +620,11 @@ def _shared_signatures(cfg: Config, vocab_sizes: list[int]) -> list[str]:
         f"vocabulary size (repeatable; default: the config's model.vocab_size and {QWEN3_VOCAB})",
         action=kinds.Distinct,
     ),
-    arg("--tokens", kinds.POSITIVE, "training tokens (default: the config's steps x batch x seq_len)"),
+    arg(
+        "--tokens",
+        kinds.POSITIVE,
+        "training tokens (default: the config's steps x batch x seq_len, before --seq-len)",
+    ),
     with_default("--mfu", kinds.PROBABILITY, "model FLOPs utilisation", 0.4),
     arg("--peak-tflops", kinds.POSITIVE, "bf16 peak per GPU (default: 989, H100/H200)", default=989.0),
 )
@@ -630,7 +635,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     cfg = _config(args)  # --seq-len is its train.seq_len: checked against the model's positions
     seq_len = cfg.train.seq_len
-    tokens = args.tokens or cfg.train.steps * cfg.train.batch_size * seq_len
+    budget = load_config(args.config, parse_overrides(args.overrides)).train  # whatever --seq-len says
+    tokens = args.tokens or budget.steps * budget.batch_size * budget.seq_len
     cluster = Cluster(args.gpus, args.nodes, args.gpu_mem_gb, args.peak_tflops)
     vocabs = args.vocab or dict.fromkeys([cfg.model.vocab_size, QWEN3_VOCAB])
     families = args.family or ["mhf", "qwen3"]

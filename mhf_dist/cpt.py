@@ -182,6 +182,7 @@ def run_cpt(
     """Expand the parent's vocabulary, prepare `cfg.data` with the new tokenizer, and train the result.
     `cfg` gives the training and data settings; the model's config is the parent's."""
     from mhf_dist.data.prepare import prepare, recorded_data
+    from mhf_dist.data.prepare.manifest import shared_signatures
     from mhf_dist.train.ray_trainer import train
 
     if recall.CORPUS in (cfg.data.corpus, cfg.data.replay.corpus):
@@ -202,9 +203,9 @@ def run_cpt(
         f"(+{len(new_tokens):,} tokens); parameters {param_count(parent.config):,} -> "
         f"{param_count(expansion.config):,} (+{expansion.params_added:,})"
     )
-    scheme, vocab_size = expansion.table.scheme, expansion.config.vocab_size
-    if expansion.config.family == "mhf" and (crowded := scheme.room_for(vocab_size)):
-        log(crowded)  # as `mhf count` warns
+    shared = expansion.table.duplicate_signatures - parent.table.duplicate_signatures  # the new tokens'
+    if expansion.config.family == "mhf" and shared:
+        log(shared_signatures(shared))
     if expansion.init_new_rows != "none":
         rows = expansion.fallback_rows
         fallback = f", {rows} without old pieces: mean of all" if rows else ""

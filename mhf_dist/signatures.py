@@ -132,13 +132,9 @@ class Scheme(ABC):
         )
 
     def room_for(self, vocab_size: int) -> str | None:
-        """A warning line where some of `vocab_size` tokens must share signatures, or SignatureError where
-        no table of them can be built; None where each can have its own."""
-        short = self.shortfall(vocab_size)
-        return short and (
-            f"warning: {short}): {vocab_size - self.capacity:,} tokens at least share another's signature "
-            "and score alike; use more hashes or buckets"
-        )
+        """`shortfall` as a warning (tokens will share signatures), or SignatureError where no table of
+        `vocab_size` tokens can be built."""
+        return self.shortfall(vocab_size)
 
     def padding_id(self, tokens: Sequence[str], pad_token: str | None) -> int:
         """The id whose signature this scheme keeps all zeros (NO_PAD: none, as here)."""
@@ -177,7 +173,7 @@ class ReferenceScheme(Scheme):
             raise SignatureError(
                 f"{short}): at B=2 every token but the padding one has one signature; use more buckets"
             )
-        return super().room_for(vocab_size)
+        return short
 
     def padding_id(self, tokens: Sequence[str], pad_token: str | None) -> int:
         return tokens.index(pad_token) if pad_token in tokens else NO_PAD

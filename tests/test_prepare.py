@@ -20,6 +20,7 @@ from mhf_dist.data.shards import (
     check_tokenizer,
     is_validation,
     read_manifest,
+    reprepare,
     save_tokenizer,
     verify_shards,
 )
@@ -206,8 +207,7 @@ def test_mhf_train_refuses_shards_that_do_not_fit_before_ray_starts_leaving_noth
     assert main(argv) == 2
     assert re.fullmatch(
         rf"error: {re.escape(str(swapped))}/signatures.safetensors has seed 7 but the manifest says 0; "
-        rf"re-run `mhf prepare --overwrite --out {re.escape(str(swapped))}` with the settings it was "
-        "prepared with",
+        + re.escape(reprepare(swapped)),
         capsys.readouterr().err.strip().splitlines()[-1],
     )
     assert not (tmp_path / "runs").exists()
@@ -442,9 +442,7 @@ def test_a_manifest_edited_by_hand_fails_to_load_with_one_line(tmp_path, edit, p
     edit_manifest(data, edit)
     with pytest.raises(DataError, match=problem) as info:
         RowReader(data, "train")
-    assert "\n" not in str(info.value) and str(info.value).endswith(
-        f"re-run `mhf prepare --overwrite --out {data}` with the settings it was prepared with"
-    )
+    assert "\n" not in str(info.value) and str(info.value).endswith(reprepare(data))
 
 
 def test_damaged_manifest_json_is_a_one_line_error(tmp_path):
@@ -862,9 +860,7 @@ def test_verify_data_checks_every_file_the_manifest_lists_and_its_fields(tmp_pat
     with pytest.raises(DataError, match=problem) as info:
         verify_shards(data)
     assert "\n" not in str(info.value)
-    assert str(info.value).endswith(
-        f"re-run `mhf prepare --overwrite --out {data}` with the settings it was prepared with"
-    )
+    assert str(info.value).endswith(reprepare(data))
     assert main(["verify-data", str(data)]) == 2 and "error: " in capsys.readouterr().err
 
 
@@ -881,8 +877,7 @@ def test_a_run_refuses_a_broken_tokenizer_json_before_any_ray_work(tmp_path, mon
     with pytest.raises(DataError) as info:
         ray_trainer.train(cfg, ray_trainer.TrainOptions())
     assert str(info.value) == (
-        f"{data / 'tokenizer.json'} does not match the manifest's sha256; "
-        f"re-run `mhf prepare --overwrite --out {data}` with the settings it was prepared with"
+        f"{data / 'tokenizer.json'} does not match the manifest's sha256; {reprepare(data)}"
     )
     assert not (tmp_path / "runs").exists()
 

@@ -222,18 +222,20 @@ def test_resumed_and_crashed_runs_reproduce_the_uninterrupted_loss_curve(few_row
             train(settings, TrainOptions(name="bad", resume=str(half), **options))
     with pytest.raises(TrainingError, match=r"^--resume goes on from .*; give one of them$"):
         TrainOptions(name="bad", resume=str(half), init_from=str(half / "model"))
-    # Shards of another hash seed (and a config to match them) are not the --init-from model's.
+    # Shards of another hash seed are not the --init-from model's, with a config that matches them or (said
+    # before the shards' seed is advised for the config) the model.
     seven = tmp_path / "seed7"
     prepare(load_config("tiny", [*FEW_ROWS, "model.hash.seed=7"]), seven, log=lambda _: None)
-    elsewhere = load_config(
-        "tiny", [*FEW_ROWS, "model.hash.seed=7", f"data.path={seven}", f"topology.storage={tmp_path}"]
-    )
-    with pytest.raises(
-        TrainingError,
-        match=r"^model .* has signature fingerprint \w{12} but the shards in '.*seed7' have \w{12}; prepare "
-        r"the data with the model's tokenizer.json and --set data.signatures=",
-    ):
-        train(elsewhere, TrainOptions(name="bad", init_from=str(half / "model")))
+    for seed in ("model.hash.seed=7", "model.hash.seed=0"):
+        elsewhere = load_config(
+            "tiny", [*FEW_ROWS, seed, f"data.path={seven}", f"topology.storage={tmp_path}"]
+        )
+        with pytest.raises(
+            TrainingError,
+            match=r"^model .* has signature fingerprint \w{12} but the shards in '.*seed7' have \w{12}; "
+            r"prepare the data with the model's tokenizer.json and --set data.signatures=",
+        ):
+            train(elsewhere, TrainOptions(name="bad", init_from=str(half / "model")))
     assert not (tmp_path / "bad").exists()
 
 

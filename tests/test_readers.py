@@ -1,6 +1,7 @@
 """Every file a user hands in is read through one reader per kind: a damaged, empty or non-UTF-8 file is
 one line naming the file, the position and the fix, never a parser's traceback."""
 
+import re
 import shutil
 
 import pytest
@@ -10,7 +11,7 @@ from mhf_dist.cli import main
 from mhf_dist.config import load_config, parse_override
 from mhf_dist.data.prepare import prepare
 from mhf_dist.data.reader import RowReader
-from mhf_dist.data.shards import read_manifest, verify_shards
+from mhf_dist.data.shards import read_manifest, reprepare, verify_shards
 from mhf_dist.data.tokenizer import EOS, TextTokenizer
 from mhf_dist.errors import ConfigError, DataError, MhfError, SignatureError
 from mhf_dist.readers import read_json, read_jsonl, read_text, read_yaml
@@ -180,10 +181,7 @@ def test_a_truncated_empty_or_non_utf8_manifest_is_one_line_for_verify_data_and_
     shutil.copytree(prepared, copy)
     manifest = copy / "manifest.json"
     manifest.write_bytes(content if content is not None else manifest.read_bytes()[:200])
-    expected = (
-        rf"manifest.json' {problem}; re-run `mhf prepare --overwrite --out {copy}` with the settings it was "
-        "prepared with$"
-    )
+    expected = rf"manifest.json' {problem}; {re.escape(reprepare(copy))}$"
     for read in (read_manifest, verify_shards, lambda path: RowReader(path, "train")):  # train reads these
         with pytest.raises(DataError, match=expected) as err:
             read(copy)

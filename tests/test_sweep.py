@@ -230,24 +230,39 @@ def test_a_sweeps_set_may_be_what_makes_its_config_file_valid(tmp_path):
         assert [trial.family for trial in expand_trials(spec)] == ["mhf"]  # the tiny preset's
 
 
-def test_mhf_sweeps_command_line_mistakes_name_the_flag_and_the_files_name_the_file(tmp_path, capsys):
+def test_mhf_sweeps_command_line_may_fix_its_file_and_a_mistake_names_who_made_it(tmp_path, capsys):
+    """`--storage` and `--set` go on top of the file (and may be what makes it valid); a mistake is named
+    by the first of the file, --storage and --set that makes it."""
     from mhf_dist.cli import main
 
     sweep = tmp_path / "s.yaml"
     sweep.write_text("name: s\nkind: seeds\n")
+    bad_storage = ["--storage", "s3://x/../y"]
     for flags, line in (
         (["--set", "train.lr=abc"], "--set: trial mhf-seed0: train.lr: Input should be a valid number"),
         (
             ["--set", "preset=100m"],
             "--set: set: preset is set by the sweep's `config`, not by `set:` or --set",
         ),
-        (["--storage", "s3://x/../y"], "--storage: storage: 's3://x/../y' has an empty, . or .. folder"),
+        (bad_storage, "--storage: storage: 's3://x/../y' has an empty, . or .. folder"),
+        ([*bad_storage, "--set", "train.lr=abc"], "--storage: storage: 's3://x/../y' has an empty"),
     ):
         assert main(["sweep", "--config", str(sweep), *flags]) == 2
         assert capsys.readouterr().err.startswith(f"error: {line}")
-    sweep.write_text("name: s\nkind: seeds\nset: {train.lr: abc}\n")
-    assert main(["sweep", "--config", str(sweep), "--set", "train.lr=0.01"]) == 2  # the file is read alone
-    assert capsys.readouterr().err.startswith(f"error: {sweep}: trial mhf-seed0: train.lr: Input should be")
+    sweep.write_text("name: s\nkind: seeds\nstorage: s3://x/../y\nset: {topology.workers: 3}\n")
+    assert main(["sweep", "--config", str(sweep), "--set", "train.lr=abc"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {sweep}: storage: 's3://x/../y' has an empty")
+    fixed = load_sweep(sweep, str(tmp_path / "runs"), {"train.batch_size": 9})  # 9 rows over 3 workers
+    assert (fixed.storage, fixed.set) == (
+        str(tmp_path / "runs"),
+        {"topology.workers": 3, "train.batch_size": 9},
+    )
+    with pytest.raises(
+        ConfigError, match=r"^--storage: trial mhf-seed0: .*batch_size=8 does not split over 3"
+    ):
+        load_sweep(sweep, str(tmp_path / "runs"))
+    with pytest.raises(ConfigError, match=rf"^{sweep}: storage: 's3://x/../y' has an empty"):
+        load_sweep(sweep, None, {"train.batch_size": 9})
 
 
 def test_a_missing_sweep_file_is_a_one_line_error(tmp_path):

@@ -236,12 +236,33 @@ class Trial:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-def load_sweep(path: str | Path) -> SweepConfig:
-    """A sweep file, local or in a bucket."""
+def load_sweep(
+    path: str | Path, storage: str | None = None, overrides: dict[str, Any] | None = None
+) -> SweepConfig:
+    """A sweep file, local or in a bucket, with the command line's `--storage` and `--set`s on top (which
+    may be what makes it valid). A mistake is named by the first of the file, --storage and --set that
+    makes that same mistake."""
     where = Location.of(path)
     if not where.is_file():
         raise ConfigError(f"sweep file {str(where)!r} does not exist; check the path")
-    return parse_sweep(read_yaml(where, ConfigError, "fix the YAML syntax"), str(where))
+    raw = read_yaml(where, ConfigError, "fix the YAML syntax")
+    steps = [(str(where), raw)]
+    if isinstance(raw, dict) and isinstance(raw.get("set", {}), dict):
+        if storage:
+            steps.append(("--storage", {**raw, "storage": storage}))
+        if overrides:
+            steps.append(("--set", {**steps[-1][1], "set": {**raw.get("set", {}), **overrides}}))
+    try:
+        return parse_sweep(steps[-1][1], steps[-1][0])
+    except ConfigError as err:
+        mistake = str(err).removeprefix(f"{steps[-1][0]}: ")
+    for source, spec in steps[:-1]:
+        try:
+            parse_sweep(spec, source)
+        except ConfigError as err:
+            if str(err) == f"{source}: {mistake}":
+                raise
+    raise ConfigError(f"{steps[-1][0]}: {mistake}")
 
 
 def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:

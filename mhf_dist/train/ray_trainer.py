@@ -253,14 +253,15 @@ def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
     storage = Location.of(cfg.topology.storage)
     storage.check_writable(TrainingError, "choose another --storage")  # in one line, before any work
     check_writable_store(tracking_uri(storage.uri))
-    check_compatible(manifest, cfg)
     run_dir = storage / options.name
     if newest_checkpoint(run_dir) is not None and not options.continue_run:
         raise TrainingError(
             f"run directory {str(run_dir)!r} already holds checkpoints; go on with --continue, or pick "
             f"another --name (`mhf train --resume {options.name} --name NEW` starts a new run from it)"
         )
+    # A model to go on from fixes the model: whether the shards are its own is said before the config's fit.
     init_from, resume = _checked_start(cfg, options, storage, manifest)
+    check_compatible(manifest, cfg)
     # Workers run in their own working directories: hand them absolute paths (or URIs).
     data = cfg.data.model_copy(update={"path": Location.of(cfg.data.path).uri})
     topology = cfg.topology.model_copy(update={"storage": storage.uri})

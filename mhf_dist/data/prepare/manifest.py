@@ -134,11 +134,15 @@ def log_tables(
         f"{table.spec} seed {table.seed} ({table.scheme} scheme), fingerprint {table.fingerprint[:12]}"
     )
     if table.duplicate_signatures:  # the authors' rule allows them (H=1, shared prefixes, all-LSH)
-        log(
-            f"warning: {table.duplicate_signatures} token(s) share an earlier token's signature; exact "
-            "scoring gives them equal scores (the authors' redraw rule, as in their tables; "
-            "model.hash.scheme=murmur32 is collision-free)"
-        )
+        log(shared_signatures(table.duplicate_signatures))
+
+
+def shared_signatures(count: int) -> str:
+    """The warning for `count` tokens whose signature an earlier token has (prepare's, cpt's new tokens')."""
+    return (
+        f"warning: {count} token(s) share an earlier token's signature; exact scoring gives them equal "
+        "scores (the authors' redraw rule, as in their tables; model.hash.scheme=murmur32 is collision-free)"
+    )
 
 
 def log_published(log: Callable[[str], None], out: Location, published: Manifest) -> None:
