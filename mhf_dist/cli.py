@@ -397,6 +397,8 @@ def cmd_cpt(args: argparse.Namespace) -> None:
         from mhf_dist.data.corpus import corpus_texts
 
     check_expansion(args.tokenizer, args.add_tokens, args.train_new_tokens or 0, args.corpus is not None)
+    if model_keys := [key for key in config_overrides(args) if key.split(".")[0] == "model"]:
+        raise ConfigError(f"--set {model_keys[0]}: mhf cpt trains the parent's model as it is; drop it")
     cfg = _config(args)
 
     def new_tokenizer(parent: TextTokenizer) -> TextTokenizer:
@@ -623,7 +625,7 @@ def _shared_signatures(cfg: Config, vocab_sizes: list[int]) -> list[str]:
     arg(
         "--tokens",
         kinds.POSITIVE,
-        "training tokens (default: the config's steps x batch x seq_len, before --seq-len)",
+        "training tokens (default: the config's steps x batch x seq_len, --seq-len's if given)",
     ),
     with_default("--mfu", kinds.PROBABILITY, "model FLOPs utilisation", 0.4),
     arg("--peak-tflops", kinds.POSITIVE, "bf16 peak per GPU (default: 989, H100/H200)", default=989.0),
@@ -635,8 +637,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     cfg = _config(args)  # --seq-len is its train.seq_len: checked against the model's positions
     seq_len = cfg.train.seq_len
-    budget = load_config(args.config, parse_overrides(args.overrides)).train  # whatever --seq-len says
-    tokens = args.tokens or budget.steps * budget.batch_size * budget.seq_len
+    tokens = args.tokens or cfg.train.steps * cfg.train.batch_size * seq_len
     cluster = Cluster(args.gpus, args.nodes, args.gpu_mem_gb, args.peak_tflops)
     vocabs = args.vocab or dict.fromkeys([cfg.model.vocab_size, QWEN3_VOCAB])
     families = args.family or ["mhf", "qwen3"]

@@ -515,11 +515,11 @@ def check_topology(cfg: Config) -> None:
     try:
         micro_batch_size(cfg.train, cfg.topology.workers)
     except ConfigError as err:
-        raise ConfigError(f"{err} (topology.workers={cfg.topology.workers}, --workers)") from None
+        raise ConfigError(f"{err} (topology.workers={cfg.topology.workers})") from None
     if cfg.train.compile and cfg.topology.zero_stage == 3:
         raise ConfigError(
-            "train.compile under ZeRO-3 is not supported; use --zero-stage 2 or lower (topology."
-            "zero_stage), or train.compile=false"
+            "train.compile under ZeRO-3 is not supported; set topology.zero_stage to 2 or lower, or "
+            "train.compile=false"
         )
 
 
@@ -543,7 +543,7 @@ class Config(StrictModel):
 
     def flat(self) -> dict[str, Any]:
         """`{"model.backbone.hidden_size": 64, ...}`: the form MLflow params and `--set` use."""
-        return dict(_flatten(self.model_dump(mode="json")))
+        return dict(flatten(self.model_dump(mode="json")))
 
 
 def available_presets() -> list[str]:
@@ -584,7 +584,7 @@ def _file_setting(source: str | Path, key: str) -> str:
     while _is_file(where):
         raw = read_yaml(Location.of(where), ConfigError, "fix the YAML syntax")
         raw = raw if isinstance(raw, dict) else {}
-        if any(_nested(key, given) for given, _ in _flatten(raw)):
+        if any(_nested(key, given) for given, _ in flatten(raw)):
             return redact(str(where))
         where = raw.get("preset") or ""
     return redact(str(source))
@@ -723,10 +723,11 @@ def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:
             base[key] = value
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
+    """A nested mapping's (dotted key, value) pairs: `{"train": {"seed": 5}}` gives `("train.seed", 5)`."""
     for key, value in tree.items():
         if isinstance(value, Mapping):
-            yield from _flatten(value, f"{prefix}{key}.")
+            yield from flatten(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
 

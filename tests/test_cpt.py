@@ -333,8 +333,9 @@ def test_mhf_cpt_refuses_an_unknown_trainable_pattern_before_preparing(tmp_path,
 
 
 def test_mhf_cpt_refuses_what_it_cannot_use_before_reading_the_parent(tmp_path, capsys):
-    """Flags it would ignore and recall data (its rows have ids of their own) are refused first: the
-    parent here is no model, which would be the line if it were read."""
+    """Flags it would ignore, model settings (the parent's are kept) and recall data (its rows have ids
+    of their own) are refused first: the parent here is no model, which would be the line if it were
+    read."""
     from mhf_dist.cli import main
 
     (tmp_path / "nothing").mkdir()
@@ -351,6 +352,11 @@ def test_mhf_cpt_refuses_what_it_cannot_use_before_reading_the_parent(tmp_path, 
         (["--train-new-tokens", "5"], "error: --train-new-tokens needs --corpus: the text"),
         ([*grow, "--data", "recall"], recall),
         ([*grow, "--replay", "recall", "--replay-fraction", "0.5"], recall),
+        (
+            [*grow, "--set", "model.hash.scheme=murmur32"],
+            "error: --set model.hash.scheme: mhf cpt trains the parent's model as it is; drop it",
+        ),
+        ([*grow, "--set", "model={vocab_size: 9}"], "error: --set model: mhf cpt trains the parent's model"),
     ):
         data = [] if "--data" in argv else ["--data", "builtin"]
         code = main(

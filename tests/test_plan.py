@@ -240,14 +240,13 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
     triple = ["--set", "model.backbone.kind=triple_hybrid"]
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", *triple]) == 2
     assert "model.backbone.kind=triple_hybrid has no activation model" in capsys.readouterr().err
-    # --seq-len is the config's train.seq_len (and wins over a --set of it), the token budget the config's
-    budget = ["--set", "train.steps=1000000", "--set", "train.batch_size=8", "--set", "train.seq_len=128"]
-    assert (
-        main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "80", *budget, "--seq-len", "64"])
-        == 0
-    )
+    # --seq-len is the config's train.seq_len: it wins over a --set of it (which need not fit the model's
+    # positions), and the default token budget is steps x batch x its seq_len
+    budget = ["--set", "train.steps=1000000", "--set", "train.batch_size=8", "--set", "train.seq_len=8192"]
+    plan_argv = ["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "80", *budget]
+    assert main([*plan_argv, "--seq-len", "128"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert ", seq_len 64; " in first and first.endswith("; 1.0B tokens")  # 1,000,000 x 8 x 128
+    assert ", seq_len 128; " in first and first.endswith("; 1.0B tokens")  # 1,000,000 x 8 x 128
     # a plan for more positions than the model has is refused
     positions = load_config("tiny").model.backbone.max_position_embeddings
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--seq-len", "100000"]) == 2

@@ -157,7 +157,9 @@ def test_precision_resolves_per_device_and_unsupported_combinations_are_one_line
     assert uses_bf16(train.model_copy(update={"precision": "bf16"}), use_gpu=False)
     assert uses_bf16(train.model_copy(update={"precision": "bf16-pure"}), use_gpu=False)
     assert not uses_bf16(train.model_copy(update={"precision": "fp32"}), use_gpu=True)
-    with pytest.raises(ConfigError, match=r"train.compile under ZeRO-3 is not supported; use --zero-stage 2"):
+    with pytest.raises(
+        ConfigError, match=r"train.compile under ZeRO-3 is not supported; set topology.zero_stage to 2"
+    ):
         check_topology(load_config("tiny", ["train.compile=true", "topology.zero_stage=3"]))
     check_topology(load_config("tiny", ["train.compile=true", "topology.zero_stage=2"]))
     bf16 = load_config("tiny", ["train.precision=bf16"])

@@ -231,24 +231,24 @@ def test_a_sweeps_set_may_be_what_makes_its_config_file_valid(tmp_path):
 
 
 def test_mhf_sweeps_command_line_may_fix_its_file_and_a_mistake_names_who_made_it(tmp_path, capsys):
-    """`--storage` and `--set` go on top of the file (and may be what makes it valid); a mistake is named
-    by the first of the file, --storage and --set that makes it."""
+    """`--storage` and `--set` go on top of the file (and may be what makes it valid); a mistake the file
+    makes alone names the file, any other the file with the flags. A setting the sweep makes per trial is
+    refused also when nested (`train: {seed: 9}`)."""
     from mhf_dist.cli import main
 
     sweep = tmp_path / "s.yaml"
     sweep.write_text("name: s\nkind: seeds\n")
     bad_storage = ["--storage", "s3://x/../y"]
     for flags, line in (
-        (["--set", "train.lr=abc"], "--set: trial mhf-seed0: train.lr: Input should be a valid number"),
-        (
-            ["--set", "preset=100m"],
-            "--set: set: preset is set by the sweep's `config`, not by `set:` or --set",
-        ),
-        (bad_storage, "--storage: storage: 's3://x/../y' has an empty, . or .. folder"),
-        ([*bad_storage, "--set", "train.lr=abc"], "--storage: storage: 's3://x/../y' has an empty"),
+        (["--set", "train.lr=abc"], "with --set: trial mhf-seed0: train.lr: Input should be a valid number"),
+        (["--set", "preset=100m"], "with --set: set: preset is set by the sweep's `config`, not by `set:`"),
+        (["--set", "train={seed: 9}"], "with --set: set: train.seed is set by the sweep's `seeds`, not by"),
+        (bad_storage, "with --storage: storage: 's3://x/../y' has an empty, . or .. folder"),
+        ([*bad_storage, "--set", "train.lr=abc"], "with --storage and --set: storage: 's3://x/../y' has an"),
     ):
         assert main(["sweep", "--config", str(sweep), *flags]) == 2
-        assert capsys.readouterr().err.startswith(f"error: {line}")
+        assert capsys.readouterr().err.startswith(f"error: {sweep} {line}")
+    # the file's own mistakes, one hidden behind another that --storage fixes
     sweep.write_text("name: s\nkind: seeds\nstorage: s3://x/../y\nset: {topology.workers: 3}\n")
     assert main(["sweep", "--config", str(sweep), "--set", "train.lr=abc"]) == 2
     assert capsys.readouterr().err.startswith(f"error: {sweep}: storage: 's3://x/../y' has an empty")
@@ -258,11 +258,16 @@ def test_mhf_sweeps_command_line_may_fix_its_file_and_a_mistake_names_who_made_i
         {"topology.workers": 3, "train.batch_size": 9},
     )
     with pytest.raises(
-        ConfigError, match=r"^--storage: trial mhf-seed0: .*batch_size=8 does not split over 3"
+        ConfigError, match=rf"^{sweep} with --storage: trial mhf-seed0: .*batch_size=8 does not split over 3"
     ):
         load_sweep(sweep, str(tmp_path / "runs"))
-    with pytest.raises(ConfigError, match=rf"^{sweep}: storage: 's3://x/../y' has an empty"):
-        load_sweep(sweep, None, {"train.batch_size": 9})
+    # a config file that only the sweep's set: makes valid, with a mistake of the set's own
+    config = tmp_path / "zero.yaml"
+    config.write_text("preset: tiny\ntrain: {steps: 0}\n")
+    sweep.write_text(f"name: s\nkind: seeds\nconfig: {config}\nset: {{train.steps: 5}}\n")
+    assert load_sweep(sweep).set == {"train.steps": 5}
+    with pytest.raises(ConfigError, match=rf"^{sweep} with --set: train.lr: Input should be greater than 0"):
+        load_sweep(sweep, None, {"train.lr": -1})
 
 
 def test_a_missing_sweep_file_is_a_one_line_error(tmp_path):

@@ -500,7 +500,4 @@ def _check_columns(directory: Location, name: str, schema: pa.Schema, manifest: 
 
 def reprepare(directory: str | Path | Location) -> str:
     """The advice for prepared data that is damaged or of an older mhf-dist."""
-    return (
-        f"re-run `mhf prepare --overwrite --out {directory}` with the settings it was prepared with (its "
-        "manifest.json's `config`)"
-    )
+    return f"re-run `mhf prepare --overwrite --out {directory}` with the --config and --set that made it"

@@ -36,6 +36,7 @@ from mhf_dist.config import (
     StrictModel,
     TopologyConfig,
     check_topology,
+    flatten,
     load_config,
     section_model,
 )
@@ -104,7 +105,7 @@ class FamilyVariant(StrictModel):
     @classmethod
     def _not_the_sweeps_keys(cls, overrides: dict[str, Any]) -> dict[str, Any]:
         taken = {**SWEEP_KEYS, "model.family": "the variant's `family`"}
-        chosen = [key for key in overrides if key in taken]
+        chosen = [key for key, _ in flatten(overrides) if key in taken]  # `train: {seed: 1}` too
         if chosen:
             raise ValueError(f"{chosen[0]} is set by {taken[chosen[0]]}, not by a variant's `set`")
         return overrides
@@ -141,7 +142,7 @@ class SweepConfig(StrictModel):
             **SWEEP_KEYS,
             **({"model.family": "its `families`"} if info.data.get("kind") == "matched" else {}),
         }
-        chosen = next((key for key in settings if key in taken), None)
+        chosen = next((key for key, _ in flatten(settings) if key in taken), None)  # `train: {seed: 1}` too
         if chosen is not None:
             also = " or --set" if info.field_name == "set" else ""
             raise ValueError(f"{chosen} is set by {taken[chosen]}, not by `{info.field_name}:`{also}")
@@ -240,29 +241,27 @@ def load_sweep(
     path: str | Path, storage: str | None = None, overrides: dict[str, Any] | None = None
 ) -> SweepConfig:
     """A sweep file, local or in a bucket, with the command line's `--storage` and `--set`s on top (which
-    may be what makes it valid). A mistake is named by the first of the file, --storage and --set that
-    makes that same mistake."""
+    may be what makes it valid). A mistake the file makes alone names the file, any other the file with
+    the flags."""
     where = Location.of(path)
     if not where.is_file():
         raise ConfigError(f"sweep file {str(where)!r} does not exist; check the path")
     raw = read_yaml(where, ConfigError, "fix the YAML syntax")
-    steps = [(str(where), raw)]
-    if isinstance(raw, dict) and isinstance(raw.get("set", {}), dict):
-        if storage:
-            steps.append(("--storage", {**raw, "storage": storage}))
-        if overrides:
-            steps.append(("--set", {**steps[-1][1], "set": {**raw.get("set", {}), **overrides}}))
+    flags = [flag for flag, given in (("--storage", storage), ("--set", overrides)) if given]
+    if not flags or not isinstance(raw, dict) or not isinstance(raw.get("set", {}), dict):
+        return parse_sweep(raw, str(where))  # (a `set:` that is no mapping: the file's mistake)
+    given = {"set": {**raw.get("set", {}), **(overrides or {})}, **({"storage": storage} if storage else {})}
+    source = f"{where} with {' and '.join(flags)}"
     try:
-        return parse_sweep(steps[-1][1], steps[-1][0])
+        return parse_sweep({**raw, **given}, source)
     except ConfigError as err:
-        mistake = str(err).removeprefix(f"{steps[-1][0]}: ")
-    for source, spec in steps[:-1]:
-        try:
-            parse_sweep(spec, source)
-        except ConfigError as err:
-            if str(err) == f"{source}: {mistake}":
-                raise
-    raise ConfigError(f"{steps[-1][0]}: {mistake}")
+        mistake = str(err).removeprefix(f"{source}: ")
+    try:
+        parse_sweep(raw, str(where))
+    except ConfigError as err:
+        if str(err) == f"{where}: {mistake}":
+            raise
+    raise ConfigError(f"{source}: {mistake}")
 
 
 def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
@@ -328,11 +327,16 @@ def expand_trials(spec: SweepConfig) -> list[Trial]:
 
 def _family(config: str, overrides: dict[str, Any]) -> str:
     """The trial's model family: its config's with its overrides (which may be what makes the config
-    valid); a trial config that does not resolve is `trial_configs`' to report, naming the trial."""
+    valid); a trial config that does not resolve is `trial_configs`' to report, naming the trial (unless
+    its config does not resolve alone either: then the overrides' mistake is reported here)."""
     try:
         return load_config(config, overrides).model.family
-    except ConfigError:
+    except ConfigError as err:
+        with_overrides = err
+    try:
         return load_config(config).model.family
+    except ConfigError:
+        raise with_overrides from None
 
 
 def family_groups(families: list[str | FamilyVariant]) -> list[tuple[dict[str, Any], str]]:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mhf_dist.config import Config, ZeroStage
+from mhf_dist.config import Config, ZeroStage, flatten
 from mhf_dist.data.tokenizer import LEGACY_FORMAT
 from mhf_dist.errors import TrainingError, problem_line
 from mhf_dist.readers import read_record
@@ -222,9 +222,10 @@ def check_resumable(path: Path | Location, cfg: Config, fingerprint: str) -> Non
 
 
 def _model_difference(saved: dict[str, Any], cfg: Config) -> str:
-    """The model config's keys whose saved value differs from the run's, or "" when none does."""
-    model = cfg.model.model_dump(mode="json")
-    return ", ".join(sorted(key for key in model.keys() | saved.keys() if saved.get(key) != model.get(key)))
+    """The model keys whose saved value differs from the run's, each with both values ("" when none)."""
+    saved, run = dict(flatten(saved)), dict(flatten(cfg.model.model_dump(mode="json")))
+    changed = sorted(key for key in saved.keys() | run.keys() if saved.get(key) != run.get(key))
+    return "; ".join(f"model.{key} {saved.get(key)!r}, the run's {run.get(key)!r}" for key in changed)
 
 
 def check_initial_model(path: Path, cfg: Config, fingerprint: str) -> None:
