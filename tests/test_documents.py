@@ -124,7 +124,8 @@ def test_text_scoring_frames_each_document_as_the_model_read_its_training_data(s
     (tmp_path / "texts.txt").write_text("\n\n".join(texts))
     for document_format, framed in (("bos", lambda ids: [BOS, *ids]), ("eos", lambda ids: [*ids, EOS])):
         model = exported_model(tmp_path / document_format, shards[document_format], document_format)
-        ids = [t for doc in model.tokenizer.encode_batch(texts) for t in framed(doc)]
+        prefix = [] if document_format == "bos" else [EOS]  # the eos model's first token follows an EOS
+        ids = [*prefix, *(t for doc in model.tokenizer.encode_batch(texts) for t in framed(doc))]
         whole = len(ids) - 1 - (len(ids) - 1) % 8  # targets in whole windows of 8; the rest in one shorter
         windows = [nll_totals(model.model, pack_rows(np.asarray(ids[: whole + 1]), 8)),
                    nll_totals(model.model, np.asarray([ids[whole:]]))]  # fmt: skip

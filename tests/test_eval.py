@@ -95,7 +95,11 @@ def test_ppl_and_bpb_equal_the_models_own_nll_computed_per_window(exported, tmp_
     path.write_text("\n\n".join(texts))
     results = run_task(exported, "ppl", path, seq_len=8)
     tokenizer = exported.tokenizer
-    stream = [t for ids in tokenizer.encode_batch(texts) for t in (*ids, tokenizer.eos_id)]
+    # EOS first, the eos model's prefix token: every token of the text is a target (lm-eval's rolling way)
+    stream = [
+        tokenizer.eos_id,
+        *(t for ids in tokenizer.encode_batch(texts) for t in (*ids, tokenizer.eos_id)),
+    ]
     # windows of 8 targets, each window's last token the next one's first; the rest in one shorter window
     windows = [stream[start : start + 9] for start in range(0, len(stream) - 1, 8)]
     assert len(windows[-1]) < 9 and results["last_window"] == len(windows[-1]) - 1

@@ -209,9 +209,9 @@ def test_a_sweep_whose_shards_do_not_fit_a_trials_model_fails_before_ray_starts(
             {
                 "name": "x",
                 "kind": "matched",
-                "families": [{"group": "v", "family": "mhf", "set": {"train.seed": 1}}],
+                "families": [{"group": "v", "family": "mhf", "set": {"train": {"seed": 1}}}],
             },
-            r"entry 0 \(set\): train.seed is set by the sweep's `seeds`",
+            r"entry 0 \(set\): train.seed is set by the sweep's `seeds`, not by a variant's `set`$",
         ),
     ],
 )

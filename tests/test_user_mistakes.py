@@ -156,10 +156,10 @@ def test_a_text_shorter_than_one_window_is_scored_in_one_shorter_window_and_said
     from mhf_dist.eval.perplexity import nll_totals, text_scores
 
     model, tokenizer, exported = byte_model
-    text = "a short note"  # 12 bytes + EOS: 12 targets, under a window of 64
+    text = "a short note"  # the prefix EOS, 12 bytes and EOS: 13 targets, under a window of 64
     short = text_scores(model, tokenizer, [text], 64)
-    exact = text_scores(model, tokenizer, [text], 12)  # the same window asked for
-    assert short["window"] == 12 and "window" not in exact
+    exact = text_scores(model, tokenizer, [text], 13)  # the same window asked for
+    assert short["window"] == 13 and "window" not in exact
     assert (short["val_nll"], short["val_tokens"], short["bits_per_byte"]) == (
         exact["val_nll"], exact["val_tokens"], exact["bits_per_byte"]
     )  # fmt: skip
@@ -167,20 +167,20 @@ def test_a_text_shorter_than_one_window_is_scored_in_one_shorter_window_and_said
     argv = ["eval", "--model", str(exported), "--task", "ppl", "--data", str(tmp_path / "note.txt")]
     assert main([*argv, "--seq-len", "64"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
-        "scored in one window of 12 tokens: the text is shorter than 64"
+        "scored in one window of 13 tokens: the text is shorter than 64"
     )
     # Past whole windows, the rest is scored in one shorter window too: no target left out.
-    longer = "b" * 99  # 99 bytes + EOS: 99 targets = one window of 64 and one of 35
+    longer = "b" * 99  # EOS, 99 bytes and EOS: 100 targets = one window of 64 and one of 36
     whole = text_scores(model, tokenizer, [longer], 64)
-    assert whole["val_tokens"] == 99 and whole["last_window"] == 35 and "window" not in whole
-    ids = np.asarray(tokenizer.encode_documents([longer], "eos")[0])
+    assert whole["val_tokens"] == 100 and whole["last_window"] == 36 and "window" not in whole
+    ids = np.asarray([tokenizer.eos_id, *tokenizer.encode_documents([longer], "eos")[0]])
     windows = [nll_totals(model, ids[None, :65])[0], nll_totals(model, ids[None, 64:])[0]]
-    assert whole["val_nll"] * 99 == pytest.approx(sum(windows), rel=1e-9)
+    assert whole["val_nll"] * 100 == pytest.approx(sum(windows), rel=1e-9)
     assert whole["bytes"] == 100 and whole["bits_per_byte"] == pytest.approx(sum(windows) / math.log(2) / 100)
     (tmp_path / "longer.txt").write_text(longer)
     assert main([*argv[:-1], str(tmp_path / "longer.txt"), "--seq-len", "64"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
-        "scored in windows of 64 tokens, the last of 35, no context carried across windows"
+        "scored in windows of 64 tokens, the last of 36, no context carried across windows"
     )
 
 

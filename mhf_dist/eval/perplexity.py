@@ -59,11 +59,12 @@ def text_scores(
 ) -> dict[str, float]:
     """Exact NLL per token and bits per UTF-8 byte (a boundary token counts as one) of `texts`, framed
     as the model's documents and packed into windows of seq_len targets with no context across them.
-    The targets past the last full window are scored in one shorter window, reported as `last_window`
-    (`window` when it is the only one)."""
-    stream = np.asarray(
-        [token for ids in tokenizer.encode_documents(list(texts), document_format) for token in ids]
-    )
+    Every token of the text is a target: the first follows the model's prefix token (BOS, or EOS for an
+    `eos` model), as in lm-eval's rolling log-likelihood. The targets past the last full window are
+    scored in one shorter window, reported as `last_window` (`window` when it is the only one)."""
+    tokens = [token for ids in tokenizer.encode_documents(list(texts), document_format) for token in ids]
+    prefix = [] if document_format == "bos" else tokenizer.empty_context(document_format)  # bos: its own
+    stream = np.asarray([*prefix, *tokens])
     if len(stream) < 2:
         raise DataError(f"the text holds {len(stream)} token(s), none to predict; give more text")
     full, tail = divmod(len(stream) - 1, seq_len)
@@ -73,7 +74,9 @@ def text_scores(
     if tail:  # rows overlap by one token: each target scored once
         tail_total, tail_count = nll_totals(model, stream[None, full * seq_len :], batch_size)
         total, count = total + tail_total, count + tail_count
-    scored_bytes = sum(len(text.encode("utf-8")) + 1 for text in texts)
+    # one byte per boundary token scored: each document's EOS, or each BOS but the first (the prefix)
+    boundaries = len(texts) - (document_format == "bos")
+    scored_bytes = sum(len(text.encode("utf-8")) for text in texts) + boundaries
     shown = {"window": tail} if tail and not full else {"last_window": tail} if tail else {}
     return {
         **nll_summary(total, count),

@@ -180,8 +180,10 @@ class SweepConfig(StrictModel):
                     entry = FamilyVariant.model_validate(entry)
                 except ValidationError as err:
                     where, problem = first_problem(err)
-                    message = f"entry {index} ({where}): {problem}; write {VARIANT_FORM}"
-                    raise ValueError(message) from None
+                    shape = err.errors()[0]["type"] != "value_error"  # not a refusal of a well-formed one
+                    raise ValueError(
+                        f"entry {index} ({where}): {problem}" + (f"; write {VARIANT_FORM}" if shape else "")
+                    ) from None
             elif not isinstance(entry, str | FamilyVariant):
                 raise ValueError(f"entry {index} is {entry!r}; an entry is a family name or {VARIANT_FORM}")
             parsed.append(entry)
