@@ -2,6 +2,7 @@
 in the manifest and the exported model and checked wherever data meets a model."""
 
 import json
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -129,8 +130,12 @@ def test_text_scoring_frames_each_document_as_the_model_read_its_training_data(s
         whole = len(ids) - 1 - (len(ids) - 1) % 8  # targets in whole windows of 8; the rest in one shorter
         windows = [nll_totals(model.model, pack_rows(np.asarray(ids[: whole + 1]), 8)),
                    nll_totals(model.model, np.asarray([ids[whole:]]))]  # fmt: skip
-        expected = sum(total for total, _ in windows) / (len(ids) - 1)
-        assert run_task(model, "ppl", tmp_path / "texts.txt", seq_len=8)["nll"] == pytest.approx(expected)
+        total = sum(total for total, _ in windows)
+        scores = run_task(model, "ppl", tmp_path / "texts.txt", seq_len=8)
+        assert scores["nll"] == pytest.approx(total / (len(ids) - 1))
+        # one byte per boundary token scored: both EOS, or the second BOS only (the first is the prefix)
+        scored_bytes = sum(len(text.encode()) for text in texts) + (1 if document_format == "bos" else 2)
+        assert scores["bits_per_byte"] == pytest.approx(total / math.log(2) / scored_bytes)
     # lambada and hellaswag contexts start with BOS for a bos model
     bos_model = load_exported(tmp_path / "bos")
     (tmp_path / "l.jsonl").write_text(json.dumps({"text": "the rain falls"}) + "\n")

@@ -121,6 +121,10 @@ def test_a_sweep_whose_shards_do_not_fit_a_trials_model_fails_before_ray_starts(
             r"^sweep: grid: train.seed is set by the sweep's `seeds`, not by `grid:`$",
         ),
         (
+            {"name": "x", "kind": "grid", "grid": {"train": [{"lr": 0.1}, {"seed": 2}]}},
+            r"^sweep: grid: train.seed is set by the sweep's `seeds`, not by `grid:`$",
+        ),
+        (
             {"name": "x", "kind": "seeds", "set": {"train.seed": 4}},
             r"^sweep: set: train.seed is set by the sweep's",
         ),
@@ -261,6 +265,9 @@ def test_mhf_sweeps_command_line_may_fix_its_file_and_a_mistake_names_who_made_i
         ConfigError, match=rf"^{sweep} with --storage: trial mhf-seed0: .*batch_size=8 does not split over 3"
     ):
         load_sweep(sweep, str(tmp_path / "runs"))
+    # --set merges one key at a time, as `mhf train` does: a section given whole keeps the file's other keys
+    sweep.write_text("name: s\nkind: seeds\nset: {train: {steps: 3}}\n")
+    assert load_sweep(sweep, None, {"train": {"lr": 0.002}}).set == {"train.steps": 3, "train.lr": 0.002}
     # a config file that only the sweep's set: makes valid, with a mistake of the set's own
     config = tmp_path / "zero.yaml"
     config.write_text("preset: tiny\ntrain: {steps: 0}\n")

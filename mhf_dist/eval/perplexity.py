@@ -63,10 +63,10 @@ def text_scores(
     `eos` model), as in lm-eval's rolling log-likelihood. The targets past the last full window are
     scored in one shorter window, reported as `last_window` (`window` when it is the only one)."""
     tokens = [token for ids in tokenizer.encode_documents(list(texts), document_format) for token in ids]
-    prefix = [] if document_format == "bos" else tokenizer.empty_context(document_format)  # bos: its own
-    stream = np.asarray([*prefix, *tokens])
+    before, _ = tokenizer.boundaries(document_format)  # a bos document starts with its own prefix
+    stream = np.asarray([*([] if before else tokenizer.empty_context(document_format)), *tokens])
     if len(stream) < 2:
-        raise DataError(f"the text holds {len(stream)} token(s), none to predict; give more text")
+        raise DataError(f"the text holds {len(tokens)} token(s), none to predict; give more text")
     full, tail = divmod(len(stream) - 1, seq_len)
     total, count = (
         nll_totals(model, pack_rows(stream[: full * seq_len + 1], seq_len), batch_size) if full else (0.0, 0)
@@ -75,8 +75,7 @@ def text_scores(
         tail_total, tail_count = nll_totals(model, stream[None, full * seq_len :], batch_size)
         total, count = total + tail_total, count + tail_count
     # one byte per boundary token scored: each document's EOS, or each BOS but the first (the prefix)
-    boundaries = len(texts) - (document_format == "bos")
-    scored_bytes = sum(len(text.encode("utf-8")) for text in texts) + boundaries
+    scored_bytes = sum(len(text.encode("utf-8")) for text in texts) + len(texts) - len(before)
     shown = {"window": tail} if tail and not full else {"last_window": tail} if tail else {}
     return {
         **nll_summary(total, count),

@@ -57,6 +57,17 @@ SWEEP_KEYS = {
 }
 
 
+def _keys_given(settings: dict[str, Any]) -> list[str]:
+    """The dotted keys a `set:` or `grid:` gives values, nested ones too (`train: {seed: 1}`, or a grid's
+    `train: [{seed: 1}, {seed: 2}]`)."""
+    keys = []
+    for key, value in flatten(settings):
+        keys.append(key)
+        for item in value if isinstance(value, list) else []:
+            keys += [inner for inner, _ in flatten(item, f"{key}.")] if isinstance(item, dict) else []
+    return keys
+
+
 class AshaConfig(StrictModel):
     metric: str = "loss"  # reported by the workers at every log step
     mode: Literal["min", "max"] = "min"
@@ -105,7 +116,7 @@ class FamilyVariant(StrictModel):
     @classmethod
     def _not_the_sweeps_keys(cls, overrides: dict[str, Any]) -> dict[str, Any]:
         taken = {**SWEEP_KEYS, "model.family": "the variant's `family`"}
-        chosen = [key for key, _ in flatten(overrides) if key in taken]  # `train: {seed: 1}` too
+        chosen = [key for key in _keys_given(overrides) if key in taken]
         if chosen:
             raise ValueError(f"{chosen[0]} is set by {taken[chosen[0]]}, not by a variant's `set`")
         return overrides
@@ -142,7 +153,7 @@ class SweepConfig(StrictModel):
             **SWEEP_KEYS,
             **({"model.family": "its `families`"} if info.data.get("kind") == "matched" else {}),
         }
-        chosen = next((key for key, _ in flatten(settings) if key in taken), None)  # `train: {seed: 1}` too
+        chosen = next((key for key in _keys_given(settings) if key in taken), None)
         if chosen is not None:
             also = " or --set" if info.field_name == "set" else ""
             raise ValueError(f"{chosen} is set by {taken[chosen]}, not by `{info.field_name}:`{also}")
@@ -252,7 +263,9 @@ def load_sweep(
     flags = [flag for flag, given in (("--storage", storage), ("--set", overrides)) if given]
     if not flags or not isinstance(raw, dict) or not isinstance(raw.get("set", {}), dict):
         return parse_sweep(raw, str(where))  # (a `set:` that is no mapping: the file's mistake)
-    given = {"set": {**raw.get("set", {}), **(overrides or {})}, **({"storage": storage} if storage else {})}
+    # one key at a time, as `mhf train` merges: `--set 'train={lr: 0.1}'` keeps the file's train.steps
+    merged = {**dict(flatten(raw.get("set", {}))), **dict(flatten(overrides or {}))}
+    given = {"set": merged, **({"storage": storage} if storage else {})}
     source = f"{where} with {' and '.join(flags)}"
     try:
         return parse_sweep({**raw, **given}, source)

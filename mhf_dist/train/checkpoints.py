@@ -9,6 +9,7 @@ one, a node can die in between, and an object store has no rename.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mhf_dist.config import Config, ZeroStage, flatten
+from mhf_dist.config import Config, ModelConfig, ZeroStage, flatten
 from mhf_dist.data.tokenizer import LEGACY_FORMAT
 from mhf_dist.errors import TrainingError, problem_line
 from mhf_dist.readers import read_record
@@ -222,7 +223,10 @@ def check_resumable(path: Path | Location, cfg: Config, fingerprint: str) -> Non
 
 
 def _model_difference(saved: dict[str, Any], cfg: Config) -> str:
-    """The model keys whose saved value differs from the run's, each with both values ("" when none)."""
+    """The model keys whose saved value differs from the run's, each with both values ("" when none). A
+    record older than a key has its default (one that no longer validates is compared as it is)."""
+    with contextlib.suppress(ValidationError):
+        saved = ModelConfig.model_validate(saved).model_dump(mode="json")
     saved, run = dict(flatten(saved)), dict(flatten(cfg.model.model_dump(mode="json")))
     changed = sorted(key for key in saved.keys() | run.keys() if saved.get(key) != run.get(key))
     return "; ".join(f"model.{key} {saved.get(key)!r}, the run's {run.get(key)!r}" for key in changed)
