@@ -416,16 +416,29 @@ def test_recall_accuracy_is_the_share_of_queries_whose_value_scores_highest():
 
 
 def test_text_files_split_into_documents_like_mhf_prepare(tmp_path):
-    from mhf_dist.eval.tasks import read_texts
+    from mhf_dist.data.corpus import split_text_file
+    from mhf_dist.eval.tasks import EvalDataError, read_texts
 
     path = tmp_path / "wiki.raw"
     path.write_text(
         " = Heading = \n \n First paragraph .\r\n\t\nSecond one .\n"
     )  # WikiText's " " blank lines
     assert read_texts(path) == ["= Heading =", "First paragraph .", "Second one ."]
-    lines = tmp_path / "lines.jsonl"  # an empty text is no document there either
-    lines.write_text('{"text": "One ."}\n{"text": ""}\n{"text": "Two ."}\n')
-    assert read_texts(lines) == ["One .", "Two ."]
+    for name in ("lines.jsonl", "LINES.JSONL", "lines.json"):  # JSON lines by prepare's suffix rules
+        lines = tmp_path / name  # an empty text is no document there either
+        lines.write_text('{"text": "One ."}\n{"text": ""}\n{"text": "Two ."}\n')
+        assert read_texts(lines) == ["One .", "Two ."]
+    odd = tmp_path / "odd.txt"  # a form feed, a lone CR, U+2028: no line breaks to prepare either
+    odd.write_bytes("para one\x0c\x0cpara two\r\rthree\u2028\u2028four\n\nfive".encode())
+    assert (
+        read_texts(odd)
+        == split_text_file(odd.read_bytes())[0]
+        == ["para one\x0c\x0cpara two\r\rthree\u2028\u2028four", "five"]
+    )
+    for name, kind in (("t.txt.gz", "text, compressed"), ("t.parquet", "parquet")):
+        (tmp_path / name).write_bytes(b"\x1f\x8b")
+        with pytest.raises(EvalDataError, match=rf"{name} is {kind}; ppl and bpb read an uncompressed text"):
+            read_texts(tmp_path / name)
 
 
 # Batched scoring: right-padded batches of mixed lengths must score as one request at a time does.

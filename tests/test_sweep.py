@@ -39,6 +39,12 @@ def test_a_family_variant_is_its_own_group_with_its_own_overrides():
     assert losses == {"mhf-seed0": "coordinates", "mhf_vocab-seed0": "vocab"}
     again = parse_sweep(spec.model_dump())  # a sweep's record reads back as the same sweep
     assert expand_trials(again) == trials
+    # a nested `set` merges one key at a time: the variant's train.lr keeps the sweep's train.steps
+    variant = {"group": "q", "family": "qwen3", "set": {"train": {"lr": 0.01}}}
+    nested = {**BYTES, "train": {"steps": 7, "lr": 0.002}}
+    spec = parse_sweep({"name": "v", "kind": "matched", "set": nested, "families": ["mhf", variant]})
+    trained = {name: (cfg.train.steps, cfg.train.lr) for name, cfg in trial_configs(spec).items()}
+    assert trained == {"mhf-seed0": (7, 0.002), "q-seed0": (7, 0.01)}
 
 
 def test_a_grid_over_topology_keys_gives_each_trial_its_own_topology():

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from mhf_dist.config import RecallDataConfig
-from mhf_dist.data.corpus import split_documents
+from mhf_dist.data.corpus import file_kind, split_documents
 from mhf_dist.data.recall import EVAL_SEED, make_recall
 from mhf_dist.data.tokenizer import check_document_format
 from mhf_dist.errors import MhfError
@@ -64,12 +64,20 @@ def _numbered_records(path: Location, fields: dict[str, type]) -> list[tuple[str
 
 
 def read_texts(path: str | Path | Location) -> list[str]:
-    """The documents of a .txt (separated by blank lines) or .jsonl (`text` fields) file; an empty text
-    is no document, as `mhf prepare` leaves it out."""
-    if str(path).endswith(".jsonl"):
+    """The documents of a text file (separated by blank lines) or a JSON-lines one (`text` fields), told
+    apart and split as `mhf prepare` does (`.json`/`.jsonl` in any case; another name is text); an empty
+    text is no document, as prepare leaves it out."""
+    where = Location.of(path)
+    kind = file_kind(where.name) or ("text", None)
+    if kind[0] not in ("text", "json") or kind[1] is not None:
+        raise EvalDataError(
+            f"{where} is {kind[0]}{', compressed' if kind[1] else ''}; ppl and bpb read an uncompressed "
+            f"{TEXT_FORM} file: convert it"
+        )
+    if kind[0] == "json":
         records = read_jsonl(_existing(path), EvalDataError, JSONL_FIX, {"text": str})
         return [record["text"] for record in records if record["text"]]
-    return split_documents("\n".join(_lines(path)))
+    return split_documents(read_text(_existing(path), EvalDataError, "save it as UTF-8 text"))
 
 
 def _examples(path: Location, examples: list[T], limit: int, form: str) -> list[T]:

@@ -332,7 +332,8 @@ def expand_trials(spec: SweepConfig) -> list[Trial]:
     trials = []
     for overrides, group in variants:
         for seed in spec.seeds:
-            trial_overrides = {**spec.set, **overrides, "train.seed": seed}
+            # one key at a time: a variant's or grid point's `train: {lr: ..}` keeps the set's train.steps
+            trial_overrides = {**dict(flatten(spec.set)), **dict(flatten(overrides)), "train.seed": seed}
             family = trial_overrides.get("model.family") or _family(spec.config, trial_overrides)
             group = group or family
             name = re.sub(r"[^A-Za-z0-9._=,-]+", "_", f"{group}-seed{seed}")
