@@ -43,7 +43,8 @@ def test_a_micro_batch_that_does_not_divide_a_workers_rows_is_a_one_line_error()
     cfg = load_config("tiny", ["train.batch_size=16", "train.micro_batch_size=3"])
     with pytest.raises(
         ConfigError,
-        match=r"^train.micro_batch_size=3 does not divide the 8 rows each of 2 workers .*--workers\)$",
+        match=r"^train.micro_batch_size=3 does not divide the 8 rows each of 2 workers "
+        r".*\(topology.workers=2\)$",
     ):
         check_topology(cfg)
     assert accumulation_steps(cfg.train.model_copy(update={"micro_batch_size": 2}), 2) == 4
