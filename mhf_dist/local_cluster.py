@@ -262,11 +262,9 @@ def _node_of(cluster: LocalCluster, pid: int) -> bool:
     reused since (the nodes died, the machine restarted)."""
     try:
         process = psutil.Process(pid)
-        # This process's child (a start that failed stops what it started; an exited one's group may live
-        # on), else a `ray start` of this cluster by its --temp-dir (a zombie of another has no cmdline).
-        return process.ppid() == os.getpid() or any(
-            arg.startswith(f"{cluster.temp_dir}/") for arg in process.cmdline()
-        )
+        if process.status() == psutil.STATUS_ZOMBIE:  # a node of ours that exited: its group may live on
+            return process.ppid() == os.getpid()
+        return any(arg.startswith(f"{cluster.temp_dir}/") for arg in process.cmdline())  # --temp-dir's
     except psutil.Error:
         return False
 

@@ -87,8 +87,9 @@ def test_each_local_node_gets_gpus_of_its_own_and_more_than_the_machine_has_are_
 
     def start_node(args, log, devices):  # stand-in nodes (`stop` knows a node by its arguments)
         given.append(devices)
-        sleep = [sys.executable, "-c", "import time; time.sleep(60)", *args]
-        nodes.append(subprocess.Popen(sleep, start_new_session=True))
+        sleep = [sys.executable, "-c", "import time; print(flush=True); time.sleep(60)", *args]
+        nodes.append(subprocess.Popen(sleep, stdout=subprocess.PIPE, start_new_session=True))
+        nodes[-1].stdout.readline()  # up, as a real node is before the start goes on
         return nodes[-1].pid
 
     monkeypatch.setattr(local_cluster, "auth_token", lambda: "token")
@@ -117,6 +118,7 @@ def test_each_local_node_gets_gpus_of_its_own_and_more_than_the_machine_has_are_
     assert [devices["CUDA_VISIBLE_DEVICES"] for devices in given] == ["0,1", "2,3", "5", "7"]
     for node in nodes:
         node.wait(timeout=30)
+        node.stdout.close()
 
 
 def test_a_failing_job_surfaces_its_error_and_a_nonzero_exit_and_its_id_stays_taken(submit, cluster):
