@@ -57,6 +57,12 @@ SWEEP_KEYS = {
 }
 
 
+def _merged(*layers: dict[str, Any]) -> dict[str, Any]:
+    """Config overrides merged one dotted key at a time, later layers winning, as `mhf train` merges
+    `--set`s: a later `train: {lr: ..}` keeps an earlier train.steps."""
+    return {key: value for layer in layers for key, value in flatten(layer)}
+
+
 def _keys_given(settings: dict[str, Any]) -> list[str]:
     """The dotted keys a `set:` or `grid:` gives values, nested ones too (`train: {seed: 1}`, or a grid's
     `train: [{seed: 1}, {seed: 2}]`)."""
@@ -263,9 +269,7 @@ def load_sweep(
     flags = [flag for flag, given in (("--storage", storage), ("--set", overrides)) if given]
     if not flags or not isinstance(raw, dict) or not isinstance(raw.get("set", {}), dict):
         return parse_sweep(raw, str(where))  # (a `set:` that is no mapping: the file's mistake)
-    # one key at a time, as `mhf train` merges: `--set 'train={lr: 0.1}'` keeps the file's train.steps
-    merged = {**dict(flatten(raw.get("set", {}))), **dict(flatten(overrides or {}))}
-    given = {"set": merged, **({"storage": storage} if storage else {})}
+    given = {"set": _merged(raw.get("set", {}), overrides or {}), **({"storage": storage} if storage else {})}
     source = f"{where} with {' and '.join(flags)}"
     try:
         return parse_sweep({**raw, **given}, source)
@@ -332,8 +336,7 @@ def expand_trials(spec: SweepConfig) -> list[Trial]:
     trials = []
     for overrides, group in variants:
         for seed in spec.seeds:
-            # one key at a time: a variant's or grid point's `train: {lr: ..}` keeps the set's train.steps
-            trial_overrides = {**dict(flatten(spec.set)), **dict(flatten(overrides)), "train.seed": seed}
+            trial_overrides = {**_merged(spec.set, overrides), "train.seed": seed}
             family = trial_overrides.get("model.family") or _family(spec.config, trial_overrides)
             group = group or family
             name = re.sub(r"[^A-Za-z0-9._=,-]+", "_", f"{group}-seed{seed}")
