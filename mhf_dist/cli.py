@@ -30,6 +30,7 @@ from mhf_dist.config import (
     load_config,
     parse_overrides,
 )
+from mhf_dist.console import quiet_driver
 from mhf_dist.errors import ConfigError, Interrupted, MhfError, TrainingError
 from mhf_dist.eval import LAYER as EVAL_LAYER
 from mhf_dist.eval import TASKS as EVAL_TASKS
@@ -632,7 +633,7 @@ def _shared_signatures(cfg: Config, vocab_sizes: list[int]) -> list[str]:
 )
 def cmd_plan(args: argparse.Namespace) -> None:
     """per-GPU memory at ZeRO 0-3, stage, micro-batch and days for a cluster"""
-    from mhf_dist.plan import Cluster, check_fits, plan, plan_legend, plan_rows, readable
+    from mhf_dist.plan import Cluster, check_fits, plan, plan_legend, plan_rows, readable, token_count
     from mhf_dist.tables import markdown_table
 
     cfg = _config(args)  # --seq-len is its train.seq_len: checked against the model's positions
@@ -650,7 +651,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(
         f"preset {cfg.preset or args.config}, {cfg.model.hash.spec}, seq_len {readable(seq_len, '')}; "
         f"{readable(args.nodes, '')} node(s) x {readable(args.gpus, '')} GPU(s) of {args.gpu_mem_gb:g} GB, "
-        f"{args.peak_tflops:g} TFLOP/s at MFU {args.mfu:g}; {readable(tokens / 1e9, '.1f')}B tokens"
+        f"{args.peak_tflops:g} TFLOP/s at MFU {args.mfu:g}; {token_count(tokens)} tokens"
     )
     rows = plan_rows(plans)
     print(markdown_table(rows, list(rows[0])))
@@ -673,12 +674,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
         metavar="NAME=VALUE",
     ),
     arg("--submission-id", kinds.SUBMISSION_ID, "the job's id (default: Ray picks one)"),
+    VERBOSE,
     usage="mhf submit SPEC [options] [-- ARGS appended to the spec's entrypoint]",
 )
 def cmd_submit(args: argparse.Namespace) -> int:
     """submit a job spec to a Ray cluster through the Jobs API"""
     from mhf_dist.submit import follow_job, job_message, load_job_spec, submit_job
 
+    quiet_driver(args.verbose)
     spec = load_job_spec(args.spec)
     env = dict(item.split("=", 1) for item in args.env)  # NAME=VALUE: kinds.VARIABLE
     address = f"--address {args.address}"

@@ -58,6 +58,13 @@ DATASET_CALLABLE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_
 DATASET_PREFIX = "dataset:"  # data.corpus (or --corpus) naming such a callable
 
 
+def check_place(location: str) -> str:
+    """A path or URI to read or write is not empty (which a path would read as the current directory)."""
+    if not location:
+        raise ValueError("empty; give a path ('.' for the current directory) or a URI")
+    return location
+
+
 def check_corpus(corpus: str) -> str:
     """A `dataset:` corpus names package.module:function (other forms are checked where it is read)."""
     callable_name = corpus.removeprefix(DATASET_PREFIX)
@@ -66,7 +73,8 @@ def check_corpus(corpus: str) -> str:
     return corpus
 
 
-Corpus = Annotated[str, AfterValidator(check_corpus)]
+Place = Annotated[str, AfterValidator(check_place)]
+Corpus = Annotated[str, Field(min_length=1), AfterValidator(check_corpus)]
 # Overrides: dotted keys and their values, or `KEY=VALUE` texts (see `load_config`).
 Overrides = Mapping[str, Any] | Iterable[str]
 
@@ -419,6 +427,7 @@ class DataConfig(StrictModel):
     text_field: str = Field("text", description="the JSON field, parquet or Arrow column holding the text")
     tokenizer: str = Field(
         "bpe",
+        min_length=1,
         description="bpe (trained to model.vocab_size) | bytes | mistral-v0.3 (Mistral-7B-v0.3's, 32768 "
         "ids; the authors' models) | a tokenizer.json (path or URI)",
     )
@@ -427,7 +436,7 @@ class DataConfig(StrictModel):
         description="document boundaries: bos = `<s> text`, no EOS (the authors' Mistral data); eos = "
         "`text EOS`; auto: bos when the tokenizer's default special tokens lead with a BOS, else eos",
     )
-    signatures: str | None = Field(
+    signatures: Place | None = Field(
         None,
         description="an exported model (or its signatures.safetensors) whose table the shards carry, e.g. "
         "one `mhf import-hf` wrote; default: built from the tokenizer by model.hash",
@@ -448,7 +457,7 @@ class DataConfig(StrictModel):
     shuffle_window: int = Field(
         64, gt=0, description="shards whose rows are mixed together (the shard order is shuffled too)"
     )
-    path: str = Field("runs/data", description="the prepared shard directory (prepare output, train input)")
+    path: Place = Field("runs/data", description="the prepared shard directory (prepare output, train input)")
     recall: RecallDataConfig = RecallDataConfig()
     replay: ReplayConfig = ReplayConfig()
 
@@ -483,7 +492,7 @@ class TopologyConfig(StrictModel):
     workers: int = Field(2, gt=0, description="Ray Train workers, one process each")
     gpus_per_worker: int = Field(0, ge=0, description="GPUs per worker; 0 trains on CPUs")
     zero_stage: ZeroStage = Field(0, description="DeepSpeed ZeRO stage (0: plain data parallel)")
-    storage: str = Field(
+    storage: Place = Field(
         "runs/train", description="Ray Train storage: run directories, checkpoints, the embedded MLflow"
     )
 
@@ -560,14 +569,14 @@ def load_config(source: str | Path | None = None, overrides: Overrides = ()) -> 
         raise ConfigError(
             f"preset={preset} cannot be set; choose the preset with {fix} (or a file's `preset:`)"
         )
-    apply_overrides(raw, parsed)
+    given = apply_overrides(raw, parsed)
     try:
         return Config.model_validate(raw)
     except ValidationError as err:
         # A problem at a key no override touches (the key, inside it or around it) is a file's: the line
         # names the file that sets it. A rule across sections names its keys, whoever gave them.
         key, _ = first_problem(err)
-        touched = any(_nested(key, given) for given in parsed)
+        touched = any(_nested(key, setting) for setting in given)
         named = f"{_file_setting(source, key)}: " if _is_file(source or "") and key and not touched else ""
         raise ConfigError(named + _describe(err)) from None
 
@@ -659,10 +668,11 @@ def parse_overrides(overrides: Overrides) -> dict[str, Any]:
     return settings
 
 
-def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> None:
-    """Set each dotted key of `overrides` in `raw` (a config as read from YAML), in order. A value given
-    to a whole section merges into it: a mapping key by key, a shorthand as its model reads it
-    (`model.hash=H2B64` is `{spec: H2B64}`: the spec changes, the widths stay)."""
+def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> list[str]:
+    """Set each dotted key of `overrides` in `raw` (a config as read from YAML), in order; returns the
+    keys set. A value given to a whole section merges into it: a mapping key by key, a shorthand as its
+    model reads it (`model.hash=H2B64` is `{spec: H2B64}`: the spec changes, the widths stay)."""
+    given = []
     for key, value in overrides.items():
         node, section = raw, Config
         *parents, last = key.split(".")
@@ -676,9 +686,11 @@ def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> None:
         child = _field_section(section, key, len(parents))
         if child is None:
             node[last] = value
+            given.append(key)
         else:  # key by key: a shorthand, here or deeper down, is read as its section does
             keys = _section_keys(child, value, key)
-            apply_overrides(raw, {f"{key}.{sub_key}": sub_value for sub_key, sub_value in keys.items()})
+            given += apply_overrides(raw, {f"{key}.{sub_key}": value for sub_key, value in keys.items()})
+    return given
 
 
 def _field_section(model_cls: type[BaseModel], key: str, depth: int) -> type[BaseModel] | None:

@@ -22,6 +22,9 @@ QUIET_LOGGERS = {
     "ray._private.authentication.authentication_token_setup": logging.ERROR,
     # MLflow's "Creating initial MLflow database tables..." when a run's SQLite store is new
     "mlflow.store.db.utils": logging.WARNING,
+    # Ray's job client, packing and uploading the working directory ("Ignoring upload ... .gitignore")
+    "ray._private.runtime_env.packaging": logging.WARNING,
+    "ray.dashboard.modules.dashboard_sdk": logging.WARNING,
 }
 # "0": Tune's legacy output, which prints nothing at RunConfig(verbose=0); the new one prints its
 # experiment box and where the results are whatever the verbosity.

@@ -293,6 +293,11 @@ def readable(value: float, fixed: str) -> str:
     return f"{value:{fixed}}" if abs(value) < 1e6 else f"{value:.2e}"
 
 
+def token_count(tokens: float) -> str:
+    """`tokens` in billions (100.0B), or written out below a tenth of one (a tiny preset's 81,920)."""
+    return f"{readable(tokens / 1e9, '.1f')}B" if tokens >= 1e8 else f"{tokens:,.0f}"
+
+
 def plan_legend(cfg: Config) -> str:
     """What `plan_rows`' columns hold, for `cfg`'s precision and activation checkpointing."""
     layers = cfg.train.activation_checkpointing == "layers"

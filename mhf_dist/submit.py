@@ -147,6 +147,13 @@ def submit_job(
     words = [arg if _PLAIN_WORD.fullmatch(arg) else shlex.quote(arg) for arg in extra_args]
     entrypoint = " ".join([spec.entrypoint, *words])
     client = _client(address)
+    taken = JobError(
+        f"submission id {submission_id!r} is taken on the cluster at {address}; choose another "
+        "--submission-id, or leave it out for Ray to pick one"
+    )
+    # Looked up first: Ray's client uploads the working directory (and says so) before it is refused.
+    if submission_id is not None and any(job.submission_id == submission_id for job in client.list_jobs()):
+        raise taken
     try:
         job_id = client.submit_job(
             entrypoint=entrypoint,
@@ -158,11 +165,8 @@ def submit_job(
             entrypoint_resources=spec.entrypoint_resources or None,
         )
     except RuntimeError as err:  # the Jobs API's refusal, as Ray's client raises it
-        if submission_id is not None and "already exists" in str(err):
-            raise JobError(
-                f"submission id {submission_id!r} is taken on the cluster at {address}; choose another "
-                "--submission-id, or leave it out for Ray to pick one"
-            ) from None
+        if submission_id is not None and "already exists" in str(err):  # submitted meanwhile
+            raise taken from None
         raise
     return client, job_id
 

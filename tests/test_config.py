@@ -283,6 +283,12 @@ def test_flat_keys_match_override_paths():
         ("tiny", ["model.hash=X9"], r"^model.hash: bad hash spec 'X9'; write H<hashes>B<buckets>"),
         ("tiny", ["model.family=gpt"], "model.family: unknown model family 'gpt'; registered: mhf, qwen3"),
         ("tiny", ["train.steps=-1"], "train.steps: Input should be greater than 0"),
+        # an empty location is not the current directory (a run written into it, a corpus read from it)
+        ("tiny", ["topology.storage=''"], r"^topology.storage: empty; give a path \('.' for the current"),
+        ("tiny", ["data.path=''"], r"^data.path: empty; give a path"),
+        ("tiny", ["data.signatures=''"], r"^data.signatures: empty; give a path"),
+        ("tiny", ["data.replay.corpus=''"], r"^data.replay.corpus: String should have at least 1 character"),
+        ("tiny", ["data.tokenizer=''"], r"^data.tokenizer: String should have at least 1 character"),
         (
             "tiny",
             [f"train.steps={'9' * 400}"],
@@ -366,6 +372,13 @@ def test_unknown_key_in_yaml_lists_the_allowed_keys(tmp_path):
             "a.yaml: train.steps: Input should be greater than 0",
         ),
         ({"a": "train: {steps: -3}"}, ["train={steps: -4}"], "train.steps: Input should be greater than 0"),
+        # an override of a whole section gives the keys it holds, no others
+        ({"a": "train: {steps: -3}"}, ["train={lr: 0.1}"], "a.yaml: train.steps: Input should be greater"),
+        (
+            {"a": "model: {hash: {spec: H2B64, sede: 3}}"},
+            ["model.hash=H2B64"],  # the shorthand gives model.hash.spec
+            "a.yaml: unknown key 'model.hash.sede'",
+        ),
         # a rule over a section that an override inside it may break; one across sections names its keys
         ({"a": "model: {hash: {num_lsh: 2, scheme: murmur32}}"}, [], "a.yaml: model.hash: num_lsh=2 needs"),
         ({"a": "model: {hash: {num_lsh: 2}}"}, ["model.hash.scheme=murmur32"], "model.hash: num_lsh=2 needs"),

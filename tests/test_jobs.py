@@ -128,9 +128,9 @@ def test_a_failing_job_surfaces_its_error_and_a_nonzero_exit_and_its_id_stays_ta
     assert "error: train.steps" in out  # mhf's own one-line error, streamed from the job's logs
     assert "FAILED" in err and "exit code 2" in err
     status, out, err = submit("--set", "train.steps=-1", options=named)  # nothing is submitted again
-    assert (status, out) == (2, "") and err.strip().splitlines()[-1] == (
+    assert (status, out) == (2, "") and err == (  # one line: refused before Ray's client uploads anything
         f"error: submission id 'mhf-failing-job' is taken on the cluster at {cluster.dashboard_url}; choose "
-        "another --submission-id, or leave it out for Ray to pick one"
+        "another --submission-id, or leave it out for Ray to pick one\n"
     )
 
 

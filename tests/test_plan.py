@@ -247,6 +247,8 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
     assert main([*plan_argv, "--seq-len", "128"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert ", seq_len 128; " in first and first.endswith("; 1.0B tokens")  # 1,000,000 x 8 x 128
+    assert main([*plan_argv, "--seq-len", "16", "--set", "train.steps=10"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("; 1,280 tokens")  # 10 x 8 x 16, not 0.0B
     # a plan for more positions than the model has is refused
     positions = load_config("tiny").model.backbone.max_position_embeddings
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--seq-len", "100000"]) == 2

@@ -151,6 +151,14 @@ def test_a_sweep_whose_shards_do_not_fit_a_trials_model_fails_before_ray_starts(
             r"^sweep: storage: 's3:/bucket/x' is missing a slash of s3://",
         ),
         (
+            {"name": "x", "kind": "seeds", "storage": ""},
+            r"^sweep: storage: empty; give a path \('.' for the current directory\) or a URI",
+        ),
+        (
+            {"name": "x", "kind": "seeds", "evaluate": [{"task": "ppl", "data": ""}]},
+            r"^sweep: evaluate.0.data: empty; give a path",
+        ),
+        (
             {"name": "x", "kind": "seeds", "experiment": ""},
             r"^sweep: experiment: String should have at least 1 character",
         ),

@@ -32,6 +32,7 @@ from mhf_dist.config import (
     DIRECTORY_NAME_RULE,
     MAX_NAME,
     Config,
+    Place,
     Seed,
     StrictModel,
     TopologyConfig,
@@ -85,7 +86,7 @@ class TrialEval(StrictModel):
     """An `mhf eval` task run on a trial's exported model; logged as eval.<task>.<metric> at its last step."""
 
     task: str
-    data: str | None = None
+    data: Place | None = None
     limit: int = Field(0, ge=0, description="the first N examples; 0: all")
     seq_len: int = Field(WINDOW, ge=2, description="ppl and bpb: the window length")
 
@@ -138,7 +139,7 @@ class SweepConfig(StrictModel):
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     asha: AshaConfig | None = None
     max_concurrent: int = Field(0, ge=0, description="trials at once; 0: as many as the CPUs allow")
-    storage: str = "runs/sweeps"  # the sweep's root: its record, Tune's state, the trials, MLflow
+    storage: Place = "runs/sweeps"  # the sweep's root: its record, Tune's state, the trials, MLflow
     experiment: str = Field("mhf-sweeps", min_length=1)
     metric: str = Field("val_nll", min_length=1)  # what `mhf compare` aggregates
     matched_to: str = Field("mhf", description="matched: the family parameter residuals are measured against")
