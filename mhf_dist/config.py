@@ -59,9 +59,12 @@ DATASET_PREFIX = "dataset:"  # data.corpus (or --corpus) naming such a callable
 
 
 def check_place(location: str) -> str:
-    """A path or URI to read or write is not empty (which a path would read as the current directory)."""
+    """A path or URI to read or write: not empty (the current directory, as a path) and not surrounded
+    by white space (` s3://b/x` would be a local folder)."""
     if not location:
         raise ValueError("empty; give a path ('.' for the current directory) or a URI")
+    if location != location.strip():
+        raise ValueError("begins or ends with white space; remove it")
     return location
 
 

@@ -206,14 +206,17 @@ def _gcs(emulator: str | None) -> pafs.FileSystem:
 
 def local_path(text: str) -> Path:
     """A local path as written or as a `file:` URI's path (`file:///x`, `file://localhost/x`), `~` expanded.
-    A `~user` without a home, a `file:` URI that is not one absolute path of this machine, or an object
-    store's URI that lost a slash (`s3:/bucket`, which would make a local folder named `s3:`) is one line."""
+    A `~user` without a home, a `file:` URI that is not one absolute path of this machine, an object
+    store's URI that lost a slash (`s3:/bucket`, which would make a local folder named `s3:`) or white space
+    around the text is one line."""
     if typo := _URI_TYPO.match(text):
         scheme = (typo.group("scheme") or typo.group("store")).lower()
         fixed = f"{scheme}://{text[typo.end() :].lstrip('/')}"
         raise StorageError(
             f"{text!r} is missing a slash of {scheme}://: write {fixed}, or ./{text} if it is local"
         )
+    if text != text.strip():  # ` s3://b/x` or `runs/x ` would be a local folder named so
+        raise StorageError(f"{text!r} begins or ends with white space; remove it")
     path = text
     if text[:5].lower() == "file:":
         parts = urlsplit(text)

@@ -80,12 +80,13 @@ def check_writable_store(uri: str) -> None:
     """Before a run starts: a SQLite store it can create, or an MLflow store, not another program's
     database (MLflow would add its tables to it)."""
     store = sqlite_file(uri)
+    if store is None:
+        return
     given = _from_environment(uri)
-    if store is not None and store.exists():
+    fix = f"fix {URI_VARIABLE}" if given else f"choose another --storage or set {URI_VARIABLE}"
+    Location.of(store).check_writable(TrackingError, fix)  # first: a name too long cannot even be looked at
+    if store.exists():
         require_store(uri, f"fix {URI_VARIABLE}" if given else f"move it away or set {URI_VARIABLE}")
-    elif store is not None:
-        fix = f"fix {URI_VARIABLE}" if given else f"choose another --storage or set {URI_VARIABLE}"
-        Location.of(store).check_writable(TrackingError, fix)
 
 
 def _from_environment(uri: str) -> bool:

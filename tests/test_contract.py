@@ -60,7 +60,8 @@ VALID = {
 TOO_LONG = "/tmp/" + "n" * 300  # a path component over every common filesystem's 255 bytes
 NO_HOME = "~no-such-user-of-mhf/x"  # `~user` of no account: Path.expanduser raises
 URIS = ["s3://bucket/x"]  # checked by the command that opens them
-MISTYPED_URIS = ["s3:/bucket/x", "file://host/x"]  # a slash lost; another machine's file
+# a slash lost; another machine's file; a space before (a local folder ` s3:`)
+MISTYPED_URIS = ["s3:/bucket/x", "file://host/x", " s3://bucket/x"]
 # (bad, good) texts of each kind ("{...}": a path of `ws`), the most telling bad one first: one a laxer
 # kind would take. A number kind (`kinds.number`) brings its own, from its bounds.
 EXAMPLES = {

@@ -1,5 +1,7 @@
 """`mhf sweep`: sweep files, trial expansion, and resuming an interrupted sweep on Ray Tune."""
 
+import re
+
 import pytest
 from faults import KillLastWorker
 
@@ -266,6 +268,12 @@ def test_mhf_sweeps_command_line_may_fix_its_file_and_a_mistake_names_who_made_i
     ):
         assert main(["sweep", "--config", str(sweep), *flags]) == 2
         assert capsys.readouterr().err.startswith(f"error: {sweep} {line}")
+    # a storage no file can be made in is one line too (its MLflow store is looked at first)
+    sweep.write_text(f"name: s\nkind: seeds\nstorage: {tmp_path / ('n' * 300)}\n")
+    assert main(["sweep", "--config", str(sweep)]) == 2
+    assert re.fullmatch(
+        r"error: the name 'n+'\.\.\. is 300 bytes; it may have at most 255 .*\n", capsys.readouterr().err
+    )
     # the file's own mistakes, one hidden behind another that --storage fixes
     sweep.write_text("name: s\nkind: seeds\nstorage: s3://x/../y\nset: {topology.workers: 3}\n")
     assert main(["sweep", "--config", str(sweep), "--set", "train.lr=abc"]) == 2
@@ -291,6 +299,18 @@ def test_mhf_sweeps_command_line_may_fix_its_file_and_a_mistake_names_who_made_i
         load_sweep(sweep, None, {"train.lr": -1})
 
 
+def test_a_spec_read_back_from_its_dump_is_the_same_spec():
+    """What a trial and `--resume` read (the spec as sweep.json and Tune hold it) is the spec, for every
+    task: ppl and bpb with their default window, the others with none."""
+    from mhf_dist.eval.tasks import TASKS
+    from mhf_dist.sweep.spec import SweepConfig
+
+    evaluate = [{"task": task} if task == "recall" else {"task": task, "data": "f"} for task in TASKS]
+    spec = parse_sweep({"name": "x", "kind": "seeds", "evaluate": evaluate})
+    assert [task.seq_len for task in spec.evaluate] == [128 if t in ("ppl", "bpb") else None for t in TASKS]
+    assert SweepConfig.model_validate(spec.model_dump(mode="json")) == spec
+
+
 def test_a_missing_sweep_file_is_a_one_line_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_sweep(tmp_path / "nope.yaml")
@@ -302,6 +322,7 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_sess
     monkeypatch.chdir(tmp_path)  # relative paths in the sweep: trials must resolve them from here too
     prepare(load_config("tiny", BYTES), "data", log=lambda _: None)
     (tmp_path / "held_out.txt").write_text("A held-out line of text.\n\nAnother one, for bits per byte.\n")
+    (tmp_path / "lambada.jsonl").write_text('{"text": "the cat sat on the mat"}\n')
     # Two trials; the second loses a worker after step 3 (a test callback; no restarts), after its step-2
     # checkpoint.
     spec = parse_sweep(
@@ -317,14 +338,20 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_sess
             },
             "grid": {"train.lr": [0.003, 0.002]},
             "storage": "sweeps",
-            "evaluate": [{"task": "bpb", "data": "held_out.txt", "seq_len": 8}],
+            "evaluate": [
+                {"task": "bpb", "data": "held_out.txt", "seq_len": 8},
+                {"task": "lambada", "data": "lambada.jsonl"},  # no window: a trial reads it as given
+            ],
         }
     )
     trials = tmp_path / "sweeps" / "crashy" / TRIALS_DIR
     fault = KillLastWorker(step=3, marker=tmp_path / "fault-injected", run="train.lr=0.002-seed0")
+    lines = []
     with pytest.raises(SweepError, match=r"1 of 2 trials failed \(train.lr=0.002-seed0\)"):
-        run_sweep(spec, log=lambda _: None, worker_callbacks=[fault])
+        run_sweep(spec, log=lines.append, worker_callbacks=[fault])
     assert fault.marker.is_file()
+    (failed,) = [line for line in lines if line.startswith("trial train.lr=0.002-seed0 failed: ")]
+    assert "Traceback" not in failed
     finished_files = sorted(path.stat().st_mtime_ns for path in (trials / "train.lr=0.003-seed0").rglob("*"))
 
     result = run_sweep(spec, resume=True, log=lambda _: None)
@@ -346,6 +373,9 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_sess
         exported = load_exported(newest_checkpoint(trials / run.info.run_name) / MODEL_DIR)
         expected = run_task(exported, "bpb", tmp_path / "held_out.txt", seq_len=8)["bits_per_byte"]
         assert bpb.step == 4 and bpb.value == pytest.approx(expected, rel=1e-9)
+        (lambada,) = client.get_metric_history(run.info.run_id, "eval.lambada.ppl")
+        expected = run_task(exported, "lambada", tmp_path / "lambada.jsonl")["ppl"]
+        assert lambada.step == 4 and lambada.value == pytest.approx(expected, rel=1e-9)
     assert client.get_run(result.parent_run_id).info.status == "FINISHED"
     with pytest.raises(SweepError, match="already exists"):
         run_sweep(spec, log=lambda _: None)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from mhf_dist.config import Config, load_config
 from mhf_dist.console import ConsoleRelay, WorkerLines
 from mhf_dist.data.shards import check_compatible, read_manifest
-from mhf_dist.errors import DataError, MhfError, Resumable
+from mhf_dist.errors import DataError, MhfError, Resumable, first_line
 from mhf_dist.files import write_json_atomic
 from mhf_dist.interrupts import tune_stops_gracefully
 from mhf_dist.ray_utils import ensure_ray, logs_dir, workers_print_to_console
@@ -191,6 +191,9 @@ def run_sweep(
         last = configs[trial["name"]].train.steps
         reached = (result.metrics or {}).get("step") == last
         status = "ERROR" if result.error else "FINISHED" if reached else "STOPPED"
+        if result.error:  # Tune's error, whose `cause` is the trial's own
+            cause = getattr(result.error, "cause", None) or result.error
+            log(f"trial {trial['name']} failed: {first_line(cause)}")
         outcomes.append({key: trial[key] for key in ("name", "group", "family", "seed")} | {"status": status})
     if spec.asha is not None:  # the trials ASHA stopped early: Tune skipped their clean-up
         stopped = [outcome["name"] for outcome in outcomes if outcome["status"] == "STOPPED"]

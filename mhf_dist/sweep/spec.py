@@ -88,7 +88,15 @@ class TrialEval(StrictModel):
     task: str
     data: Place | None = None
     limit: int = Field(0, ge=0, description="the first N examples; 0: all")
-    seq_len: int = Field(WINDOW, ge=2, description="ppl and bpb: the window length")
+    seq_len: int | None = Field(None, ge=2, description=f"ppl and bpb: the window length (default {WINDOW})")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _window_of_a_windowed_task(cls, raw: Any) -> Any:
+        """ppl's and bpb's default window, given here: a spec read back from its dump is the same spec."""
+        if isinstance(raw, dict) and raw.get("task") in WINDOWED and raw.get("seq_len") is None:
+            return {**raw, "seq_len": WINDOW}
+        return raw
 
     @field_validator("task")
     @classmethod
@@ -107,7 +115,7 @@ class TrialEval(StrictModel):
             check_task_data(self.task, self.data is not None, option="data")
         except MhfError as err:
             raise ValueError(str(err)) from None
-        if "seq_len" in self.model_fields_set and self.task not in WINDOWED:
+        if self.seq_len is not None and self.task not in WINDOWED:
             raise ValueError(f"seq_len is read by ppl and bpb only; drop it for task {self.task!r}")
         return self
 
