@@ -192,18 +192,28 @@ def largest_layer_params(model: ModelConfig) -> int:
     return model_to_params(built)[1]
 
 
+def micro_batches(batch_size: int, gpus: int, micro_batch: int | None) -> list[int]:
+    """The micro-batches to try, largest first: the given one, else those `mhf train` takes (divisors of
+    each GPU's share of train.batch_size) up to MAX_MICRO_BATCH, or powers of two where it does not split."""
+    if micro_batch:
+        return [micro_batch]
+    if batch_size % gpus:
+        return [2**k for k in range(MAX_MICRO_BATCH.bit_length())][::-1]
+    share = batch_size // gpus
+    return [size for size in range(min(share, MAX_MICRO_BATCH), 0, -1) if share % size == 0]
+
+
 def recommend(
-    state_bytes: dict[int, int], activation_per_sequence: int, usable: float, micro_batch: int | None
+    state_bytes: dict[int, int], activation_per_sequence: int, usable: float, sizes: list[int]
 ) -> tuple[int | None, int]:
-    """The stage and micro-batch to run: the given micro-batch, else the largest power of two that fits,
-    at the lowest stage that fits it; ZeRO-3 (1.5x the communication of 0-2) only when 0-2 fit nothing."""
-    sizes = [micro_batch] if micro_batch else [2**k for k in range(MAX_MICRO_BATCH.bit_length())][::-1]
+    """The stage and micro-batch to run: the largest of `sizes` that fits, at the lowest stage that fits
+    it; ZeRO-3 (1.5x the communication of 0-2) only when 0-2 fit nothing."""
     for stages in ((0, 1, 2), (3,)):
         for size in sizes:
             for stage in stages:
                 if state_bytes[stage] + size * activation_per_sequence <= usable:
                     return stage, size
-    return None, micro_batch or 1
+    return None, sizes[-1]
 
 
 def plan(
@@ -240,7 +250,8 @@ def plan(
     checkpointing = cfg.train.activation_checkpointing == "layers"
     per_sequence = activation_bytes(model, seq_len, 1, checkpointing=checkpointing)
     usable = cluster.gpu_mem_gb * GIB * (1 - MEMORY_RESERVE)
-    stage, size = recommend(states, per_sequence, usable, micro_batch)
+    sizes = micro_batches(cfg.train.batch_size, cluster.gpus, micro_batch)
+    stage, size = recommend(states, per_sequence, usable, sizes)
     tokens_per_s = days = None
     if stage is not None:  # no throughput for a run that cannot start
         tokens_per_s = mfu * cluster.peak_tflops * 1e12 * cluster.gpus / train_flops_per_token(model, seq_len)

@@ -24,6 +24,7 @@ from mhf_dist.plan import (
     io_activation_bytes,
     largest_layer_params,
     layer_activation_elements,
+    micro_batches,
     model_state_bytes,
     plan,
     recommend,
@@ -195,13 +196,19 @@ def test_checkpointed_activations_are_what_autograd_keeps_outside_the_recomputed
     assert activation_bytes(big, 2048, 1, checkpointing=True) < 0.5 * full
 
 
-def test_recommendation_prefers_big_micro_batches_below_zero3():
+def test_recommendation_prefers_big_micro_batches_below_zero3_that_train_takes():
     states = {0: 20 * GIB, 1: 8 * GIB, 2: 6 * GIB, 3: 3 * GIB}
-    assert recommend(states, GIB, usable=100 * GIB, micro_batch=None) == (0, 64)
-    assert recommend(states, GIB, usable=30 * GIB, micro_batch=None) == (1, 16)
-    assert recommend(states, GIB, usable=30 * GIB, micro_batch=4) == (0, 4)
-    assert recommend(states, 7 * GIB, usable=10 * GIB, micro_batch=None) == (3, 1)
-    assert recommend(states, 8 * GIB, usable=10 * GIB, micro_batch=None) == (None, 1)
+    powers = micro_batches(8, 3, None)  # 8 rows do not split over 3 GPUs: powers of two
+    assert powers == [64, 32, 16, 8, 4, 2, 1]
+    assert recommend(states, GIB, usable=100 * GIB, sizes=powers) == (0, 64)
+    assert recommend(states, GIB, usable=30 * GIB, sizes=powers) == (1, 16)
+    assert recommend(states, GIB, usable=30 * GIB, sizes=micro_batches(8, 2, 4)) == (0, 4)  # --micro-batch
+    assert recommend(states, 7 * GIB, usable=10 * GIB, sizes=powers) == (3, 1)
+    assert recommend(states, 8 * GIB, usable=10 * GIB, sizes=powers) == (None, 1)
+    # a divisor of each GPU's share of the batch, as `mhf train` takes it: 96 rows over 8 GPUs are 12 each
+    assert micro_batches(96, 8, None) == [12, 6, 4, 3, 2, 1]
+    assert recommend(states, GIB, usable=30 * GIB, sizes=micro_batches(96, 8, None)) == (1, 12)
+    assert micro_batches(2048, 2, None)[0] == 64  # at most MAX_MICRO_BATCH
 
 
 def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
