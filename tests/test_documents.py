@@ -198,6 +198,9 @@ def test_block_packing_prepares_disjoint_blocks_and_train_refuses_shards_of_the_
         check_compatible(manifest, byte_cfg())
 
 
-def test_recall_rows_refuse_a_bos_document_format(tmp_path):
+def test_recall_rows_refuse_a_bos_document_format_and_say_that_the_tokenizer_is_not_used(tmp_path):
     with pytest.raises(DataError, match=r"data\.corpus=recall writes generated rows in the eos layout"):
         prepare(byte_cfg("data.corpus=recall", "data.document_format=bos"), tmp_path / "r", log=print)
+    lines = []
+    prepare(byte_cfg("data.corpus=recall", "data.recall.examples=20"), tmp_path / "r", log=lines.append)
+    assert "data.tokenizer bytes is not used: recall rows have ids of their own (k1..)" in lines

@@ -69,6 +69,20 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
     with pytest.raises(SweepError, match=r"ppl reads 'nowhere.txt', which does not exist"):
         run_sweep(spec)
     assert not list(tmp_path.iterdir())  # no sweep record, no MLflow parent run
+    (tmp_path / "text.txt").write_text("Some text.\n")
+    for entry, line in (
+        (
+            {"task": "bpb", "data": str(tmp_path)},
+            r"^evaluate: bpb reads a file, and '.*' is a directory; name",
+        ),
+        (
+            {"task": "ppl", "data": str(tmp_path / "text.txt"), "seq_len": 100000},
+            r"^evaluate: ppl's seq_len 100000 is above trial mhf-seed0's model.backbone.max_position_emb",
+        ),
+    ):
+        with pytest.raises(SweepError, match=line):
+            run_sweep(parse_sweep({**raw, "evaluate": [entry]}))
+    (tmp_path / "text.txt").unlink()
     (tmp_path / "mlflow.db").write_text("notes")  # not an MLflow store: MLflow would add its tables
     with pytest.raises(MhfError, match=r"mlflow.db' is not an MLflow store .*; move it away"):
         run_sweep(spec)
@@ -173,6 +187,18 @@ def test_a_sweep_whose_shards_do_not_fit_a_trials_model_fails_before_ray_starts(
         ),
         (["not", "a", "mapping"], "must be a YAML mapping"),
         ({"name": "x", "kind": "seeds", "evaluate": [{"task": "mmlu"}]}, "unknown task 'mmlu'"),
+        (
+            {"name": "x", "kind": "seeds", "evaluate": [{"task": "ppl", "data": "s3:/b/t.txt"}]},
+            r"^sweep: evaluate.0.data: 's3:/b/t.txt' is missing a slash of s3://",
+        ),
+        (
+            {
+                "name": "x",
+                "kind": "seeds",
+                "evaluate": [{"task": "ppl", "data": "a"}, {"task": "ppl", "data": "b"}],
+            },
+            r"^sweep: evaluate: task 'ppl' comes twice \(both would log eval.ppl.\*\); give each task once",
+        ),
         (
             {"name": "x", "kind": "seeds", "evaluate": [{"task": "recall", "data": "r.txt"}]},
             r"evaluate.0: task 'recall' generates its own examples and reads no file; drop data$",

@@ -42,6 +42,7 @@ MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 SIGNATURES_FILE = "signatures.safetensors"
 SPLITS = ("train", "validation")
+NO_VALIDATION_FIX = "prepare more text, a larger data.val_percent or a smaller train.seq_len"
 FORMAT = "mhf-shards"
 VERSION = 2  # 1: whole-shard row groups, which no row can be read from alone
 ROWS_PER_GROUP = 1  # every parquet row group is one row: the unit the training reader reads
@@ -356,11 +357,8 @@ def split_shards(path: str | Path, manifest: Manifest, split: str) -> list[Shard
         raise DataError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     shards = manifest.splits[split].shards
     if not shards:
-        held_out = ", a larger data.val_percent" if split == "validation" else ""
-        raise DataError(
-            f"prepared data {str(path)!r} has no {split} rows; prepare more text{held_out} or a smaller "
-            "seq_len"
-        )
+        fix = NO_VALIDATION_FIX if split == "validation" else "prepare more text or a smaller train.seq_len"
+        raise DataError(f"prepared data {str(path)!r} has no {split} rows; {fix}")
     return shards
 
 

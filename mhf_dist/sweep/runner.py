@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from mhf_dist.config import Config, load_config
 from mhf_dist.console import ConsoleRelay, WorkerLines
-from mhf_dist.data.shards import check_compatible, read_manifest
+from mhf_dist.data.shards import NO_VALIDATION_FIX, check_compatible, read_manifest
 from mhf_dist.errors import DataError, MhfError, Resumable, first_line
 from mhf_dist.files import write_json_atomic
 from mhf_dist.interrupts import tune_stops_gracefully
@@ -92,8 +92,20 @@ def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
     included, was validated when the sweep was parsed)."""
     check_writable_store(tracking_uri(Location.of(spec.storage).uri))
     for task in spec.evaluate:
-        if task.data is not None and not Location.of(task.data).exists():
+        data = Location.of(task.data) if task.data is not None else None
+        if data is not None and not data.exists():
             raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")
+        if data is not None and task.task != "ppl" and data.is_dir():  # ppl alone reads prepared shards
+            raise SweepError(
+                f"evaluate: {task.task} reads a file, and {task.data!r} is a directory; name a file"
+            )
+        for name, cfg in configs.items():
+            positions = cfg.model.backbone.max_position_embeddings
+            if task.seq_len is not None and task.seq_len > positions:
+                raise SweepError(
+                    f"evaluate: {task.task}'s seq_len {task.seq_len} is above trial {name}'s "
+                    f"model.backbone.max_position_embeddings {positions}; give a smaller seq_len"
+                )
     metrics = [spec.metric, *([spec.asha.metric] if spec.asha else [])]
     for name, cfg in configs.items():
         manifest = read_manifest(cfg.data.path)
@@ -105,8 +117,8 @@ def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
             val := next((m for m in metrics if m.startswith("val_")), None)
         ):
             raise SweepError(
-                f"trial {name}: its shards have no validation rows, so no {val}; prepare them with "
-                "data.val_percent above 0, or compare by another metric"
+                f"trial {name}: its shards have no validation rows, so no {val}; {NO_VALIDATION_FIX}, or "
+                "compare by another metric"
             )
 
 

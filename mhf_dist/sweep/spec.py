@@ -23,9 +23,9 @@ import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from mhf_dist.config import (
     DIRECTORY_NAME,
@@ -82,11 +82,23 @@ class AshaConfig(StrictModel):
     reduction_factor: float = Field(2.0, gt=1)
 
 
+def _a_location(location: str) -> str:
+    """A path or URI `Location` reads (a mistyped URI is the sweep file's mistake, named by its key)."""
+    try:
+        Location.of(location)
+    except MhfError as err:
+        raise ValueError(str(err)) from None
+    return location
+
+
+Where = Annotated[Place, AfterValidator(_a_location)]
+
+
 class TrialEval(StrictModel):
     """An `mhf eval` task run on a trial's exported model; logged as eval.<task>.<metric> at its last step."""
 
     task: str
-    data: Place | None = None
+    data: Where | None = None
     limit: int = Field(0, ge=0, description="the first N examples; 0: all")
     seq_len: int | None = Field(None, ge=2, description=f"ppl and bpb: the window length (default {WINDOW})")
 
@@ -147,7 +159,7 @@ class SweepConfig(StrictModel):
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     asha: AshaConfig | None = None
     max_concurrent: int = Field(0, ge=0, description="trials at once; 0: as many as the CPUs allow")
-    storage: Place = "runs/sweeps"  # the sweep's root: its record, Tune's state, the trials, MLflow
+    storage: Where = "runs/sweeps"  # the sweep's root: its record, Tune's state, the trials, MLflow
     experiment: str = Field("mhf-sweeps", min_length=1)
     metric: str = Field("val_nll", min_length=1)  # what `mhf compare` aggregates
     matched_to: str = Field("mhf", description="matched: the family parameter residuals are measured against")
@@ -174,14 +186,16 @@ class SweepConfig(StrictModel):
             raise ValueError(f"{chosen} is set by {taken[chosen]}, not by `{info.field_name}:`{also}")
         return settings
 
-    @field_validator("storage")
+    @field_validator("evaluate")
     @classmethod
-    def _a_place(cls, storage: str) -> str:
-        try:
-            Location.of(storage)
-        except MhfError as err:
-            raise ValueError(str(err)) from None
-        return storage
+    def _each_task_once(cls, evaluate: list[TrialEval]) -> list[TrialEval]:
+        tasks = [entry.task for entry in evaluate]
+        twice = next((task for task in tasks if tasks.count(task) > 1), None)
+        if twice is not None:  # its metrics, eval.<task>.*, would be one entry's
+            raise ValueError(
+                f"task {twice!r} comes twice (both would log eval.{twice}.*); give each task once"
+            )
+        return evaluate
 
     @field_validator("seeds")
     @classmethod

@@ -12,6 +12,7 @@ from mhf_dist.data.packing import dropped_tokens
 from mhf_dist.data.prepare.plan import Selection
 from mhf_dist.data.shards import (
     FORMAT,
+    NO_VALIDATION_FIX,
     ROWS_PER_GROUP,
     SPLITS,
     VERSION,
@@ -153,6 +154,12 @@ def log_published(log: Callable[[str], None], out: Location, published: Manifest
             f"{split}: {info.documents:,} documents -> {info.rows:,} rows of {published.seq_len + 1} "
             f"({info.target_tokens:,} target tokens, {info.dropped_tokens:,} dropped), "
             f"{len(info.shards)} shards"
+        )
+    held_out = published.config.data.get("val_percent", 0)
+    if held_out and not published.splits["validation"].rows:
+        log(
+            f"warning: data.val_percent={held_out:g} held out too little text for one row of "
+            f"{published.seq_len + 1} tokens, so runs on it report no val_ metrics; {NO_VALIDATION_FIX}"
         )
     log(f"wrote {out} (content sha256 {published.content_sha256[:12]})")
 
