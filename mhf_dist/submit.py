@@ -14,13 +14,15 @@ import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
+from mhf_dist.config import StrictModel
 from mhf_dist.errors import ConfigError, MhfError, first_line, first_problem
 from mhf_dist.ray_utils import ray_answers
 from mhf_dist.readers import read_yaml
+from mhf_dist.storage import is_uri, local_path
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -32,15 +34,20 @@ class JobError(MhfError):
     """The Ray cluster cannot be reached, refused the job, or the job did not succeed."""
 
 
-class JobSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    entrypoint: str = Field(min_length=1)
+class JobSpec(StrictModel):
+    entrypoint: str
     runtime_env: dict[str, Any] = Field(default_factory=dict)
     entrypoint_num_cpus: float = Field(0, ge=0)
     entrypoint_num_gpus: float = Field(0, ge=0)
-    entrypoint_resources: dict[str, float] = Field(default_factory=dict)
+    entrypoint_resources: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     metadata: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _a_command(cls, entrypoint: str) -> str:
+        if not entrypoint.strip():
+            raise ValueError("empty; give the command the job runs, e.g. mhf train --config 100m")
+        return entrypoint
 
     @field_validator("runtime_env")
     @classmethod
@@ -50,8 +57,30 @@ class JobSpec(BaseModel):
         unknown = sorted(set(runtime_env) - RuntimeEnv.known_fields)
         if unknown:
             raise ValueError(f"unknown runtime_env field(s) {unknown}")
+        local = [
+            path
+            for path in (runtime_env.get("working_dir"), *runtime_env.get("py_modules", []))
+            if isinstance(path, str) and not is_uri(path)
+        ]
+        for path in local:
+            try:
+                local_path(path)  # a URI that lost a slash, white space around it
+            except MhfError as err:
+                raise ValueError(str(err)) from None
         RuntimeEnv(**runtime_env)  # Ray's own type checks (env_vars must be strings, ...)
+        for name, value in runtime_env.get("env_vars", {}).items():
+            if "${" in _VARIABLE.sub("", value):
+                raise ValueError(
+                    f"env_vars.{name} {value!r} has an unclosed ${{; write ${{NAME}} or ${{NAME:-default}}"
+                )
         return runtime_env
+
+    @field_validator("entrypoint_resources")
+    @classmethod
+    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        if given := next((name for name in resources if name in ("CPU", "GPU")), None):
+            raise ValueError(f"{given} is entrypoint_num_{given.lower()}s; move it there")
+        return resources
 
 
 def load_job_spec(path: str | Path) -> JobSpec:
@@ -85,8 +114,8 @@ def expand_env_vars(env_vars: Mapping[str, str], environ: Mapping[str, str]) -> 
 def resolved_runtime_env(spec: JobSpec, environ: Mapping[str, str], cwd: Path) -> dict[str, Any]:
     runtime_env = dict(spec.runtime_env)
     runtime_env["env_vars"] = expand_env_vars(runtime_env.get("env_vars", {}), environ)
-    if "working_dir" in runtime_env and "://" not in runtime_env["working_dir"]:
-        local = (cwd / runtime_env["working_dir"]).resolve()
+    if "working_dir" in runtime_env and not is_uri(runtime_env["working_dir"]):
+        local = (cwd / local_path(runtime_env["working_dir"])).resolve()  # a URI that lost a slash: refused
         if not local.is_dir():
             raise ConfigError(
                 f"runtime_env.working_dir {str(local)!r} is not a directory; run from the repo root"
@@ -94,7 +123,7 @@ def resolved_runtime_env(spec: JobSpec, environ: Mapping[str, str], cwd: Path) -
         runtime_env["working_dir"] = str(local)
     if "py_modules" in runtime_env:
         runtime_env["py_modules"] = [
-            module if "://" in module else str((cwd / module).resolve())
+            module if is_uri(module) else str((cwd / local_path(module)).resolve())
             for module in runtime_env["py_modules"]
         ]
     return runtime_env

@@ -302,6 +302,29 @@ def test_job_spec_mistakes_are_one_line_errors(tmp_path):
     bad.write_text("entrypoint: x\nentrypoint_resources: {TPU: .inf}\n")
     with pytest.raises(ConfigError, match=r"entrypoint_resources.TPU: Input should be a finite number"):
         load_job_spec(bad)
+    for text, line in (
+        ('entrypoint: "  "', r"entrypoint: empty; give the command the job runs"),
+        ("entrypoint: x\nentrypoint_num_cpus: true", r"entrypoint_num_cpus: Input should be a valid number"),
+        (
+            "entrypoint: x\nentrypoint_resources: {custom: -1}",
+            r"entrypoint_resources.custom: Input should be gr",
+        ),
+        (
+            "entrypoint: x\nentrypoint_resources: {GPU: 1}",
+            r"entrypoint_resources: GPU is entrypoint_num_gpus",
+        ),
+        (
+            'entrypoint: x\nruntime_env: {env_vars: {A: "${S"}}',
+            r"runtime_env: env_vars.A '\$\{S' has an unclosed",
+        ),
+        (
+            "entrypoint: x\nruntime_env: {working_dir: 's3:/b/wd.zip'}",
+            r"runtime_env: 's3:/b/wd.zip' is missing a",
+        ),
+    ):
+        bad.write_text(text + "\n")
+        with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))}: {line}"):
+            load_job_spec(bad)
     with pytest.raises(ConfigError, match="not found"):
         load_job_spec(tmp_path / "missing.yaml")
 
