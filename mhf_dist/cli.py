@@ -17,8 +17,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-import yaml
-
 from mhf_dist import arguments as kinds
 from mhf_dist import errors, interrupts
 from mhf_dist.arguments import MhfParser
@@ -37,6 +35,7 @@ from mhf_dist.eval import TASKS as EVAL_TASKS
 from mhf_dist.eval import WINDOW as EVAL_WINDOW
 from mhf_dist.eval import WINDOWED as EVAL_WINDOWED
 from mhf_dist.ray_utils import logs_hint
+from mhf_dist.readers import dump_yaml
 from mhf_dist.submit import DEFAULT_ADDRESS
 
 if TYPE_CHECKING:
@@ -566,7 +565,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 @command(*config_args())
 def cmd_config(args: argparse.Namespace) -> None:
     """print the resolved config as YAML"""
-    print(yaml.safe_dump(_config(args).model_dump(mode="json"), sort_keys=False), end="")
+    print(dump_yaml(_config(args).model_dump(mode="json")), end="")
 
 
 @command(*config_args())

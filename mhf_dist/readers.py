@@ -126,6 +126,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     value means the same in a file and in `--set`; a key given twice (PyYAML keeps the last) is refused."""
 
 
+class _QuotingDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper that also quotes text YAML 1.2 reads as another type (`1e3`, `0o17`), so that
+    `load_yaml` and PyYAML alike read back what was written."""
+
+
 _UniqueKeyLoader.yaml_implicit_resolvers = {}
 _CORE = {
     "null": (r"~|null|Null|NULL|", ["~", "n", "N", ""]),
@@ -136,9 +141,13 @@ _CORE = {
     "merge": (r"<<", ["<"]),
 }  # fmt: skip
 for _tag, (_pattern, _first) in _CORE.items():
-    _UniqueKeyLoader.add_implicit_resolver(
-        f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_pattern})$"), _first
-    )
+    for _yaml in (_UniqueKeyLoader, _QuotingDumper):  # the dumper keeps PyYAML's own as well
+        _yaml.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_pattern})$"), _first)
+
+
+def dump_yaml(value: Any) -> str:
+    """`value` as YAML, keys in their order, that `load_yaml` reads back as `value`."""
+    return yaml.dump(value, Dumper=_QuotingDumper, sort_keys=False)
 
 
 def _core_number(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int | float:

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mhf_dist.cli import main
 from mhf_dist.config import (
@@ -426,6 +427,14 @@ def test_cli_reports_config_errors_in_one_line_and_exits_non_zero(capsys):
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_cli_prints_the_resolved_config(capsys):
+def test_cli_prints_the_resolved_config_as_yaml_that_reads_back_as_it(capsys, tmp_path):
     assert main(["config", "--set", "train.steps=5"]) == 0
     assert "steps: 5" in capsys.readouterr().out
+    # text that YAML 1.2 (and PyYAML's 1.1) would read as another type is written quoted
+    texts = ["1e3", "0o17", "010", "yes", "1:30", "2024-01-01", "null", "~", ".inf", "true", "0x1F", "-.5"]
+    for text in texts:
+        assert main(["config", "--set", f"data.text_field={json.dumps(text)}"]) == 0
+        printed = tmp_path / "printed.yaml"
+        printed.write_text(capsys.readouterr().out)
+        assert load_config(printed).data.text_field == text
+        assert yaml.safe_load(printed.read_text())["data"]["text_field"] == text  # PyYAML's 1.1 too
