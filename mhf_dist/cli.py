@@ -164,6 +164,13 @@ def _config(args: argparse.Namespace) -> Config:
     return load_config(args.config, config_overrides(args))
 
 
+def _config_name(source: str, cfg: Config) -> str:
+    """How `count` and `plan` name the config: `preset 1b`, or a file and the preset it starts from."""
+    if source == cfg.preset:
+        return f"preset {source}"
+    return f"config {source}" + (f" (preset {cfg.preset})" if cfg.preset else "")
+
+
 @command(
     *config_args(),
     with_default("--workdir", kinds.OUTPUT_DIRECTORY, "where results are written", "runs/demo"),
@@ -579,7 +586,7 @@ def cmd_count(args: argparse.Namespace) -> None:
     crowded = _shared_signatures(cfg, [cfg.model.vocab_size])
     rows, unmatched = family_counts(cfg)
     print(
-        f"preset {cfg.preset or args.config}, V={cfg.model.vocab_size}, {cfg.model.hash.spec}, "
+        f"{_config_name(args.config, cfg)}, V={cfg.model.vocab_size}, {cfg.model.hash.spec}, "
         f"seq_len {cfg.train.seq_len}"
     )
     print(
@@ -648,7 +655,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     ]
     crowded = _shared_signatures(cfg, list(vocabs) if "mhf" in families else [])
     print(
-        f"preset {cfg.preset or args.config}, {cfg.model.hash.spec}, seq_len {readable(seq_len, '')}; "
+        f"{_config_name(args.config, cfg)}, {cfg.model.hash.spec}, seq_len {readable(seq_len, '')}; "
         f"{readable(args.nodes, '')} node(s) x {readable(args.gpus, '')} GPU(s) of {args.gpu_mem_gb:g} GB, "
         f"{args.peak_tflops:g} TFLOP/s at MFU {args.mfu:g}; {token_count(tokens)} tokens"
     )

@@ -118,6 +118,10 @@ def refused_value(err: ValidationError) -> str:
     """` (got VALUE)`: the key's value pydantic first refused; "" for a whole model's or mapping's."""
     problem = err.errors()[0]
     value = problem.get("input")
+    if problem["type"] == "string_type" and value is None:  # `--set data.path=`
+        return " (got null: an empty value is YAML's null; give one)"
+    if problem["type"] == "string_type" and isinstance(value, bool | int | float):  # `010` is 10
+        return f" (got {value!r}: YAML read it as {type(value).__name__}; quote it to keep it text)"
     return f" (got {reprlib.repr(value)})" if problem["loc"] and not isinstance(value, dict) else ""
 
 

@@ -305,8 +305,8 @@ def readable(value: float, fixed: str) -> str:
 
 
 def token_count(tokens: float) -> str:
-    """`tokens` in billions (100.0B), or written out below a tenth of one (a tiny preset's 81,920)."""
-    return f"{readable(tokens / 1e9, '.1f')}B" if tokens >= 1e8 else f"{tokens:,.0f}"
+    """`tokens` in billions (100.0B), or written out below one (a tiny preset's 81,920)."""
+    return f"{readable(tokens / 1e9, '.1f')}B" if tokens >= 1e9 else f"{tokens:,.0f}"
 
 
 def plan_legend(cfg: Config) -> str:

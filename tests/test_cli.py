@@ -78,7 +78,7 @@ def test_a_topology_flag_reaches_the_config_validation_before_anything_starts(ca
     assert err.startswith("error: ") and "does not split over 3 workers" in err and err.count("\n") == 1
 
 
-def test_plan_reads_its_config_and_defaults_to_its_vocabulary_and_qwen3s(capsys):
+def test_plan_reads_its_config_and_defaults_to_its_vocabulary_and_qwen3s(capsys, tmp_path):
     plan = ["plan", "--config", "1b", "--gpus", "8", "--gpu-mem-gb", "80"]
     assert main(plan) == 0
     lines = capsys.readouterr().out.splitlines()  # DeepSpeed's import may print a line first
@@ -92,6 +92,14 @@ def test_plan_reads_its_config_and_defaults_to_its_vocabulary_and_qwen3s(capsys)
     ]
     assert main([*plan, "--set", "model.vocab_size=151936"]) == 0
     assert "32,768" not in capsys.readouterr().out  # one vocabulary when the config's is Qwen3's
+
+    # a file that starts from a preset is named as the file, not as the preset it changes
+    derived = tmp_path / "my1b.yaml"
+    derived.write_text("preset: 1b\ntrain: {steps: 10}\n")
+    for command in ("plan", "count"):
+        argv = [command, "--config", str(derived), *(plan[3:] if command == "plan" else [])]
+        assert main(argv) == 0
+        assert f"config {derived} (preset 1b), " in capsys.readouterr().out
 
 
 def test_an_unknown_init_new_rows_is_refused_while_parsing(capsys):

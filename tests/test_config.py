@@ -172,7 +172,20 @@ def test_a_value_of_another_type_is_refused_not_converted():
         ("train.lr=false", "train.lr: Input should be a valid number (got False)"),
         ("train.steps=1.0", "train.steps: Input should be a valid integer (got 1.0)"),
         ('train.steps="50"', "train.steps: Input should be a valid integer (got '50')"),
-        ("data.text_field=7", "data.text_field: Input should be a valid string (got 7)"),
+        (
+            "data.text_field=7",
+            "data.text_field: Input should be a valid string (got 7: YAML read it as int; quote it to "
+            "keep it text)",
+        ),
+        (
+            "data.path=010",
+            "data.path: Input should be a valid string (got 10: YAML read it as int; quote it to keep it "
+            "text)",
+        ),
+        (
+            "data.path=",
+            "data.path: Input should be a valid string (got null: an empty value is YAML's null; give one)",
+        ),
     ):
         with pytest.raises(ConfigError) as info:
             load_config("tiny", [setting])
