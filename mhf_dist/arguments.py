@@ -125,9 +125,7 @@ def _corpus(text: str) -> str:
     from mhf_dist.data.corpus import BUILTIN_NAME
     from mhf_dist.data.recall import CORPUS as RECALL
 
-    if text.startswith("hf:"):
-        return "hf:" + TEXT.parse(text.removeprefix("hf:"))
-    if text.startswith(DATASET_PREFIX):
+    if text.startswith(("hf:", DATASET_PREFIX)):
         return check_corpus(text)
     names = (BUILTIN_NAME, RECALL)
     if text in names or glob.has_magic(text):

@@ -69,7 +69,10 @@ def check_place(location: str) -> str:
 
 
 def check_corpus(corpus: str) -> str:
-    """A `dataset:` corpus names package.module:function (other forms are checked where it is read)."""
+    """An `hf:` corpus names a dataset, a `dataset:` one package.module:function (other forms are checked
+    where they are read)."""
+    if corpus.startswith("hf:") and not corpus.removeprefix("hf:").strip():
+        raise ValueError(f"{corpus!r} names no dataset; write hf:NAME (e.g. hf:wikitext)")
     callable_name = corpus.removeprefix(DATASET_PREFIX)
     if callable_name != corpus and not re.fullmatch(DATASET_CALLABLE, callable_name):
         raise ValueError(f"{corpus!r}: write {DATASET_PREFIX}package.module:function")

@@ -120,6 +120,8 @@ def refused_value(err: ValidationError) -> str:
     value = problem.get("input")
     if problem["type"] == "string_type" and value is None:  # `--set data.path=`
         return " (got null: an empty value is YAML's null; give one)"
+    if problem["type"] == "string_type" and isinstance(value, dict | list):  # `file:` is {"file": None}
+        return f" (got a YAML {'mapping' if isinstance(value, dict) else 'list'}; quote it to keep it text)"
     if problem["type"] == "string_type" and isinstance(value, bool | int | float):  # `010` is 10
         return f" (got {value!r}: YAML read it as {type(value).__name__}; quote it to keep it text)"
     return f" (got {reprlib.repr(value)})" if problem["loc"] and not isinstance(value, dict) else ""

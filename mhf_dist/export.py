@@ -125,6 +125,8 @@ def read_export_config(directory: str | Path | Location) -> ExportRecord:
     path = where / CONFIG_FILE
     if not path.is_file():
         where.check_bucket()
+        if not where.exists():
+            raise ExportError(f"{str(where)!r} does not exist; pass an exported model's directory")
         unfinished = ", which an export writes last" if where.remote and where.is_dir() else ""
         raise ExportError(
             f"{str(where)!r} is not an exported model (no {CONFIG_FILE}{unfinished}); pass the `model` "

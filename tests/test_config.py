@@ -301,6 +301,12 @@ def test_flat_keys_match_override_paths():
         ("tiny", ["topology.storage=''"], r"^topology.storage: empty; give a path \('.' for the current"),
         ("tiny", ["data.path=''"], r"^data.path: empty; give a path"),
         ("tiny", ["data.path=' s3://b/x'"], r"^data.path: begins or ends with white space; remove it"),
+        ("tiny", ['data.corpus="hf: "'], r"^data.corpus: 'hf: ' names no dataset; write hf:NAME"),
+        (
+            "tiny",
+            ["data.path=file:"],
+            r"^data.path: Input should be a valid string \(got a YAML mapping; quote it",
+        ),
         ("tiny", ["data.signatures=''"], r"^data.signatures: empty; give a path"),
         ("tiny", ["data.replay.corpus=''"], r"^data.replay.corpus: String should have at least 1 character"),
         ("tiny", ["data.tokenizer=''"], r"^data.tokenizer: String should have at least 1 character"),

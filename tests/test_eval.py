@@ -926,7 +926,7 @@ def test_a_word_outside_a_word_level_vocabulary_is_an_error_in_text_and_uncovere
 @pytest.mark.parametrize(
     ("model_args", "tasks", "message"),
     [
-        ("path={missing}", "hellaswag", r"'.*nowhere' is not an exported model \(no config.json\)"),
+        ("path={missing}", "hellaswag", r"'.*nowhere' does not exist; pass an exported model's directory"),
         ("path={model}", "no_such_task", r"Tasks not found: no_such_task; list them with `mhf-lm-eval ls"),
         ("path={model}", None, r"no task given, or none found where --tasks points; pass --tasks NAME"),
         ("path={model},max_lenght=64", "hellaswag", r"unknown model argument\(s\) 'max_lenght' of model mhf"),

@@ -43,8 +43,11 @@ def test_an_exported_model_scores_exactly_like_the_original(small_cfg, tokenizer
 
 
 def test_bad_export_directories_are_one_line_errors(small_cfg, tokenizer_file, tmp_path):
-    with pytest.raises(ExportError, match="is not an exported model"):
+    with pytest.raises(ExportError, match="nowhere' does not exist; pass an exported model's directory"):
         load_exported(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ExportError, match=r"empty' is not an exported model \(no config.json\)"):
+        load_exported(tmp_path / "empty")
     cfg = small_cfg.model.model_copy(update={"vocab_size": 259})
     table = SignatureTable.build(TextTokenizer.bytes().vocabulary(), 2, 64)
     export_model(build_model(cfg, table), cfg, table, tokenizer_file, tmp_path / "model")

@@ -157,7 +157,7 @@ BAD_LOCATIONS = {
     "missing-bucket": ("s3://no-such-bucket-mhf/m", {}, "the bucket of 's3://no-such-bucket-mhf/m' does not"),
     "closed-port": ("{bucket}/model", CLOSED_PORT, "cannot reach the object store"),
     "unknown-scheme": ("nosuch://bucket/model", {}, "pyarrow knows no filesystem for nosuch://"),
-    "prefix-without-a-model": ("{bucket}/nothing", {}, "is not an exported model (no config.json)"),
+    "prefix-without-a-model": ("{bucket}/nothing", {}, "nothing' does not exist; pass an exported model's"),
 }  # fmt: skip
 THIS = __file__  # an existing file for --add-tokens: the rows fail at --from first
 COMMANDS = {
