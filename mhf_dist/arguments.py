@@ -30,7 +30,7 @@ from mhf_dist.config import (
 )
 from mhf_dist.errors import MhfError
 from mhf_dist.sizes import byte_size
-from mhf_dist.storage import is_uri, local_path, path_text, unwritable
+from mhf_dist.storage import check_trimmed, is_uri, local_path, path_text, unwritable
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,6 +97,7 @@ def _path(text: str, want: str, local: bool = False) -> str:
     """The local path `text` names, if it is an existing "file", "directory" or "file or directory", a
     "place" (a directory, or one that can be created) or an "output" (a place this user may write in);
     a URI as it is, unless the path must be `local`."""
+    check_trimmed(text)
     if is_uri(TEXT.parse(text)):
         if local:
             _fail(f"{text!r} is a URI; give a local directory")

@@ -36,6 +36,7 @@ from mhf_dist.eval import WINDOW as EVAL_WINDOW
 from mhf_dist.eval import WINDOWED as EVAL_WINDOWED
 from mhf_dist.ray_utils import logs_hint
 from mhf_dist.readers import dump_yaml
+from mhf_dist.storage import redact
 from mhf_dist.submit import DEFAULT_ADDRESS
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def _config_name(source: str, cfg: Config) -> str:
     """How `count` and `plan` name the config: `preset 1b`, or a file and the preset it starts from."""
     if source == cfg.preset:
         return f"preset {source}"
-    return f"config {source}" + (f" (preset {cfg.preset})" if cfg.preset else "")
+    return f"config {redact(source)}" + (f" (preset {cfg.preset})" if cfg.preset else "")
 
 
 @command(
@@ -303,7 +304,6 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 def cmd_verify_data(args: argparse.Namespace) -> None:
     """check every prepared shard against its manifest's sha256 (reads all the data)"""
     from mhf_dist.data.shards import verify_shards
-    from mhf_dist.storage import redact
 
     count = verify_shards(args.path)
     print(
@@ -639,7 +639,16 @@ def _shared_signatures(cfg: Config, vocab_sizes: list[int]) -> list[str]:
 )
 def cmd_plan(args: argparse.Namespace) -> None:
     """per-GPU memory at ZeRO 0-3, stage, micro-batch and days for a cluster"""
-    from mhf_dist.plan import Cluster, check_fits, plan, plan_legend, plan_rows, readable, token_count
+    from mhf_dist.plan import (
+        Cluster,
+        batch_split,
+        check_fits,
+        plan,
+        plan_legend,
+        plan_rows,
+        readable,
+        token_count,
+    )
     from mhf_dist.tables import markdown_table
 
     cfg = _config(args)  # --seq-len is its train.seq_len: checked against the model's positions
@@ -662,7 +671,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     rows = plan_rows(plans)
     print(markdown_table(rows, list(rows[0])))
     print(plan_legend(cfg))
-    for line in crowded:
+    for line in [*crowded, *batch_split(cfg, cluster.gpus, args.micro_batch)]:
         print(line)
     check_fits(plans, cluster)  # the table above shows what each needs; the error line is the last
 
@@ -685,6 +694,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
 )
 def cmd_submit(args: argparse.Namespace) -> int:
     """submit a job spec to a Ray cluster through the Jobs API"""
+    import ray.job_submission  # noqa: F401  (its import sets its loggers to INFO: they are quieted after it)
+
     from mhf_dist.submit import follow_job, job_message, load_job_spec, submit_job
 
     quiet_driver(args.verbose)

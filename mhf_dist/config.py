@@ -23,10 +23,10 @@ from pydantic import (
     model_validator,
 )
 
-from mhf_dist.errors import ConfigError, first_problem, problem_line, refused_value
+from mhf_dist.errors import ConfigError, MhfError, first_problem, problem_line, refused_value
 from mhf_dist.plugins import BACKBONES, FAMILIES, Registry
 from mhf_dist.readers import DuplicateKeyError, load_yaml, read_yaml
-from mhf_dist.storage import Location, redact
+from mhf_dist.storage import Location, check_trimmed, redact
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -59,12 +59,14 @@ DATASET_PREFIX = "dataset:"  # data.corpus (or --corpus) naming such a callable
 
 
 def check_place(location: str) -> str:
-    """A path or URI to read or write: not empty (the current directory, as a path) and not surrounded
-    by white space (` s3://b/x` would be a local folder)."""
+    """A name, path or URI to read or write: not empty (a path would be the current directory) and not
+    surrounded by white space (` s3://b/x` would be a local folder)."""
     if not location:
-        raise ValueError("empty; give a path ('.' for the current directory) or a URI")
-    if location != location.strip():
-        raise ValueError("begins or ends with white space; remove it")
+        raise ValueError("empty; give a value ('.' is the current directory)")
+    try:
+        check_trimmed(location)
+    except MhfError as err:
+        raise ValueError(str(err)) from None
     return location
 
 
@@ -80,7 +82,7 @@ def check_corpus(corpus: str) -> str:
 
 
 Place = Annotated[str, AfterValidator(check_place)]
-Corpus = Annotated[str, Field(min_length=1), AfterValidator(check_corpus)]
+Corpus = Annotated[Place, AfterValidator(check_corpus)]
 # Overrides: dotted keys and their values, or `KEY=VALUE` texts (see `load_config`).
 Overrides = Mapping[str, Any] | Iterable[str]
 
@@ -431,9 +433,8 @@ class DataConfig(StrictModel):
         0, ge=0, lt=2**32, description="data.sources: documents are taken in MurmurHash3(text, seed) order"
     )
     text_field: str = Field("text", description="the JSON field, parquet or Arrow column holding the text")
-    tokenizer: str = Field(
+    tokenizer: Place = Field(
         "bpe",
-        min_length=1,
         description="bpe (trained to model.vocab_size) | bytes | mistral-v0.3 (Mistral-7B-v0.3's, 32768 "
         "ids; the authors' models) | a tokenizer.json (path or URI)",
     )
@@ -695,7 +696,9 @@ def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> list[s
             given.append(key)
         else:  # key by key: a shorthand, here or deeper down, is read as its section does
             keys = _section_keys(child, value, key)
-            given += apply_overrides(raw, {f"{key}.{sub_key}": value for sub_key, value in keys.items()})
+            given += apply_overrides(
+                raw, {f"{key}.{sub_key}": sub_value for sub_key, sub_value in keys.items()}
+            )
     return given
 
 

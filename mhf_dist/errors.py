@@ -119,11 +119,11 @@ def refused_value(err: ValidationError) -> str:
     problem = err.errors()[0]
     value = problem.get("input")
     if problem["type"] == "string_type" and value is None:  # `--set data.path=`
-        return " (got null: an empty value is YAML's null; give one)"
-    if problem["type"] == "string_type" and isinstance(value, dict | list):  # `file:` is {"file": None}
-        return f" (got a YAML {'mapping' if isinstance(value, dict) else 'list'}; quote it to keep it text)"
-    if problem["type"] == "string_type" and isinstance(value, bool | int | float):  # `010` is 10
-        return f" (got {value!r}: YAML read it as {type(value).__name__}; quote it to keep it text)"
+        return " (got null, as YAML reads an empty value; give one)"
+    if problem["type"] == "string_type" and isinstance(value, dict | list | bool | int | float):  # `010`
+        kind = {dict: "mapping", list: "list", bool: "boolean"}.get(type(value), "number")
+        shown = "" if isinstance(value, dict | list) else f" {value!r},"
+        return f" (got{shown} a {kind}: quote it in YAML to keep it text)"
     return f" (got {reprlib.repr(value)})" if problem["loc"] and not isinstance(value, dict) else ""
 
 

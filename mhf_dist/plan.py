@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from mhf_dist.config import BackboneConfig, Config, ModelConfig
+from mhf_dist.config import BackboneConfig, Config, ModelConfig, micro_batch_size
 from mhf_dist.errors import ConfigError
 from mhf_dist.interrupts import importing
 
@@ -201,6 +201,17 @@ def micro_batches(batch_size: int, gpus: int, micro_batch: int | None) -> list[i
         return [2**k for k in range(MAX_MICRO_BATCH.bit_length())][::-1]
     share = batch_size // gpus
     return [size for size in range(min(share, MAX_MICRO_BATCH), 0, -1) if share % size == 0]
+
+
+def batch_split(cfg: Config, gpus: int, micro_batch: int | None) -> list[str]:
+    """A warning where `mhf train` on `gpus` workers would refuse the config's batch split (or the given
+    micro-batch): the table then plans what it cannot run as configured."""
+    train = cfg.train.model_copy(update={"micro_batch_size": micro_batch}) if micro_batch else cfg.train
+    try:
+        micro_batch_size(train, gpus)
+    except ConfigError as err:
+        return [f"warning: mhf train on {readable(gpus, ',')} GPUs would refuse this: {err}"]
+    return []
 
 
 def recommend(

@@ -206,17 +206,14 @@ def _gcs(emulator: str | None) -> pafs.FileSystem:
 
 def local_path(text: str) -> Path:
     """A local path as written or as a `file:` URI's path (`file:///x`, `file://localhost/x`), `~` expanded.
-    A `~user` without a home, a `file:` URI that is not one absolute path of this machine, an object
-    store's URI that lost a slash (`s3:/bucket`, which would make a local folder named `s3:`) or white space
-    around the text is one line."""
+    A `~user` without a home, a `file:` URI that is not one absolute path of this machine, or an object
+    store's URI that lost a slash (`s3:/bucket`, which would make a local folder named `s3:`) is one line."""
     if typo := _URI_TYPO.match(text):
         scheme = (typo.group("scheme") or typo.group("store")).lower()
         fixed = f"{scheme}://{text[typo.end() :].lstrip('/')}"
         raise StorageError(
             f"{text!r} is missing a slash of {scheme}://: write {fixed}, or ./{text} if it is local"
         )
-    if text != text.strip():  # ` s3://b/x` or `runs/x ` would be a local folder named so
-        raise StorageError(f"{text!r} begins or ends with white space; remove it")
     path = text
     if text[:5].lower() == "file:":
         parts = urlsplit(text)
@@ -234,6 +231,13 @@ def local_path(text: str) -> Path:
     except RuntimeError:  # what expanduser raises for a user it finds no home directory of
         home = path.split("/", 1)[0]
         raise StorageError(f"{text!r}: {home!r} has no home directory here; write the path out") from None
+
+
+def check_trimmed(text: str) -> None:
+    """A location a user wrote has no white space around it (` s3://b/x` would be a local folder named so);
+    for what users write (arguments, config keys, job specs), not for names read from a listing."""
+    if text != text.strip():
+        raise StorageError(f"{text!r} begins or ends with white space; remove it")
 
 
 def path_text(path: Path) -> str:

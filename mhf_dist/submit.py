@@ -22,7 +22,7 @@ from mhf_dist.config import StrictModel
 from mhf_dist.errors import ConfigError, MhfError, first_line, first_problem
 from mhf_dist.ray_utils import ray_answers
 from mhf_dist.readers import read_yaml
-from mhf_dist.storage import is_uri, local_path
+from mhf_dist.storage import check_trimmed, is_uri, local_path
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -54,6 +54,7 @@ class JobSpec(StrictModel):
     def _ray_runtime_env(cls, runtime_env: dict[str, Any]) -> dict[str, Any]:
         from ray.runtime_env import RuntimeEnv
 
+        runtime_env = {key: value for key, value in runtime_env.items() if value is not None}  # `env_vars:`
         unknown = sorted(set(runtime_env) - RuntimeEnv.known_fields)
         if unknown:
             raise ValueError(f"unknown runtime_env field(s) {unknown}")
@@ -64,7 +65,8 @@ class JobSpec(StrictModel):
         ]
         for path in local:
             try:
-                local_path(path)  # a URI that lost a slash, white space around it
+                check_trimmed(path)
+                local_path(path)  # a URI that lost a slash
             except MhfError as err:
                 raise ValueError(str(err)) from None
         RuntimeEnv(**runtime_env)  # Ray's own type checks (env_vars must be strings, ...)

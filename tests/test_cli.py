@@ -102,6 +102,16 @@ def test_plan_reads_its_config_and_defaults_to_its_vocabulary_and_qwen3s(capsys,
         assert f"config {derived} (preset 1b), " in capsys.readouterr().out
 
 
+def test_a_stop_past_the_last_step_is_refused_before_anything_starts(capsys, tmp_path):
+    argv = ["train", "--set", "train.steps=10", "--stop-at-step", "11", "--storage", str(tmp_path)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "error: --stop-at-step 11 is past the run's last step (train.steps=10); give a step before it, or "
+        "drop --stop-at-step\n"
+    )
+    assert not list(tmp_path.iterdir())
+
+
 def test_an_unknown_init_new_rows_is_refused_while_parsing(capsys):
     assert main(["cpt", "--from", ".", "--data", "builtin", "--init-new-rows", "zeros"]) == 2
     err = capsys.readouterr().err

@@ -174,17 +174,16 @@ def test_a_value_of_another_type_is_refused_not_converted():
         ('train.steps="50"', "train.steps: Input should be a valid integer (got '50')"),
         (
             "data.text_field=7",
-            "data.text_field: Input should be a valid string (got 7: YAML read it as int; quote it to "
-            "keep it text)",
+            "data.text_field: Input should be a valid string (got 7, a number: quote it in YAML "
+            "to keep it text)",
         ),
         (
             "data.path=010",
-            "data.path: Input should be a valid string (got 10: YAML read it as int; quote it to keep it "
-            "text)",
+            "data.path: Input should be a valid string (got 10, a number: quote it in YAML to keep it text)",
         ),
         (
             "data.path=",
-            "data.path: Input should be a valid string (got null: an empty value is YAML's null; give one)",
+            "data.path: Input should be a valid string (got null, as YAML reads an empty value; give one)",
         ),
     ):
         with pytest.raises(ConfigError) as info:
@@ -298,18 +297,23 @@ def test_flat_keys_match_override_paths():
         ("tiny", ["model.family=gpt"], "model.family: unknown model family 'gpt'; registered: mhf, qwen3"),
         ("tiny", ["train.steps=-1"], "train.steps: Input should be greater than 0"),
         # an empty location is not the current directory (a run written into it, a corpus read from it)
-        ("tiny", ["topology.storage=''"], r"^topology.storage: empty; give a path \('.' for the current"),
-        ("tiny", ["data.path=''"], r"^data.path: empty; give a path"),
-        ("tiny", ["data.path=' s3://b/x'"], r"^data.path: begins or ends with white space; remove it"),
-        ("tiny", ['data.corpus="hf: "'], r"^data.corpus: 'hf: ' names no dataset; write hf:NAME"),
+        ("tiny", ["topology.storage=''"], r"^topology.storage: empty; give a value \('.' is the current"),
+        ("tiny", ["data.path=''"], r"^data.path: empty; give a value"),
+        (
+            "tiny",
+            ["data.path=' s3://b/x'"],
+            r"^data.path: ' s3://b/x' begins or ends with white space; remove",
+        ),
+        ("tiny", ["data.corpus=' '"], r"^data.corpus: ' ' begins or ends with white space; remove it"),
+        ("tiny", ["data.corpus='hf:'"], r"^data.corpus: 'hf:' names no dataset; write hf:NAME"),
         (
             "tiny",
             ["data.path=file:"],
-            r"^data.path: Input should be a valid string \(got a YAML mapping; quote it",
+            r"^data.path: Input should be a valid string \(got a mapping: quote it in YAML",
         ),
-        ("tiny", ["data.signatures=''"], r"^data.signatures: empty; give a path"),
-        ("tiny", ["data.replay.corpus=''"], r"^data.replay.corpus: String should have at least 1 character"),
-        ("tiny", ["data.tokenizer=''"], r"^data.tokenizer: String should have at least 1 character"),
+        ("tiny", ["data.signatures=''"], r"^data.signatures: empty; give a value"),
+        ("tiny", ["data.replay.corpus=''"], r"^data.replay.corpus: empty; give a value"),
+        ("tiny", ["data.tokenizer=' bytes'"], r"^data.tokenizer: ' bytes' begins or ends with white space"),
         (
             "tiny",
             [f"train.steps={'9' * 400}"],

@@ -134,9 +134,13 @@ def test_a_failing_job_surfaces_its_error_and_a_nonzero_exit_and_its_id_stays_ta
     )
 
 
-def test_a_pretrain_job_succeeds_with_its_mlflow_run_and_metrics(submit, tmp_path):
+def test_a_pretrain_job_succeeds_with_its_mlflow_run_and_metrics(submit, tmp_path, caplog):
     status, out, err = submit(*TINY_JOB)
     assert status == 0, err[-2000:]
+    # Ray's job client packs and uploads the working directory without a word ("Uploading package ...")
+    quiet = ("ray.dashboard.modules.dashboard_sdk", "ray._private.runtime_env.packaging")
+    client_lines = [record for record in caplog.records if record.name in quiet]
+    assert not client_lines, [record.getMessage() for record in client_lines]
     assert "SUCCEEDED" in err
     assert "step 6/6" in out  # rank 0's progress lines, relayed to the job's driver while the job ran
     for foreign in ("(RayTrainWorker pid=", "(TrainController pid=", "Setting accelerator to CPU"):

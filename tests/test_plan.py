@@ -256,6 +256,20 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
     assert ", seq_len 128; " in first and first.endswith("; 1.0B tokens")  # 1,000,000 x 8 x 128
     assert main([*plan_argv, "--seq-len", "16", "--set", "train.steps=10"]) == 0
     assert capsys.readouterr().out.splitlines()[0].endswith("; 1,280 tokens")  # 10 x 8 x 16, not 0.0B
+    # a cluster whose GPUs the batch does not split over, or a micro-batch train would refuse, is said
+    for cluster, line in (
+        (
+            ["--gpus", "6"],
+            "warning: mhf train on 6 GPUs would refuse this: train.batch_size=256 does not split",
+        ),
+        (
+            ["--gpus", "8", "--micro-batch", "3"],
+            "warning: mhf train on 8 GPUs would refuse this: train.micro",
+        ),
+        (["--gpus", "8"], "GB: GiB per GPU."),  # the legend is the last line
+    ):
+        assert main(["plan", "--config", "1b", "--gpu-mem-gb", "80", *cluster]) == 0
+        assert capsys.readouterr().out.splitlines()[-1].startswith(line)
     # a plan for more positions than the model has is refused
     positions = load_config("tiny").model.backbone.max_position_embeddings
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--seq-len", "100000"]) == 2

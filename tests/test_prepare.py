@@ -967,15 +967,17 @@ def test_data_without_a_validation_split_is_trained_without_val_nll_and_named_wh
     cfg = load_config("tiny", [*RECALL, "data.val_percent=0", f"data.path={tmp_path / 'data'}"])
     assert not prepare(cfg, tmp_path / "data", log=lambda _: None).splits["validation"].shards
     assert not Validator(cfg, rank=0, world_size=1, batch_size=4)
-    with pytest.raises(DataError, match=r"no validation rows; prepare more text, a larger data.val_percent"):
+    with pytest.raises(DataError, match=r"no validation rows; prepare them with data.val_percent above 0$"):
         RowReader(tmp_path / "data", "validation")
-    # a share too small for one row holds out nothing either: prepare says so
+    # a share too small for one row holds out nothing either: prepare says so, and the fix is another
     lines = []
     little = [*RECALL, "data.recall.examples=50", "data.val_percent=1"]  # half a row
     prepare(load_config("tiny", little), tmp_path / "little", log=lines.append)
     assert any(
         line.startswith("warning: data.val_percent=1 held out too little text for one row") for line in lines
     )
+    with pytest.raises(DataError, match=r"no validation rows; prepare more text, a larger data.val_percent"):
+        RowReader(tmp_path / "little", "validation")
 
 
 def test_a_tokenizer_json_is_read_from_a_file_uri_under_home_or_from_a_bucket(bucket, tmp_path, monkeypatch):

@@ -42,7 +42,6 @@ MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 SIGNATURES_FILE = "signatures.safetensors"
 SPLITS = ("train", "validation")
-NO_VALIDATION_FIX = "prepare more text, a larger data.val_percent or a smaller train.seq_len"
 FORMAT = "mhf-shards"
 VERSION = 2  # 1: whole-shard row groups, which no row can be read from alone
 ROWS_PER_GROUP = 1  # every parquet row group is one row: the unit the training reader reads
@@ -351,13 +350,20 @@ def check_compatible(manifest: Manifest, cfg: Config) -> None:
             )
 
 
+def no_validation_fix(manifest: Manifest) -> str:
+    """What gives shards without validation rows some: none were asked for, or too little text held out."""
+    if not manifest.config.data.get("val_percent"):
+        return "prepare them with data.val_percent above 0"
+    return "prepare more text, a larger data.val_percent or a smaller train.seq_len"
+
+
 def split_shards(path: str | Path, manifest: Manifest, split: str) -> list[ShardEntry]:
     """The manifest's shard entries of one split; an unknown or empty split is a one-line error."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     shards = manifest.splits[split].shards
     if not shards:
-        fix = NO_VALIDATION_FIX if split == "validation" else "prepare more text or a smaller train.seq_len"
+        fix = "prepare more text or a smaller seq_len" if split == "train" else no_validation_fix(manifest)
         raise DataError(f"prepared data {str(path)!r} has no {split} rows; {fix}")
     return shards
 

@@ -312,6 +312,15 @@ def check_task_data(task: str, given: bool, option: str = "--data") -> None:
         raise EvalDataError(f"task 'recall' generates its own examples and reads no file; drop {option}")
 
 
+def check_file_or_shards(task: str, data: Location, option: str = "--data") -> None:
+    """ppl alone reads a directory (prepared shards); every other task reads a file."""
+    if task != "ppl" and data.is_dir():
+        raise EvalDataError(
+            f"{option} {str(data)!r} is a directory; task {task!r} reads a file (ppl alone scores prepared "
+            "shards)"
+        )
+
+
 def run_task(
     exported: ExportedModel,
     task: str,
@@ -344,11 +353,8 @@ def run_task(
                 f"--layer {layer}: the model has {states} hidden states (layers {-states}..{states - 1}); "
                 "pick one of them"
             )
-    if data is not None and data.is_dir() and task != "ppl":
-        raise EvalDataError(
-            f"--data {str(data)!r} is a directory; task {task!r} reads a file (ppl alone scores prepared "
-            "shards)"
-        )
+    if data is not None:
+        check_file_or_shards(task, data)
     exported.model.eval()
     results = runners[task]()
     broken = [f"{name}={value}" for name, value in results.items() if not math.isfinite(value)]

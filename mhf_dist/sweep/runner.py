@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from mhf_dist.config import Config, load_config
 from mhf_dist.console import ConsoleRelay, WorkerLines
-from mhf_dist.data.shards import NO_VALIDATION_FIX, check_compatible, read_manifest
+from mhf_dist.data.shards import check_compatible, no_validation_fix, read_manifest
 from mhf_dist.errors import DataError, MhfError, Resumable, first_line
 from mhf_dist.files import write_json_atomic
 from mhf_dist.interrupts import tune_stops_gracefully
@@ -91,14 +91,16 @@ def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
     needs, and every file `evaluate` names exists (each trial's config, its batch split over its workers
     included, was validated when the sweep was parsed)."""
     check_writable_store(tracking_uri(Location.of(spec.storage).uri))
+    from mhf_dist.eval.tasks import check_file_or_shards
+
     for task in spec.evaluate:
         data = Location.of(task.data) if task.data is not None else None
         if data is not None and not data.exists():
             raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")
-        if data is not None and task.task != "ppl" and data.is_dir():  # ppl alone reads prepared shards
-            raise SweepError(
-                f"evaluate: {task.task} reads a file, and {task.data!r} is a directory; name a file"
-            )
+        if data is not None:
+            check_file_or_shards(task.task, data, "evaluate: data")
+        if data is not None and data.is_dir():  # prepared shards: scored in their own rows' length
+            continue
         for name, cfg in configs.items():
             positions = cfg.model.backbone.max_position_embeddings
             if task.seq_len is not None and task.seq_len > positions:
@@ -117,8 +119,8 @@ def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
             val := next((m for m in metrics if m.startswith("val_")), None)
         ):
             raise SweepError(
-                f"trial {name}: its shards have no validation rows, so no {val}; {NO_VALIDATION_FIX}, or "
-                "compare by another metric"
+                f"trial {name}: its shards have no validation rows, so no {val}; "
+                f"{no_validation_fix(manifest)}, or compare by another metric"
             )
 
 
@@ -203,9 +205,8 @@ def run_sweep(
         last = configs[trial["name"]].train.steps
         reached = (result.metrics or {}).get("step") == last
         status = "ERROR" if result.error else "FINISHED" if reached else "STOPPED"
-        if result.error:  # Tune's error, whose `cause` is the trial's own
-            cause = getattr(result.error, "cause", None) or result.error
-            log(f"trial {trial['name']} failed: {first_line(cause)}")
+        if result.error:
+            log(f"trial {trial['name']} failed: {_reason(result.error)}")
         outcomes.append({key: trial[key] for key in ("name", "group", "family", "seed")} | {"status": status})
     if spec.asha is not None:  # the trials ASHA stopped early: Tune skipped their clean-up
         stopped = [outcome["name"] for outcome in outcomes if outcome["status"] == "STOPPED"]
@@ -219,6 +220,16 @@ def run_sweep(
             "`mhf sweep --config ... --resume`"
         )
     return SweepResult(spec.name, spec.experiment, parent_run_id, uri, directory, outcomes)
+
+
+def _reason(error: BaseException) -> str:
+    """A failed trial's reason in one line: the trial's own error, which Tune wraps (`cause`), or else the
+    last line of the wrapper's text (a dead actor's reason, the exception that ends a traceback)."""
+    cause = getattr(error, "cause", None) or error
+    if isinstance(cause, MhfError):
+        return first_line(cause)
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(cause).__name__
 
 
 def _stopped(
@@ -316,7 +327,8 @@ def evaluate_trial(spec: SweepConfig, cfg: Config, model_dir: str, uri: str, run
     for task in spec.evaluate:
         data = task.data
         recall = (cfg.data.recall, cfg.train.seq_len)
-        results = run_task(exported, task.task, data, limit=task.limit, seq_len=task.seq_len, recall=recall)
+        window = {"seq_len": task.seq_len} if task.seq_len is not None else {}  # ppl's and bpb's
+        results = run_task(exported, task.task, data, limit=task.limit, recall=recall, **window)
         metrics |= {f"eval.{task.task}.{name}": value for name, value in results.items()}
     log_steps(uri, run_id, [{"step": cfg.train.steps, **metrics}])
 

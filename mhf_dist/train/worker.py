@@ -20,7 +20,7 @@ import torch
 from mhf_dist.config import Config, micro_batch_size
 from mhf_dist.console import WorkerLines
 from mhf_dist.data.reader import RowReader, step_batches, training_plan
-from mhf_dist.data.shards import NO_VALIDATION_FIX, read_manifest
+from mhf_dist.data.shards import no_validation_fix, read_manifest
 from mhf_dist.errors import TrainingError
 from mhf_dist.eval.perplexity import nll_summary, nll_totals
 from mhf_dist.export import export_model, load_exported
@@ -228,7 +228,8 @@ def _built_in_callbacks(
     callbacks: list[StepCallback] = []
     validator = Validator(spec.config, rank, world_size, micro_batch_size(train, world_size))
     if rank == 0 and not validator:
-        spec.say(f"no validation rows: val_nll is not computed ({NO_VALIDATION_FIX})")
+        fix = no_validation_fix(read_manifest(spec.config.data.path))
+        spec.say(f"no validation rows: val_nll is not computed ({fix})")
     if validator:
         callbacks.append(Validation(partial(validator, stepper), train.eval_every, last_step))
     memory = partial(_model_state, stepper), partial(_peak_memory, stepper.engine.device)

@@ -12,7 +12,6 @@ from mhf_dist.data.packing import dropped_tokens
 from mhf_dist.data.prepare.plan import Selection
 from mhf_dist.data.shards import (
     FORMAT,
-    NO_VALIDATION_FIX,
     ROWS_PER_GROUP,
     SPLITS,
     VERSION,
@@ -24,6 +23,7 @@ from mhf_dist.data.shards import (
     SourceInfo,
     SplitInfo,
     content_hash,
+    no_validation_fix,
     signatures_info,
     tokenizer_info,
 )
@@ -159,7 +159,8 @@ def log_published(log: Callable[[str], None], out: Location, published: Manifest
     if held_out and not published.splits["validation"].rows:
         log(
             f"warning: data.val_percent={held_out:g} held out too little text for one row of "
-            f"{published.seq_len + 1} tokens, so runs on it report no val_ metrics; {NO_VALIDATION_FIX}"
+            f"{published.seq_len + 1} tokens, so runs on it report no val_ metrics; "
+            + no_validation_fix(published)
         )
     log(f"wrote {out} (content sha256 {published.content_sha256[:12]})")
 
