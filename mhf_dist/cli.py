@@ -24,7 +24,6 @@ from mhf_dist.config import (
     INIT_NEW_ROWS,
     Config,
     TopologyConfig,
-    check_topology,
     load_config,
     parse_overrides,
 )
@@ -215,9 +214,12 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     spec = load_sweep(args.config, args.storage, config_overrides(args))
     if args.prepare:
         from mhf_dist.data.prepare import prepare_if_missing
+        from mhf_dist.sweep.runner import check_before_data
         from mhf_dist.sweep.spec import trial_configs
 
-        for cfg in {cfg.data.path: cfg for cfg in trial_configs(spec).values()}.values():
+        configs = trial_configs(spec)
+        check_before_data(spec, configs)  # run_sweep checks it too; here before minutes of preparing
+        for cfg in {cfg.data.path: cfg for cfg in configs.values()}.values():
             prepare_if_missing(cfg, verbose=args.verbose)
     result = run_sweep(spec, resume=args.resume, verbose=args.verbose)
     comparison = compare_sweep(spec, result)
@@ -360,11 +362,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = _config(args)
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.data.prepare import prepare_if_missing
-        from mhf_dist.train.ray_trainer import train
+        from mhf_dist.train.ray_trainer import check_run, train
 
     options = _train_options(args, cfg)  # refused before preparing
     if args.prepare:
-        check_topology(cfg)  # train() checks it too; here before minutes of preparing
+        check_run(cfg, options)  # train() checks it too; here before minutes of preparing
         prepare_if_missing(cfg, verbose=args.verbose)
     result = train(cfg, options)
     _print_result(result, args.experiment)

@@ -73,8 +73,9 @@ def check_place(location: str) -> str:
 def check_corpus(corpus: str) -> str:
     """An `hf:` corpus names a dataset, a `dataset:` one package.module:function (other forms are checked
     where they are read)."""
-    if corpus.startswith("hf:") and not corpus.removeprefix("hf:").strip():
-        raise ValueError(f"{corpus!r} names no dataset; write hf:NAME (e.g. hf:wikitext)")
+    name = corpus.removeprefix("hf:")
+    if name != corpus and (not name.strip() or name != name.strip()):
+        raise ValueError(f"{corpus!r} names no dataset; write hf:NAME (e.g. hf:wikitext), no spaces around")
     callable_name = corpus.removeprefix(DATASET_PREFIX)
     if callable_name != corpus and not re.fullmatch(DATASET_CALLABLE, callable_name):
         raise ValueError(f"{corpus!r}: write {DATASET_PREFIX}package.module:function")
@@ -607,8 +608,9 @@ def _file_setting(source: str | Path, key: str) -> str:
 
 
 def _is_file(source: str | Path) -> bool:
-    """A config source is a YAML file by its suffix, else a preset's name."""
-    return Path(source).suffix.lower() in (".yaml", ".yml")
+    """A config source is a YAML file by its suffix or a folder in its path (`./tiny`), else a preset's
+    name."""
+    return Path(source).suffix.lower() in (".yaml", ".yml") or "/" in str(source)
 
 
 def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -640,7 +642,7 @@ def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, An
         raise ConfigError(f"{where}: `preset: {base!r}` names no preset; give one name or YAML file")
     if preset is not None:
         raise ConfigError(f"preset {preset!r} names another preset; presets must be self-contained")
-    chain, named = (*seen, where.real), Location.of(str(base)).real
+    chain, named = (*seen, where.real), Location.of(str(base)).real if _is_file(base) else None
     if named in chain:
         names = " -> ".join([*chain, named])
         raise ConfigError(f"config files name each other as `preset:` ({names}); end the chain at a preset")
@@ -651,17 +653,21 @@ def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, An
 
 def parse_override(text: str) -> tuple[str, Any]:
     """`train.steps=50` -> ("train.steps", 50): the value as YAML 1.2 types it (`010` is 10, `yes` text,
-    `[a, b]` a list), text that is not YAML kept as it is."""
+    `[a, b]` a list), text kept as it is written (unquoted, or not YAML at all)."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"{text!r} is not KEY=VALUE; write e.g. --set train.steps=50")
     key = key.strip()
     try:
-        return key, load_yaml(value)
+        parsed = load_yaml(value)
     except DuplicateKeyError as err:
         raise ConfigError(f"{text!r}: {err.problem}; {err.fix}") from None
     except yaml.YAMLError:
         return key, value
+    # Text stays as written: YAML would cut `runs/exp #2` at its comment and `&a x` at its anchor.
+    plain = value.strip()
+    text_as_written = isinstance(parsed, str) or (parsed is None and "#" in plain)
+    return key, plain if text_as_written and plain[:1] not in ("'", '"', "!") else parsed
 
 
 def parse_overrides(overrides: Overrides) -> dict[str, Any]:

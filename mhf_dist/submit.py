@@ -18,11 +18,11 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, field_validator
 
-from mhf_dist.config import StrictModel
+from mhf_dist.config import StrictModel, check_place
 from mhf_dist.errors import ConfigError, MhfError, first_line, first_problem
 from mhf_dist.ray_utils import ray_answers
 from mhf_dist.readers import read_yaml
-from mhf_dist.storage import check_trimmed, is_uri, local_path
+from mhf_dist.storage import is_uri, local_path
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -39,7 +39,9 @@ class JobSpec(StrictModel):
     runtime_env: dict[str, Any] = Field(default_factory=dict)
     entrypoint_num_cpus: float = Field(0, ge=0)
     entrypoint_num_gpus: float = Field(0, ge=0)
-    entrypoint_resources: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    entrypoint_resources: dict[Annotated[str, Field(min_length=1)], Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict
+    )
     metadata: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("entrypoint")
@@ -58,17 +60,10 @@ class JobSpec(StrictModel):
         unknown = sorted(set(runtime_env) - RuntimeEnv.known_fields)
         if unknown:
             raise ValueError(f"unknown runtime_env field(s) {unknown}")
-        local = [
-            path
-            for path in (runtime_env.get("working_dir"), *runtime_env.get("py_modules", []))
-            if isinstance(path, str) and not is_uri(path)
-        ]
-        for path in local:
-            try:
-                check_trimmed(path)
-                local_path(path)  # a URI that lost a slash
-            except MhfError as err:
-                raise ValueError(str(err)) from None
+        if isinstance(runtime_env.get("working_dir"), str):
+            runtime_env["working_dir"] = _as_local(runtime_env["working_dir"])
+        if isinstance(runtime_env.get("py_modules"), list):
+            runtime_env["py_modules"] = [_as_local(module) for module in runtime_env["py_modules"]]
         RuntimeEnv(**runtime_env)  # Ray's own type checks (env_vars must be strings, ...)
         for name, value in runtime_env.get("env_vars", {}).items():
             if "${" in _VARIABLE.sub("", value):
@@ -80,9 +75,25 @@ class JobSpec(StrictModel):
     @field_validator("entrypoint_resources")
     @classmethod
     def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
-        if given := next((name for name in resources if name in ("CPU", "GPU")), None):
-            raise ValueError(f"{given} is entrypoint_num_{given.lower()}s; move it there")
+        from ray._common.utils import resources_from_ray_options  # the rule Ray applies on the cluster
+
+        try:
+            resources_from_ray_options({"resources": resources})
+        except ValueError as err:
+            raise ValueError(f"{err} (CPUs and GPUs: entrypoint_num_cpus and entrypoint_num_gpus)") from None
         return resources
+
+
+def _as_local(location: Any) -> Any:
+    """A runtime_env path as Ray reads it: a local one with `~` and `file:` resolved (a URI that lost a
+    slash, white space around it or an empty one refused), a URI as it is."""
+    if not isinstance(location, str) or is_uri(location):
+        return location
+    try:
+        check_place(location)
+        return str(local_path(location))
+    except MhfError as err:
+        raise ValueError(str(err)) from None
 
 
 def load_job_spec(path: str | Path) -> JobSpec:

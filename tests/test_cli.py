@@ -103,12 +103,14 @@ def test_plan_reads_its_config_and_defaults_to_its_vocabulary_and_qwen3s(capsys,
 
 
 def test_a_stop_past_the_last_step_is_refused_before_anything_starts(capsys, tmp_path):
-    argv = ["train", "--set", "train.steps=10", "--stop-at-step", "11", "--storage", str(tmp_path)]
-    assert main(argv) == 2
-    assert capsys.readouterr().err == (
-        "error: --stop-at-step 11 is past the run's last step (train.steps=10); give a step before it, or "
-        "drop --stop-at-step\n"
-    )
+    data = f"data.path={tmp_path / 'data'}"
+    for stop in ("10", "11"):  # --prepare too: nothing is prepared first
+        argv = ["train", "--set", "train.steps=10", "--set", data, "--stop-at-step", stop, "--prepare"]
+        assert main([*argv, "--storage", str(tmp_path)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --stop-at-step {stop} is not before the run's last step (train.steps=10); give a step "
+            "before it, or drop --stop-at-step\n"
+        )
     assert not list(tmp_path.iterdir())
 
 

@@ -311,8 +311,10 @@ def test_job_spec_mistakes_are_one_line_errors(tmp_path):
         ),
         (
             "entrypoint: x\nentrypoint_resources: {GPU: 1}",
-            r"entrypoint_resources: GPU is entrypoint_num_gpus",
+            r"entrypoint_resources: .*must not contain the key 'CPU' or 'GPU' \(CPUs and GPUs: entrypoint",
         ),
+        ("entrypoint: x\nentrypoint_resources: {memory: 1}", r"entrypoint_resources: .*contain the key 'mem"),
+        ("entrypoint: x\nruntime_env: {working_dir: ''}", r"runtime_env: empty; give a value"),
         (
             'entrypoint: x\nruntime_env: {env_vars: {A: "${S"}}',
             r"runtime_env: env_vars.A '\$\{S' has an unclosed",
@@ -325,6 +327,9 @@ def test_job_spec_mistakes_are_one_line_errors(tmp_path):
         bad.write_text(text + "\n")
         with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))}: {line}"):
             load_job_spec(bad)
+    # a local path is read as every other: `~` and a file: URI are the folder they name, for Ray too
+    bad.write_text(f"entrypoint: x\nruntime_env: {{working_dir: '~', py_modules: ['file://{tmp_path}']}}\n")
+    assert load_job_spec(bad).runtime_env == {"working_dir": str(Path.home()), "py_modules": [str(tmp_path)]}
     with pytest.raises(ConfigError, match="not found"):
         load_job_spec(tmp_path / "missing.yaml")
 

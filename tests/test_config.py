@@ -191,6 +191,14 @@ def test_a_value_of_another_type_is_refused_not_converted():
         assert str(info.value) == problem
 
 
+def test_an_override_keeps_unquoted_text_as_written():
+    """YAML would cut `runs/exp #2` at its comment (and read `#x` as nothing), `&a x` at its anchor."""
+    for text in ("runs/exp #2", "#x", "&a x", "a b"):
+        assert load_config("tiny", [f"data.path={text}"]).data.path == text
+    assert load_config("tiny", ["data.path='#x'"]).data.path == "#x"  # a quoted one as YAML reads it
+    assert load_config("tiny", ["train.steps=010"]).train.steps == 10
+
+
 def test_overrides_as_texts_or_a_mapping_give_one_mapping_where_the_later_value_wins():
     settings = parse_overrides(["train.steps=1", "train.lr=0.1", "train.steps=2"])
     assert list(settings.items()) == [("train.lr", 0.1), ("train.steps", 2)]
@@ -431,6 +439,14 @@ def test_a_files_own_mistake_names_the_file_that_makes_it_and_an_overrides_names
     with pytest.raises(ConfigError) as refused:
         load_config("a.yaml", overrides)
     assert str(refused.value).startswith(line), refused.value
+
+
+def test_a_source_with_a_folder_in_its_path_is_a_file_not_the_preset_of_its_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").write_text("preset: tiny\ntrain: {steps: 7}\n")  # no suffix, and a preset's name
+    assert load_config("./tiny").train.steps == 7 and load_config("tiny").train.steps != 7
+    with pytest.raises(ConfigError, match=r"^config file '.*/1b' does not exist; check the path$"):
+        load_config("./1b")
 
 
 def test_a_file_without_a_preset_or_a_section_says_to_start_from_a_preset(tmp_path):

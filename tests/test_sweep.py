@@ -1,10 +1,13 @@
 """`mhf sweep`: sweep files, trial expansion, and resuming an interrupted sweep on Ray Tune."""
 
 import re
+import shutil
 
 import pytest
+import yaml
 from faults import KillLastWorker
 
+from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
 from mhf_dist.errors import ConfigError, DataError, MhfError
@@ -69,7 +72,11 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
     with pytest.raises(SweepError, match=r"ppl reads 'nowhere.txt', which does not exist"):
         run_sweep(spec)
     assert not list(tmp_path.iterdir())  # no sweep record, no MLflow parent run
+    # what the task would refuse after training is refused before: each task reads its file here
     (tmp_path / "text.txt").write_text("Some text.\n")
+    (tmp_path / "text.txt.gz").write_bytes(b"")
+    (tmp_path / "l.jsonl").write_text('{"text": "one two"}\nnot json\n')
+    (tmp_path / "folder").mkdir()
     for entry, line in (
         (
             {"task": "bpb", "data": str(tmp_path)},
@@ -79,10 +86,25 @@ def test_a_sweep_whose_evaluate_file_is_missing_fails_before_ray_starts(tmp_path
             {"task": "ppl", "data": str(tmp_path / "text.txt"), "seq_len": 100000},
             r"^evaluate: ppl's seq_len 100000 is above trial mhf-seed0's model.backbone.max_position_emb",
         ),
+        ({"task": "ppl", "data": str(tmp_path / "text.txt.gz")}, r"is text, compressed; ppl and bpb read an"),
+        ({"task": "lambada", "data": str(tmp_path / "l.jsonl")}, r"l.jsonl:2: not valid JSON"),
+        ({"task": "hellaswag", "data": str(tmp_path / "text.txt")}, r"text.txt:1: not valid JSON"),
+        (
+            {"task": "card660", "data": str(tmp_path / "l.jsonl")},
+            r"l.jsonl:1: expected word1<TAB>word2<TAB>score",
+        ),
+        ({"task": "ppl", "data": str(tmp_path / "folder")}, r"folder' .*mhf prepare"),
     ):
         with pytest.raises(MhfError, match=line):
             run_sweep(parse_sweep({**raw, "evaluate": [entry]}))
-    (tmp_path / "text.txt").unlink()
+    # `--prepare` prepares nothing before that
+    sweep_file = tmp_path / "s.yaml"
+    data = str(tmp_path / "data")
+    sweep_file.write_text(yaml.safe_dump({**raw, "set": {**BYTES, "data.path": data}, "evaluate": [entry]}))
+    assert main(["sweep", "--config", str(sweep_file), "--prepare"]) == 2
+    assert not (tmp_path / "data").exists()
+    for made in ("text.txt", "text.txt.gz", "l.jsonl", "folder", "s.yaml"):
+        shutil.rmtree(tmp_path / made) if made == "folder" else (tmp_path / made).unlink()
     (tmp_path / "mlflow.db").write_text("notes")  # not an MLflow store: MLflow would add its tables
     with pytest.raises(MhfError, match=r"mlflow.db' is not an MLflow store .*; move it away"):
         run_sweep(spec)

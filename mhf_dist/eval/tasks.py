@@ -28,7 +28,7 @@ from mhf_dist.data.corpus import file_kind, split_documents
 from mhf_dist.data.recall import EVAL_SEED, make_recall
 from mhf_dist.data.tokenizer import check_document_format
 from mhf_dist.errors import MhfError
-from mhf_dist.eval import LAYER, TASKS, WINDOW
+from mhf_dist.eval import LAYER, TASKS, WINDOW, WINDOWED
 from mhf_dist.eval.perplexity import evaluate_rows, perplexity, text_scores
 from mhf_dist.eval.scoring import mean_layer_states, score_continuations, score_rows
 from mhf_dist.export import ExportedModel
@@ -94,13 +94,38 @@ def check_positions(exported: ExportedModel, length: int, what: str, fix: str) -
         raise EvalDataError(f"{what} {length}, above the model's max_position_embeddings {most}; {fix}")
 
 
+def read_examples(task: str, path: Location, limit: int = 0) -> list[Any]:
+    """The first `limit` examples (0: all) of a task's file, each checked as the task reads it (no model
+    needed: `mhf sweep` reads them before it trains)."""
+    if task in WINDOWED:
+        return _examples(path, read_texts(path), limit, TEXT_FORM)
+    if task == "card660":
+        lines = enumerate(_lines(path), start=1)
+        pairs = [_card660_pair(f"{path}:{number}", line) for number, line in lines if line.strip()]
+        return _examples(path, pairs, limit, f"{CARD660_FORM} lines")
+    if task == "lambada":
+        records = _examples(path, _numbered_records(path, {"text": str}), limit, '{"text": ...} lines')
+        for at, record in records:
+            if not record["text"].strip().rpartition(" ")[0]:
+                raise EvalDataError(
+                    f"{at}: no context before the last word; give each text a context before the word to "
+                    "predict"
+                )
+        return records
+    fields = {"ctx": str, "endings": list, "label": int}  # hellaswag
+    records = _examples(path, _numbered_records(path, fields), limit, '{"ctx", "endings", "label"} lines')
+    for at, record in records:
+        _check_hellaswag(at, record)
+    return records
+
+
 def eval_text(
     exported: ExportedModel, path: Location, limit: int, seq_len: int, batch_size: int
 ) -> dict[str, float]:
     if path.is_dir():
         return eval_prepared(exported, path, limit, batch_size)
     check_positions(exported, seq_len, "--seq-len is", "pass a smaller --seq-len")
-    texts = _examples(path, read_texts(path), limit, TEXT_FORM)
+    texts = read_examples("ppl", path, limit)
     scores = text_scores(
         exported.model, exported.tokenizer, texts, seq_len, batch_size, exported.document_format
     )
@@ -145,14 +170,10 @@ def _framed_pair(
 
 
 def eval_lambada(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:
-    records = _examples(path, _numbered_records(path, {"text": str}), limit, '{"text": ...} lines')
+    records = read_examples("lambada", path, limit)
     pairs = []
     for at, record in records:
         context, _, word = record["text"].strip().rpartition(" ")
-        if not context:
-            raise EvalDataError(
-                f"{at}: no context before the last word; give each text a context before the word to predict"
-            )
         pairs.append(_framed_pair(exported, at, context, " " + word))
     scores = score_continuations(exported.model, pairs, batch_size)
     return {
@@ -183,11 +204,9 @@ def _check_hellaswag(at: str, record: dict[str, Any]) -> None:
 
 def eval_hellaswag(exported: ExportedModel, path: Location, limit: int, batch_size: int) -> dict[str, float]:
     """Accuracy of the ending with the highest summed (and per-byte) log-likelihood."""
-    fields = {"ctx": str, "endings": list, "label": int}
-    records = _examples(path, _numbered_records(path, fields), limit, '{"ctx", "endings", "label"} lines')
+    records = read_examples("hellaswag", path, limit)
     pairs, indistinct = [], []
     for at, record in records:
-        _check_hellaswag(at, record)
         framed = [_framed_pair(exported, at, record["ctx"], " " + ending) for ending in record["endings"]]
         # A gold ending of the same tokens as another counts wrong (lm-eval's argmax would count it by
         # its place in the list); their number is reported.
@@ -234,9 +253,7 @@ def eval_card660(
 ) -> dict[str, float]:
     from scipy.stats import pearsonr, spearmanr
 
-    lines = enumerate(_lines(path), start=1)
-    pairs = [_card660_pair(f"{path}:{number}", line) for number, line in lines if line.strip()]
-    pairs = _examples(path, pairs, limit, f"{CARD660_FORM} lines")
+    pairs = read_examples("card660", path, limit)
     words = sorted({word for first, second, _ in pairs for word in (first, second)})
     vectors = word_vectors(exported, words, layer, batch_size)
     scorable = [(first, second, score) for first, second, score in pairs if {first, second} <= vectors.keys()]

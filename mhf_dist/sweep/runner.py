@@ -25,7 +25,7 @@ from mhf_dist.console import ConsoleRelay, WorkerLines
 from mhf_dist.data.shards import check_compatible, no_validation_fix, read_manifest
 from mhf_dist.errors import DataError, MhfError, Resumable, first_line
 from mhf_dist.files import write_json_atomic
-from mhf_dist.interrupts import tune_stops_gracefully
+from mhf_dist.interrupts import importing, tune_stops_gracefully
 from mhf_dist.ray_utils import ensure_ray, logs_dir, workers_print_to_console
 from mhf_dist.readers import read_json
 from mhf_dist.storage import Location
@@ -86,28 +86,10 @@ def sweep_dir(spec: SweepConfig) -> Location:
 
 
 def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
-    """What would otherwise fail inside Tune's trials, checked before anything starts: the MLflow store
-    can be written, every trial's shards exist, fit its model and hold the validation rows a val_ metric
-    needs, and every file `evaluate` names exists (each trial's config, its batch split over its workers
-    included, was validated when the sweep was parsed)."""
-    check_writable_store(tracking_uri(Location.of(spec.storage).uri))
-    from mhf_dist.eval.tasks import check_file_or_shards
-
-    for task in spec.evaluate:
-        data = Location.of(task.data) if task.data is not None else None
-        if data is not None and not data.exists():
-            raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")
-        if data is not None:
-            check_file_or_shards(task.task, data, "evaluate: data")
-        if data is not None and data.is_dir():  # prepared shards: scored in their own rows' length
-            continue
-        for name, cfg in configs.items():
-            positions = cfg.model.backbone.max_position_embeddings
-            if task.seq_len is not None and task.seq_len > positions:
-                raise SweepError(
-                    f"evaluate: {task.task}'s seq_len {task.seq_len} is above trial {name}'s "
-                    f"model.backbone.max_position_embeddings {positions}; give a smaller seq_len"
-                )
+    """What would otherwise fail inside Tune's trials, checked before anything starts: `check_before_data`,
+    and every trial's shards exist, fit its model and hold the validation rows a val_ metric needs (each
+    trial's config, its batch split over its workers included, was validated when the sweep was parsed)."""
+    check_before_data(spec, configs)
     metrics = [spec.metric, *([spec.asha.metric] if spec.asha else [])]
     for name, cfg in configs.items():
         manifest = read_manifest(cfg.data.path)
@@ -122,6 +104,32 @@ def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
                 f"trial {name}: its shards have no validation rows, so no {val}; "
                 f"{no_validation_fix(manifest)}, or compare by another metric"
             )
+
+
+def check_before_data(spec: SweepConfig, configs: dict[str, Config]) -> None:
+    """What needs no shards (`mhf sweep --prepare` checks it before preparing): the MLflow store can be
+    written, and every `evaluate` entry can be run on the trials' models."""
+    with importing():  # torch
+        from mhf_dist.eval.tasks import check_file_or_shards, read_examples
+
+    check_writable_store(tracking_uri(Location.of(spec.storage).uri))
+    for task in spec.evaluate:
+        data = Location.of(task.data) if task.data is not None else None
+        if data is not None and not data.exists():
+            raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")
+        if data is not None:  # what the task would refuse after training (recall reads no file)
+            check_file_or_shards(task.task, data, "evaluate: data")
+            if data.is_dir():  # prepared shards, scored in their own rows' length
+                read_manifest(data)
+                continue
+            read_examples(task.task, data, task.limit)
+        for name, cfg in configs.items():
+            positions = cfg.model.backbone.max_position_embeddings
+            if task.seq_len is not None and task.seq_len > positions:
+                raise SweepError(
+                    f"evaluate: {task.task}'s seq_len {task.seq_len} is above trial {name}'s "
+                    f"model.backbone.max_position_embeddings {positions}; give a smaller seq_len"
+                )
 
 
 def run_sweep(

@@ -238,15 +238,21 @@ class _Inputs:
     split: TrainableSplit  # train.trainable's, for MLflow
 
 
-def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
-    """Everything that can be checked without Ray is, before its seconds of start-up."""
+def check_run(cfg: Config, options: TrainOptions) -> None:
+    """What needs neither shards nor Ray (`mhf train --prepare` checks it before preparing): the batch
+    over the workers, the precision, the step to stop at."""
     check_topology(cfg)
     check_precision_supported(cfg)
-    if options.stop_at_step is not None and options.stop_at_step > cfg.train.steps:
+    if options.stop_at_step is not None and options.stop_at_step >= cfg.train.steps:
         raise TrainingError(
-            f"--stop-at-step {options.stop_at_step} is past the run's last step (train.steps="
+            f"--stop-at-step {options.stop_at_step} is not before the run's last step (train.steps="
             f"{cfg.train.steps}); give a step before it, or drop --stop-at-step"
         )
+
+
+def _checked_inputs(cfg: Config, options: TrainOptions) -> _Inputs:
+    """Everything that can be checked without Ray is, before its seconds of start-up."""
+    check_run(cfg, options)
     for given in (cfg.topology.storage, cfg.data.path, options.init_from, options.resume):
         if given is not None and redact(given) != given:  # workers receive the locations as written
             raise TrainingError(
