@@ -790,7 +790,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 128 + signal.SIGPIPE
         except MhfError as err:
             _print_logs_hint(sys.stderr)  # before the error: the error stays the last line
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {errors.console_line(err, argv)}", file=sys.stderr)
             return 2
         except (KeyboardInterrupt, Interrupted, Exception) as err:
             # An interrupt (SIGTERM's Interrupted, SIGINT's KeyboardInterrupt), or a library's clean-up

@@ -91,9 +91,10 @@ def chain(err: BaseException) -> list[BaseException]:
     return found
 
 
-def console_line(stop: Interrupted, argv: Sequence[str]) -> str:
-    """What the CLI prints after `interrupted: `; a `Resumable` names the whole command that goes on."""
-    if not isinstance(stop, Resumable):
+def console_line(stop: BaseException, argv: Sequence[str]) -> str:
+    """What the CLI prints after `interrupted: ` or `error: `; one with a `flag` to go on with (a
+    `Resumable`, a sweep's failed trials) names the whole command that goes on."""
+    if getattr(stop, "flag", None) is None:
         return str(stop)
     words = ["mhf", *argv, stop.flag] if stop.flag and stop.flag not in argv else ["mhf", *argv]
     return f"{stop}; {stop.lead}: {shlex.join(words)}"

@@ -10,7 +10,7 @@ from faults import KillLastWorker
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
-from mhf_dist.errors import ConfigError, DataError, MhfError
+from mhf_dist.errors import ConfigError, DataError, MhfError, console_line
 from mhf_dist.eval.tasks import run_task
 from mhf_dist.export import load_exported
 from mhf_dist.sweep.runner import TRIALS_DIR, SweepError, run_sweep
@@ -395,8 +395,11 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_sess
     trials = tmp_path / "sweeps" / "crashy" / TRIALS_DIR
     fault = KillLastWorker(step=3, marker=tmp_path / "fault-injected", run="train.lr=0.002-seed0")
     lines = []
-    with pytest.raises(SweepError, match=r"1 of 2 trials failed \(train.lr=0.002-seed0\)"):
+    with pytest.raises(SweepError, match=r"1 of 2 trials failed \(train.lr=0.002-seed0\)") as failure:
         run_sweep(spec, log=lines.append, worker_callbacks=[fault])
+    assert console_line(failure.value, ["sweep", "--config", "s.yaml"]).endswith(
+        "; finish the sweep with: mhf sweep --config s.yaml --resume"
+    )
     assert fault.marker.is_file()
     (failed,) = [line for line in lines if line.startswith("trial train.lr=0.002-seed0 failed: ")]
     assert "worker process has died" in failed, failed  # the killed worker, not a wrapper's first line

@@ -57,6 +57,12 @@ class SweepError(MhfError):
     """A sweep cannot start or resume, or some of its trials failed."""
 
 
+class TrialsFailed(SweepError):
+    """Some trials failed: the same command with `--resume` runs them again, the finished ones kept."""
+
+    flag, lead = "--resume", "finish the sweep with"
+
+
 @dataclass(frozen=True)
 class SweepResult:
     name: str
@@ -222,10 +228,9 @@ def run_sweep(
     failed = [outcome["name"] for outcome in outcomes if outcome["status"] == "ERROR"]
     end_run(uri, parent_run_id, "FAILED" if failed else "FINISHED")
     if failed:
-        raise SweepError(
-            f"{len(failed)} of {len(outcomes)} trials failed ({', '.join(sorted(failed))}); see their errors "
-            "above or in Ray's logs (the last line says where), then finish the sweep with "
-            "`mhf sweep --config ... --resume`"
+        raise TrialsFailed(
+            f"{len(failed)} of {len(outcomes)} trials failed ({', '.join(sorted(failed))}); see why above "
+            "or in Ray's logs (the last line says where)"
         )
     return SweepResult(spec.name, spec.experiment, parent_run_id, uri, directory, outcomes)
 
