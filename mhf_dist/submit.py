@@ -128,7 +128,7 @@ def resolved_runtime_env(spec: JobSpec, environ: Mapping[str, str], cwd: Path) -
     runtime_env = dict(spec.runtime_env)
     runtime_env["env_vars"] = expand_env_vars(runtime_env.get("env_vars", {}), environ)
     if "working_dir" in runtime_env and not is_uri(runtime_env["working_dir"]):
-        local = (cwd / local_path(runtime_env["working_dir"])).resolve()  # a URI that lost a slash: refused
+        local = (cwd / runtime_env["working_dir"]).resolve()  # `~` and `file:` resolved by JobSpec
         if not local.is_dir():
             raise ConfigError(
                 f"runtime_env.working_dir {str(local)!r} is not a directory; run from the repo root"
@@ -136,7 +136,7 @@ def resolved_runtime_env(spec: JobSpec, environ: Mapping[str, str], cwd: Path) -
         runtime_env["working_dir"] = str(local)
     if "py_modules" in runtime_env:
         runtime_env["py_modules"] = [
-            module if is_uri(module) else str((cwd / local_path(module)).resolve())
+            module if is_uri(module) else str((cwd / module).resolve())
             for module in runtime_env["py_modules"]
         ]
     return runtime_env

@@ -120,10 +120,12 @@ def check_before_data(spec: SweepConfig, configs: dict[str, Config]) -> None:
 
     check_writable_store(tracking_uri(Location.of(spec.storage).uri))
     for task in spec.evaluate:
-        data = Location.of(task.data) if task.data is not None else None
-        if data is not None and not data.exists():
-            raise SweepError(f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path")
-        if data is not None:  # what the task would refuse after training (recall reads no file)
+        if task.data is not None:  # what the task would refuse after training (recall reads no file)
+            data = Location.of(task.data)
+            if not data.exists():
+                raise SweepError(
+                    f"evaluate: {task.task} reads {task.data!r}, which does not exist; fix the path"
+                )
             check_file_or_shards(task.task, data, "evaluate: data")
             if data.is_dir():  # prepared shards, scored in their own rows' length
                 read_manifest(data)

@@ -82,6 +82,11 @@ class AshaConfig(StrictModel):
     reduction_factor: float = Field(2.0, gt=1)
 
 
+def _twice(values: list[Any]) -> Any:
+    """The first value given more than once, or None."""
+    return next((value for value in values if values.count(value) > 1), None)
+
+
 def _a_location(location: str) -> str:
     """A path or URI `Location` reads (a mistyped URI is the sweep file's mistake, named by its key)."""
     try:
@@ -189,9 +194,9 @@ class SweepConfig(StrictModel):
     @field_validator("evaluate")
     @classmethod
     def _each_task_once(cls, evaluate: list[TrialEval]) -> list[TrialEval]:
-        tasks = [entry.task for entry in evaluate]
-        twice = next((task for task in tasks if tasks.count(task) > 1), None)
-        if twice is not None:  # its metrics, eval.<task>.*, would be one entry's
+        if (
+            twice := _twice([entry.task for entry in evaluate])
+        ) is not None:  # its metrics, eval.<task>.*, would be one entry's
             raise ValueError(
                 f"task {twice!r} comes twice (both would log eval.{twice}.*); give each task once"
             )
@@ -200,8 +205,7 @@ class SweepConfig(StrictModel):
     @field_validator("seeds")
     @classmethod
     def _distinct_seeds(cls, seeds: list[int]) -> list[int]:
-        twice = next((seed for seed in seeds if seeds.count(seed) > 1), None)
-        if twice is not None:
+        if (twice := _twice(seeds)) is not None:
             raise ValueError(
                 f"seed {twice} comes twice (it would train the same run twice); give each seed once"
             )
@@ -331,8 +335,7 @@ def parse_sweep(raw: Any, source: str = "sweep") -> SweepConfig:
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None
     names = [trial.name for trial in expand_trials(spec)]
-    twice = next((name for name in names if names.count(name) > 1), None)
-    if twice is not None:
+    if (twice := _twice(names)) is not None:
         raise ConfigError(
             f"{source}: trial {twice!r} comes twice (a family, group or grid value given twice, or two that "
             "name the same directory); give each once"
