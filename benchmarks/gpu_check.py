@@ -196,12 +196,11 @@ def main() -> None:
                 micro = 2
             else:
                 checkpointing = "layers" if setting["checkpointing"] else "none"
-                setting_cfg = cfg.model_copy(
-                    update={"train": cfg.train.model_copy(update={"activation_checkpointing": checkpointing})}
-                )
+                recommended = {"activation_checkpointing": checkpointing, "micro_batch_size": None}
+                setting_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=recommended)})
                 cluster = Cluster(1, 1, gpu_gb, default_peak_flops(device) / 1e12)
                 seq_len, vocab = cfg.train.seq_len, cfg.model.vocab_size
-                micro = plan(setting_cfg, family, vocab, cluster, seq_len, None, 1e9, 0.4).micro_batch
+                micro = plan(setting_cfg, family, vocab, cluster, seq_len, 1e9, 0.4).micro_batch
             row, module = training_steps(cfg, family, setting, micro, args, device)
             training.append(row)
             print(

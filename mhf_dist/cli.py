@@ -624,7 +624,12 @@ def _shared_signatures(cfg: Config, vocab_sizes: list[int]) -> list[str]:
     arg("--gpu-mem-gb", kinds.POSITIVE, "memory of one GPU in GiB", required=True),
     with_default("--nodes", kinds.COUNT, "nodes", 1),
     key_flag("--seq-len", "train.seq_len", kinds.WINDOW, "tokens per sequence"),
-    arg("--micro-batch", kinds.COUNT, "sequences per GPU per forward (default: recommended)"),
+    key_flag(
+        "--micro-batch",
+        "train.micro_batch_size",
+        kinds.COUNT,
+        "sequences per GPU per forward; where the config sets none, the largest that fits",
+    ),
     arg(
         "--vocab",
         kinds.VOCABULARY,
@@ -660,7 +665,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     vocabs = args.vocab or dict.fromkeys([cfg.model.vocab_size, QWEN3_VOCAB])
     families = args.family or ["mhf", "qwen3"]
     plans = [
-        plan(cfg, family, vocab, cluster, seq_len, args.micro_batch, tokens, args.mfu)
+        plan(cfg, family, vocab, cluster, seq_len, tokens, args.mfu)
         for vocab in vocabs
         for family in families
     ]
@@ -673,7 +678,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     rows = plan_rows(plans)
     print(markdown_table(rows, list(rows[0])))
     print(plan_legend(cfg))
-    for line in [*crowded, *batch_split(cfg, cluster.gpus, args.micro_batch)]:
+    for line in [*crowded, *batch_split(cfg, cluster.gpus)]:
         print(line)
     check_fits(plans, cluster)  # the table above shows what each needs; the error line is the last
 

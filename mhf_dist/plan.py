@@ -193,7 +193,7 @@ def largest_layer_params(model: ModelConfig) -> int:
 
 
 def micro_batches(batch_size: int, gpus: int, micro_batch: int | None) -> list[int]:
-    """The micro-batches to try, largest first: the given one, else those `mhf train` takes (divisors of
+    """The micro-batches to try, largest first: the config's, else those `mhf train` takes (divisors of
     each GPU's share of train.batch_size) up to MAX_MICRO_BATCH, or powers of two where it does not split."""
     if micro_batch:
         return [micro_batch]
@@ -203,12 +203,11 @@ def micro_batches(batch_size: int, gpus: int, micro_batch: int | None) -> list[i
     return [size for size in range(min(share, MAX_MICRO_BATCH), 0, -1) if share % size == 0]
 
 
-def batch_split(cfg: Config, gpus: int, micro_batch: int | None) -> list[str]:
-    """A warning where `mhf train` on `gpus` workers would refuse the config's batch split (or the given
-    micro-batch): the table then plans what it cannot run as configured."""
-    train = cfg.train.model_copy(update={"micro_batch_size": micro_batch}) if micro_batch else cfg.train
+def batch_split(cfg: Config, gpus: int) -> list[str]:
+    """A warning where `mhf train` on `gpus` workers would refuse the config's batch split: the table then
+    plans what it cannot run as configured."""
     try:
-        micro_batch_size(train, gpus)
+        micro_batch_size(cfg.train, gpus)
     except ConfigError as err:
         return [f"warning: mhf train on {readable(gpus, ',')} GPUs would refuse this: {err}"]
     return []
@@ -233,10 +232,11 @@ def plan(
     vocab_size: int,
     cluster: Cluster,
     seq_len: int,
-    micro_batch: int | None,
     tokens: float,
     mfu: float,
 ) -> Plan:
+    """`family` at `vocab_size` on `cluster`, at the config's train.micro_batch_size, else the largest
+    micro-batch that fits."""
     from mhf_dist.models import param_count
     from mhf_dist.models.registry import resolved_config, train_flops_per_token
 
@@ -250,9 +250,6 @@ def plan(
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu is a fraction of peak in (0, 1], got {mfu}")
     check_positive("--tokens", tokens)
-    for flag, count in (("--seq-len", seq_len), ("--micro-batch", micro_batch or 1)):
-        if count < 1:
-            raise ConfigError(f"{flag} is a count of at least 1, got {count!r}")
     model = resolved_config(cfg.model.model_copy(update={"family": family, "vocab_size": vocab_size}))
     params = param_count(model)
     largest = largest_layer_params(model)
@@ -261,7 +258,7 @@ def plan(
     checkpointing = cfg.train.activation_checkpointing == "layers"
     per_sequence = activation_bytes(model, seq_len, 1, checkpointing=checkpointing)
     usable = cluster.gpu_mem_gb * GIB * (1 - MEMORY_RESERVE)
-    sizes = micro_batches(cfg.train.batch_size, cluster.gpus, micro_batch)
+    sizes = micro_batches(cfg.train.batch_size, cluster.gpus, cfg.train.micro_batch_size)
     stage, size = recommend(states, per_sequence, usable, sizes)
     tokens_per_s = days = None
     if stage is not None:  # no throughput for a run that cannot start
@@ -329,10 +326,16 @@ def plan_legend(cfg: Config) -> str:
         if cfg.train.precision == "bf16-pure"
         else "bf16 mixed precision: fp32 master weights and Adam states"
     )
+    fits = (
+        f"stage: the lowest that fits train.micro_batch_size={cfg.train.micro_batch_size} in 90% of a GPU "
+        "(train with --zero-stage S)"
+        if cfg.train.micro_batch_size
+        else "stage and micro-batch: what fits in 90% of a GPU (train with --zero-stage S "
+        "--set train.micro_batch_size=M)"
+    )
     return (
         f"GB: GiB per GPU. ZeRO-k GB: weights, grads and Adam states ({states}); act GB/seq: "
-        f"activations of one sequence, {checkpointing}; stage and micro-batch: what fits in 90% of a GPU "
-        "(train with --zero-stage S --set train.micro_batch_size=M)."
+        f"activations of one sequence, {checkpointing}; {fits}."
     )
 
 

@@ -10,11 +10,15 @@ from faults import KillLastWorker
 from mhf_dist.cli import main
 from mhf_dist.config import load_config
 from mhf_dist.data.prepare import prepare
+from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import ConfigError, DataError, MhfError, console_line
 from mhf_dist.eval.tasks import run_task
-from mhf_dist.export import load_exported
-from mhf_dist.sweep.runner import TRIALS_DIR, SweepError, run_sweep
+from mhf_dist.export import export_model, load_exported
+from mhf_dist.models import build_model
+from mhf_dist.signatures import SignatureTable
+from mhf_dist.sweep.runner import TRIALS_DIR, SweepError, evaluate_trial, run_sweep
 from mhf_dist.sweep.spec import expand_trials, load_sweep, parse_sweep, trial_configs
+from mhf_dist.tracking import connect, end_run, start_run, tracking_uri
 from mhf_dist.train.checkpoints import MODEL_DIR, newest_checkpoint
 
 BYTES = {"data.tokenizer": "bytes", "model.vocab_size": 259, "model.hash.spec": "H2B64", "train.seq_len": 32}
@@ -430,6 +434,28 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_sess
     assert client.get_run(result.parent_run_id).info.status == "FINISHED"
     with pytest.raises(SweepError, match="already exists"):
         run_sweep(spec, log=lambda _: None)
+
+
+def test_a_trial_whose_evaluation_fails_after_training_ends_its_mlflow_run_failed(tmp_path, monkeypatch):
+    """What reading the file before the sweep cannot show (a passage longer than the trial's positions)
+    fails the trained trial's evaluation: its run, ended FINISHED by training, is FAILED."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    overrides = {**BYTES, "train.seq_len": 16, "model.backbone.max_position_embeddings": 16}
+    cfg = load_config("tiny", [f"{key}={value}" for key, value in overrides.items()])
+    tokenizer = TextTokenizer.bytes()
+    tokenizer.save(tmp_path / "tokenizer.json")
+    table = SignatureTable.build(tokenizer.vocabulary(), 2, 64)
+    model = build_model(cfg.model, table)
+    export_model(model, cfg.model, table, tmp_path / "tokenizer.json", tmp_path / "model")
+    (tmp_path / "long.jsonl").write_text('{"text": "a passage longer than sixteen positions ends here"}\n')
+    evaluate = [{"task": "lambada", "data": str(tmp_path / "long.jsonl")}]
+    spec = parse_sweep({"name": "e", "kind": "matched", "evaluate": evaluate})
+    uri = tracking_uri(tmp_path)
+    run_id = start_run(uri, "mhf-sweeps", "mhf-seed0", {}, {})
+    end_run(uri, run_id, "FINISHED")
+    with pytest.raises(MhfError, match=r"long.jsonl:1: the example reads a sequence of length"):
+        evaluate_trial(spec, cfg, str(tmp_path / "model"), uri, run_id)
+    assert connect(uri).get_run(run_id).info.status == "FAILED"
 
 
 def test_asha_lets_a_trial_that_reaches_its_last_step_finish_and_ends_the_runs_it_stopped(

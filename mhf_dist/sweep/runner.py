@@ -331,20 +331,24 @@ def run_trial(
 
 
 def evaluate_trial(spec: SweepConfig, cfg: Config, model_dir: str, uri: str, run_id: str) -> None:
-    """The sweep's `evaluate` tasks on the trial's exported model, logged at the trial's last step.
+    """The sweep's `evaluate` tasks on the trial's exported model, logged at the trial's last step; a
+    task that fails marks the trial's (trained, so FINISHED) MLflow run FAILED.
 
     `recall` is scored on rows generated like the trial's `data.recall` rows, from another seed."""
     from mhf_dist.eval.tasks import run_task
     from mhf_dist.export import load_exported
 
-    exported = load_exported(model_dir)
     metrics: dict[str, float] = {}
-    for task in spec.evaluate:
-        data = task.data
-        recall = (cfg.data.recall, cfg.train.seq_len)
-        window = {"seq_len": task.seq_len} if task.seq_len is not None else {}  # ppl's and bpb's
-        results = run_task(exported, task.task, data, limit=task.limit, recall=recall, **window)
-        metrics |= {f"eval.{task.task}.{name}": value for name, value in results.items()}
+    try:
+        exported = load_exported(model_dir)
+        for task in spec.evaluate:
+            recall = (cfg.data.recall, cfg.train.seq_len)
+            window = {"seq_len": task.seq_len} if task.seq_len is not None else {}  # ppl's and bpb's
+            results = run_task(exported, task.task, task.data, limit=task.limit, recall=recall, **window)
+            metrics |= {f"eval.{task.task}.{name}": value for name, value in results.items()}
+    except Exception:
+        end_run(uri, run_id, "FAILED")
+        raise
     log_steps(uri, run_id, [{"step": cfg.train.steps, **metrics}])
 
 
