@@ -24,6 +24,7 @@ from mhf_dist.config import (
     INIT_NEW_ROWS,
     Config,
     TopologyConfig,
+    file_setting,
     load_config,
     parse_overrides,
 )
@@ -406,9 +407,12 @@ def cmd_cpt(args: argparse.Namespace) -> None:
         from mhf_dist.data.corpus import corpus_texts
 
     check_expansion(args.tokenizer, args.add_tokens, args.train_new_tokens or 0, args.corpus is not None)
+    keeps_parent = "mhf cpt trains the parent's model as it is; drop it"
     if model_keys := [key for key in config_overrides(args) if key.split(".")[0] == "model"]:
-        raise ConfigError(f"--set {model_keys[0]}: mhf cpt trains the parent's model as it is; drop it")
+        raise ConfigError(f"--set {model_keys[0]}: {keeps_parent}")
     cfg = _config(args)
+    if found := file_setting(args.config, "model"):  # a file's model section (a preset's is the default)
+        raise ConfigError(f"{found[0]}: {found[1]}: {keeps_parent}")
 
     def new_tokenizer(parent: TextTokenizer) -> TextTokenizer:
         texts = (lambda: corpus_texts(args.corpus, cfg.data.text_field)) if args.corpus else None

@@ -595,16 +595,22 @@ def _nested(key: str, other: str) -> bool:
 
 
 def _file_setting(source: str | Path, key: str) -> str:
-    """The file of `source`'s `preset:` chain that sets `key` (the nearest to `source` wins the merge), or
-    `source` where none does (a missing key)."""
+    """The file of `source`'s `preset:` chain that sets `key`, or `source` where none does (a missing key)."""
+    found = file_setting(source, key)
+    return found[0] if found else redact(str(source))
+
+
+def file_setting(source: str | Path, key: str) -> tuple[str, str] | None:
+    """(file, key set) for the file of `source`'s `preset:` chain nearest to `source` (whose values win the
+    merge) that sets `key` or a key inside it; None where no file (a preset is none) does."""
     where: Any = source
     while _is_file(where):
         raw = read_yaml(Location.of(where), ConfigError, "fix the YAML syntax")
         raw = raw if isinstance(raw, dict) else {}
-        if any(_nested(key, given) for given, _ in flatten(raw)):
-            return redact(str(where))
+        if given := next((given for given, _ in flatten(raw) if _nested(key, given)), None):
+            return redact(str(where)), given
         where = raw.get("preset") or ""
-    return redact(str(source))
+    return None
 
 
 def _is_file(source: str | Path) -> bool:

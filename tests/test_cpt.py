@@ -341,6 +341,9 @@ def test_mhf_cpt_refuses_what_it_cannot_use_before_reading_the_parent(tmp_path, 
     (tmp_path / "nothing").mkdir()
     (tmp_path / "new.txt").write_text("new\n")
     grow = ["--add-tokens", str(tmp_path / "new.txt")]
+    base, own_model = tmp_path / "base.yaml", tmp_path / "own.yaml"  # a file's model, through its preset:
+    base.write_text("preset: tiny\nmodel:\n  hash:\n    spec: H2B64\n")
+    own_model.write_text(f"preset: {base}\ntrain:\n  steps: 5\n")
     recall = (
         "error: recall rows have token ids of their own (k1.., v0..), not the parent's vocabulary grown; "
     )
@@ -357,6 +360,10 @@ def test_mhf_cpt_refuses_what_it_cannot_use_before_reading_the_parent(tmp_path, 
             "error: --set model.hash.scheme: mhf cpt trains the parent's model as it is; drop it",
         ),
         ([*grow, "--set", "model={vocab_size: 9}"], "error: --set model: mhf cpt trains the parent's model"),
+        (
+            [*grow, "--config", str(own_model)],
+            f"error: {base}: model.hash.spec: mhf cpt trains the parent's model as it is; drop it",
+        ),
     ):
         data = [] if "--data" in argv else ["--data", "builtin"]
         code = main(
