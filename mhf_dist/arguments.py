@@ -127,7 +127,10 @@ def _corpus(text: str) -> str:
     from mhf_dist.data.recall import CORPUS as RECALL
 
     if text.startswith(("hf:", DATASET_PREFIX)):
-        return check_corpus(text)
+        try:
+            return check_corpus(text)
+        except ValueError as err:  # its own words, not the kind's list of forms
+            _fail(str(err))
     names = (BUILTIN_NAME, RECALL)
     if text in names or glob.has_magic(text):
         return text

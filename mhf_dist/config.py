@@ -71,11 +71,18 @@ def check_place(location: str) -> str:
 
 
 def check_corpus(corpus: str) -> str:
-    """An `hf:` corpus names a dataset, a `dataset:` one package.module:function (other forms are checked
-    where they are read)."""
-    name = corpus.removeprefix("hf:")
-    if name != corpus and (not name.strip() or name != name.strip()):
-        raise ValueError(f"{corpus!r} names no dataset; write hf:NAME (e.g. hf:wikitext), no spaces around")
+    """An `hf:` corpus names a Hugging Face Hub dataset (the hub's own rule), a `dataset:` one
+    package.module:function (other forms are checked where they are read)."""
+    if corpus.startswith("hf:"):
+        from huggingface_hub.utils import validate_repo_id
+
+        try:
+            validate_repo_id(corpus.removeprefix("hf:"))
+        except ValueError:  # HFValidationError
+            raise ValueError(
+                f"{corpus!r} names no dataset; write hf:NAME or hf:OWNER/NAME (e.g. hf:wikitext), in the "
+                "hub's letters, digits, - _ and ."
+            ) from None
     callable_name = corpus.removeprefix(DATASET_PREFIX)
     if callable_name != corpus and not re.fullmatch(DATASET_CALLABLE, callable_name):
         raise ValueError(f"{corpus!r}: write {DATASET_PREFIX}package.module:function")

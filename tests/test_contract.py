@@ -77,11 +77,23 @@ EXAMPLES = {
         ["http://127.0.0.1:8265", "https://ray.example.com", "ray://head:10001", "auto"],
     ),
     kinds.CORPUS: (
-        ["{missing}", "", "hf:", "dataset:", "dataset:module", "dataset:a b:f", NO_HOME],
+        [
+            "{missing}",
+            "",
+            "hf:",
+            "hf: x",
+            "hf:a b",
+            "hf:a/b/c",
+            "dataset:",
+            "dataset:module",
+            "dataset:a b:f",
+            NO_HOME,
+        ],
         [
             "builtin",
             "recall",
             "hf:wikitext",
+            "hf:Salesforce/wikitext",
             "dataset:corpora.wiki:load",
             "s3://bucket/*.jsonl.gz",
             "texts/*.jsonl",
@@ -252,6 +264,15 @@ def test_a_folder_named_like_a_built_in_corpus_is_read_as_the_folder(tmp_path, m
         assert (kinds.CORPUS(f"./{name}"), kinds.CORPUS(f"{name}/"), kinds.CORPUS(name)) == (
             f"./{name}",
         ) * 2 + (name,)
+
+
+def test_a_corpus_flag_refuses_an_hf_name_in_the_configs_words(capsys):
+    """The hub's rule for a dataset name, worded as `data.corpus` words it, not the kind's list of forms."""
+    for name in ("hf: wikitext", "hf:a b", "hf:a/b/c"):
+        assert cli.main(["prepare", "--corpus", name]) == 2
+        assert f"argument --corpus: {name!r} names no dataset; write hf:NAME or hf:OWNER/NAME" in (
+            one_error_line(capsys)
+        )
 
 
 def with_argument(argv: list[str], argument: str, text: str) -> list[str]:
