@@ -204,3 +204,9 @@ def test_recall_rows_refuse_a_bos_document_format_and_say_that_the_tokenizer_is_
     lines = []
     prepare(byte_cfg("data.corpus=recall", "data.recall.examples=20"), tmp_path / "r", log=lines.append)
     assert "data.tokenizer bytes is not used: recall rows have ids of their own (k1..)" in lines
+    # also when it names the default's value; a config that leaves it out gets no such line
+    for given, said in ((["data.tokenizer=bpe"], True), ([], False)):
+        lines = []
+        cfg = load_config("tiny", ["data.corpus=recall", "data.recall.examples=20", *given])
+        prepare(cfg, tmp_path / "r", log=lines.append, overwrite=True)
+        assert ("data.tokenizer bpe is not used: recall rows have ids of their own (k1..)" in lines) == said

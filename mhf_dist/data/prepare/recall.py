@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mhf_dist.config import Config, DataConfig
+from mhf_dist.config import Config
 from mhf_dist.data import recall
 from mhf_dist.data.prepare.manifest import build_manifest, log_published, log_tables
 from mhf_dist.data.prepare.output import publish, work_directory
@@ -33,7 +33,7 @@ def prepare_recall(cfg: Config, out: Location, log: Callable[[str], None]) -> Ma
             "data.corpus=recall writes generated rows in the eos layout; drop data.document_format=bos "
             "(or set it to eos)"
         )
-    if cfg.data.tokenizer != DataConfig.model_fields["tokenizer"].default:  # a preset's, or given
+    if "tokenizer" in cfg.data.model_fields_set:  # given by a file, a preset or the command line
         log(f"data.tokenizer {cfg.data.tokenizer} is not used: recall rows have ids of their own (k1..)")
     tokenizer = TextTokenizer.recall(cfg.model.vocab_size)
     table = signature_table(cfg, tokenizer)
