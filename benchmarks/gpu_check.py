@@ -3,8 +3,8 @@
 
 Every training number comes from the code `mhf train` runs on each worker: the registry's model,
 `checkpoint_layers` / `Module.compile` as the config asks, and a `DeepSpeedStepper` (ZeRO-0, one
-process). For `mhf` (reference I/O) and `qwen3` on the 1b preset at seq 2048 and the micro-batch that
-`mhf plan` recommends for this GPU: median step time, tokens/s and MFU (analytic training FLOPs against
+process). For `mhf` (reference I/O) and `qwen3` on the 1b preset at seq 2048 and the largest micro-batch
+that `mhf plan` finds to fit this GPU: median step time, tokens/s and MFU (analytic training FLOPs against
 the GPU's bf16 peak), peak memory beside the plan's estimate; each without and with activation
 checkpointing, and compiled with it. Then exact-NLL scoring and KV-cache generation tokens/s of each
 trained model, and triple_hybrid against qwen3 forward + backward (bf16 autocast) at T = 1024 and 4096 on
@@ -192,15 +192,14 @@ def main() -> None:
     started = time.perf_counter()
     for family in ("mhf", "qwen3"):
         for setting in settings:
-            if args.smoke:
-                micro = 2
-            else:
-                checkpointing = "layers" if setting["checkpointing"] else "none"
-                recommended = {"activation_checkpointing": checkpointing, "micro_batch_size": None}
-                setting_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=recommended)})
-                cluster = Cluster(1, 1, gpu_gb, default_peak_flops(device) / 1e12)
-                seq_len, vocab = cfg.train.seq_len, cfg.model.vocab_size
-                micro = plan(setting_cfg, family, vocab, cluster, seq_len, 1e9, 0.4).micro_batch
+            checkpointing = "layers" if setting["checkpointing"] else "none"
+            recommended = {"activation_checkpointing": checkpointing, "micro_batch_size": None}
+            setting_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=recommended)})
+            # the largest micro-batch that fits this GPU's memory (the peak only sets plan's days)
+            micro = plan(
+                setting_cfg, family, cfg.model.vocab_size, Cluster(1, 1, gpu_gb), 1e9, 0.4
+            ).micro_batch
+            micro = min(micro, 2) if args.smoke else micro  # the smoke run: seconds of CPU
             row, module = training_steps(cfg, family, setting, micro, args, device)
             training.append(row)
             print(

@@ -407,12 +407,12 @@ def cmd_cpt(args: argparse.Namespace) -> None:
         from mhf_dist.data.corpus import corpus_texts
 
     check_expansion(args.tokenizer, args.add_tokens, args.train_new_tokens or 0, args.corpus is not None)
-    keeps_parent = "mhf cpt trains the parent's model as it is; drop it"
+    keeps_parent = "mhf cpt trains the parent's model as it is"
     if model_keys := [key for key in config_overrides(args) if key.split(".")[0] == "model"]:
-        raise ConfigError(f"--set {model_keys[0]}: {keeps_parent}")
+        raise ConfigError(f"--set {model_keys[0]}: {keeps_parent}; drop it")
     cfg = _config(args)
-    if found := file_setting(args.config, "model"):  # a file's model section (a preset's is the default)
-        raise ConfigError(f"{found[0]}: {found[1]}: {keeps_parent}")
+    if found := file_setting(args.config, "model"):  # (a file without `preset:` must have a model section)
+        print(f"warning: {found[0]} sets {found[1]}, which is not used: {keeps_parent}")
 
     def new_tokenizer(parent: TextTokenizer) -> TextTokenizer:
         texts = (lambda: corpus_texts(args.corpus, cfg.data.text_field)) if args.corpus else None
@@ -668,11 +668,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     cluster = Cluster(args.gpus, args.nodes, args.gpu_mem_gb, args.peak_tflops)
     vocabs = args.vocab or dict.fromkeys([cfg.model.vocab_size, QWEN3_VOCAB])
     families = args.family or ["mhf", "qwen3"]
-    plans = [
-        plan(cfg, family, vocab, cluster, seq_len, tokens, args.mfu)
-        for vocab in vocabs
-        for family in families
-    ]
+    plans = [plan(cfg, family, vocab, cluster, tokens, args.mfu) for vocab in vocabs for family in families]
     crowded = _shared_signatures(cfg, list(vocabs) if "mhf" in families else [])
     print(
         f"{_config_name(args.config, cfg)}, {cfg.model.hash.spec}, seq_len {readable(seq_len, '')}; "

@@ -609,9 +609,9 @@ def _file_setting(source: str | Path, key: str) -> str:
 
 def file_setting(source: str | Path, key: str) -> tuple[str, str] | None:
     """(file, key set) for the file of `source`'s `preset:` chain nearest to `source` (whose values win the
-    merge) that sets `key` or a key inside it; None where no file (a preset is none) does."""
+    merge) that sets `key` or a key inside it; None where none does (a preset, even by path, is no file)."""
     where: Any = source
-    while _is_file(where):
+    while _is_file(where) and Path(Location.of(where).path).parent != PRESET_DIR:
         raw = read_yaml(Location.of(where), ConfigError, "fix the YAML syntax")
         raw = raw if isinstance(raw, dict) else {}
         if given := next((given for given, _ in flatten(raw) if _nested(key, given)), None):

@@ -1,4 +1,4 @@
-"""`mhf plan`: per-GPU memory at ZeRO 0-3, a recommended stage and micro-batch, tokens/s and days.
+"""`mhf plan`: per-GPU memory at ZeRO 0-3, the stage (and micro-batch) that fits, tokens/s and days.
 
 Model states (Adam) in bytes per parameter, by train.precision (`MIXED_BYTES`, `PURE_BF16_BYTES`;
 tests/test_plan.py checks them against live engines):
@@ -231,12 +231,12 @@ def plan(
     family: str,
     vocab_size: int,
     cluster: Cluster,
-    seq_len: int,
     tokens: float,
     mfu: float,
 ) -> Plan:
-    """`family` at `vocab_size` on `cluster`, at the config's train.micro_batch_size, else the largest
-    micro-batch that fits."""
+    """`family` at `vocab_size` on `cluster` at the config's train.seq_len and train.micro_batch_size, else
+    the largest micro-batch that fits."""
+    seq_len = cfg.train.seq_len
     from mhf_dist.models import param_count
     from mhf_dist.models.registry import resolved_config, train_flops_per_token
 
@@ -330,8 +330,9 @@ def plan_legend(cfg: Config) -> str:
         f"stage: the lowest that fits train.micro_batch_size={cfg.train.micro_batch_size} in 90% of a GPU "
         "(train with --zero-stage S)"
         if cfg.train.micro_batch_size
-        else "stage and micro-batch: what fits in 90% of a GPU (train with --zero-stage S "
-        "--set train.micro_batch_size=M)"
+        else "stage and micro-batch: the largest micro-batch that fits in 90% of a GPU, at the lowest stage "
+        "(no train.micro_batch_size is set, so mhf train would run each GPU's whole share of the batch at "
+        "once: train with --zero-stage S --set train.micro_batch_size=M)"
     )
     return (
         f"GB: GiB per GPU. ZeRO-k GB: weights, grads and Adam states ({states}); act GB/seq: "

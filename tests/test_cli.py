@@ -51,7 +51,10 @@ def test_every_sub_command_prints_its_help(command, capsys):
         ),
         (["demo", "--workers", "1", "--set", "train.steps=8"], {"train.steps": 8, "topology.workers": 1}),
         (["prepare", "--out", "o", "--set", "data.path=x"], {"data.path": "o"}),
-        (["plan", "--gpus", "1", "--gpu-mem-gb", "1", "--seq-len", "64"], {"train.seq_len": 64}),
+        (
+            ["plan", "--gpus", "1", "--gpu-mem-gb", "1", "--seq-len", "64", "--micro-batch", "2"],
+            {"train.seq_len": 64, "train.micro_batch_size": 2},
+        ),
         (
             ["sweep", "--config", "jobs/matched.sweep.yaml", "--set", "topology.zero_stage=1"],
             {"topology.zero_stage": 1},

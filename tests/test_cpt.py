@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from mhf_dist.config import load_config
+from mhf_dist.config import PRESET_DIR, load_config
 from mhf_dist.cpt import _new_rows, expand_model, expanded_tokenizer, run_cpt
 from mhf_dist.data.corpus import builtin_documents
 from mhf_dist.data.tokenizer import TextTokenizer
@@ -360,10 +360,6 @@ def test_mhf_cpt_refuses_what_it_cannot_use_before_reading_the_parent(tmp_path, 
             "error: --set model.hash.scheme: mhf cpt trains the parent's model as it is; drop it",
         ),
         ([*grow, "--set", "model={vocab_size: 9}"], "error: --set model: mhf cpt trains the parent's model"),
-        (
-            [*grow, "--config", str(own_model)],
-            f"error: {base}: model.hash.spec: mhf cpt trains the parent's model as it is; drop it",
-        ),
     ):
         data = [] if "--data" in argv else ["--data", "builtin"]
         code = main(
@@ -372,6 +368,26 @@ def test_mhf_cpt_refuses_what_it_cannot_use_before_reading_the_parent(tmp_path, 
         err = capsys.readouterr().err
         assert code == 2 and err.startswith(line) and err.count("\n") == 1, err
     assert not (tmp_path / "s").exists()
+    # A config file's model keys (its own or through its `preset:` files) are not used: said, not refused
+    # (a file made for `mhf train`, or one without `preset:`, which must have a model section).
+    unused = (
+        f"warning: {base} sets model.hash.spec, which is not used: mhf cpt trains the parent's model as it is"
+    )
+    for source, warnings in ((own_model, [unused]), (PRESET_DIR / "tiny.yaml", [])):  # a preset by its path
+        argv = [
+            "cpt",
+            "--from",
+            str(tmp_path / "nothing"),
+            "--data",
+            "builtin",
+            *grow,
+            "--config",
+            str(source),
+        ]
+        assert main([*argv, "--storage", str(tmp_path / "s")]) == 2  # the parent is no model
+        out, err = capsys.readouterr()
+        assert [line for line in out.splitlines() if line.startswith("warning")] == warnings
+        assert err.startswith("error: ") and err.count("\n") == 1, err
 
 
 def test_mhf_cpt_reports_a_parent_that_is_no_model_in_one_line(tmp_path, capsys):

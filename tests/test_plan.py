@@ -45,9 +45,9 @@ def _built(model_cfg):
 
 @pytest.mark.parametrize("family", ["mhf", "qwen3"])
 def test_model_states_agree_with_deepspeeds_estimators_called_directly(family):
-    cfg = load_config("tiny", [f"model.family={family}"])
+    cfg = load_config("tiny", [f"model.family={family}", "train.seq_len=256"])
     cluster = Cluster(gpus_per_node=4, nodes=2, gpu_mem_gb=16)
-    result = plan(cfg, family, 5000, cluster, seq_len=256, tokens=1e9, mfu=0.4)
+    result = plan(cfg, family, 5000, cluster, tokens=1e9, mfu=0.4)
     model_cfg = cfg.model.model_copy(update={"vocab_size": 5000})
     params, largest = model_to_params(_built(model_cfg))
     assert result.params == params == param_count(model_cfg)
@@ -243,7 +243,7 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--mfu", "2"]) == 2
     assert "--mfu" in capsys.readouterr().err  # the flag's own range check
     with pytest.raises(ConfigError, match=r"^--mfu is a fraction of peak in \(0, 1\], got 2"):
-        plan(load_config("tiny"), "mhf", 2048, Cluster(2, 1, 1.0), 64, 1e9, 2.0)
+        plan(load_config("tiny"), "mhf", 2048, Cluster(2, 1, 1.0), 1e9, 2.0)
     triple = ["--set", "model.backbone.kind=triple_hybrid"]
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", *triple]) == 2
     assert "model.backbone.kind=triple_hybrid has no activation model" in capsys.readouterr().err
@@ -272,9 +272,14 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
         assert capsys.readouterr().out.splitlines()[-1].startswith(line)
     # the config's train.micro_batch_size (the 1b preset's 8) is planned; without one, the largest that fits
     unset_micro = ["--set", "train.micro_batch_size=null"]
-    for micro, chosen in (([], {"8"}), (["--micro-batch", "4"], {"4"}), (unset_micro, {"16", "32"})):
+    for micro, chosen, legend in (
+        ([], {"8"}, "stage: the lowest that fits train.micro_batch_size=8 in 90% of a GPU"),
+        (["--micro-batch", "4"], {"4"}, "stage: the lowest that fits train.micro_batch_size=4 in"),
+        (unset_micro, {"16", "32"}, "(no train.micro_batch_size is set, so mhf train would run each GPU's"),
+    ):
         assert main(["plan", "--config", "1b", "--gpu-mem-gb", "80", "--gpus", "8", *micro]) == 0
-        assert {row[-4] for row in _table_rows(capsys.readouterr().out)[1:]} == chosen
+        out = capsys.readouterr().out
+        assert {row[-4] for row in _table_rows(out)[1:]} == chosen and legend in out.splitlines()[-1]
     # a plan for more positions than the model has is refused
     positions = load_config("tiny").model.backbone.max_position_embeddings
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--seq-len", "100000"]) == 2
@@ -344,7 +349,7 @@ def test_when_nothing_fits_at_all_plan_exits_2_with_the_least_need_and_the_fixes
     )
     # The least need is the smallest stage's states plus one sequence's activations of the smallest plan.
     cfg = load_config("tiny")
-    plans = [plan(cfg, family, vocab, Cluster(1, 1, 0.0001), 64, 1e9, 0.4)
+    plans = [plan(cfg, family, vocab, Cluster(1, 1, 0.0001), 1e9, 0.4)
              for vocab in (cfg.model.vocab_size, 151_936) for family in ("mhf", "qwen3")]  # fmt: skip
     least = min(min(p.state_gb.values()) + p.activation_gb_per_sequence for p in plans)
     assert f"needs {least:.1f} GiB at ZeRO-" in line
@@ -364,7 +369,7 @@ def test_plan_refuses_a_token_count_that_is_not_positive_and_finite():
     cfg = load_config("tiny")
     for tokens in (0.0, float("nan")):
         with pytest.raises(ConfigError, match=r"^--tokens must be a positive finite number"):
-            plan(cfg, "mhf", 2048, Cluster(1, 1, 80.0), 64, tokens, 0.4)
+            plan(cfg, "mhf", 2048, Cluster(1, 1, 80.0), tokens, 0.4)
 
 
 @pytest.mark.parametrize("mfu, peak", [(1e-310, 989.0), (0.5, 1e300)])
@@ -372,4 +377,4 @@ def test_a_throughput_that_overflows_is_one_line_not_inf_days(mfu, peak):
     with pytest.raises(
         ConfigError, match=r"tokens/s and no finite number of days; give the MFU and peak of a real"
     ):
-        plan(load_config("tiny"), "mhf", 2048, Cluster(1, 1, 80.0, peak), 64, 1e9, mfu)
+        plan(load_config("tiny"), "mhf", 2048, Cluster(1, 1, 80.0, peak), 1e9, mfu)

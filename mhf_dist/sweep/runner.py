@@ -16,7 +16,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -347,7 +347,8 @@ def evaluate_trial(spec: SweepConfig, cfg: Config, model_dir: str, uri: str, run
             results = run_task(exported, task.task, task.data, limit=task.limit, recall=recall, **window)
             metrics |= {f"eval.{task.task}.{name}": value for name, value in results.items()}
     except Exception:
-        end_run(uri, run_id, "FAILED")
+        with suppress(MhfError):  # a tracking store that fails too: the evaluation's error is the reason
+            end_run(uri, run_id, "FAILED")
         raise
     log_steps(uri, run_id, [{"step": cfg.train.steps, **metrics}])
 
