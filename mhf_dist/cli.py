@@ -24,7 +24,6 @@ from mhf_dist.config import (
     INIT_NEW_ROWS,
     Config,
     TopologyConfig,
-    file_setting,
     load_config,
     parse_overrides,
 )
@@ -407,19 +406,18 @@ def cmd_cpt(args: argparse.Namespace) -> None:
         from mhf_dist.data.corpus import corpus_texts
 
     check_expansion(args.tokenizer, args.add_tokens, args.train_new_tokens or 0, args.corpus is not None)
-    keeps_parent = "mhf cpt trains the parent's model as it is"
     if model_keys := [key for key in config_overrides(args) if key.split(".")[0] == "model"]:
-        raise ConfigError(f"--set {model_keys[0]}: {keeps_parent}; drop it")
+        raise ConfigError(f"--set {model_keys[0]}: mhf cpt trains the parent's model as it is; drop it")
     cfg = _config(args)
-    if found := file_setting(args.config, "model"):  # (a file without `preset:` must have a model section)
-        print(f"warning: {found[0]} sets {found[1]}, which is not used: {keeps_parent}")
 
     def new_tokenizer(parent: TextTokenizer) -> TextTokenizer:
         texts = (lambda: corpus_texts(args.corpus, cfg.data.text_field)) if args.corpus else None
         return expanded_tokenizer(parent, args.tokenizer, args.add_tokens, args.train_new_tokens or 0, texts)
 
     options = _train_options(args, cfg)
-    result = run_cpt(cfg, args.parent, new_tokenizer, options, init_new_rows=args.init_new_rows)
+    result = run_cpt(
+        cfg, args.parent, new_tokenizer, options, init_new_rows=args.init_new_rows, config_source=args.config
+    )
     _print_result(result.train_result, args.experiment)
 
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from mhf_dist.config import INIT_NEW_ROWS, Config, ModelConfig
+from mhf_dist.config import INIT_NEW_ROWS, Config, ModelConfig, file_setting, flatten
 from mhf_dist.data import recall
 from mhf_dist.data.shards import MANIFEST, file_sha256, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
-from mhf_dist.errors import DataError, TrainingError
+from mhf_dist.errors import ConfigError, DataError, TrainingError
 from mhf_dist.export import CONFIG_FILE, WEIGHTS_FILE, ExportedModel, export_model, load_exported
 from mhf_dist.files import write_json_atomic
 from mhf_dist.models import build_model, param_count
@@ -171,6 +171,18 @@ def cpt_trainable(cfg: Config, model: ModelConfig) -> tuple[list[str] | None, st
     return recipe, AUTHORS_VE if recipe is not None else "all"
 
 
+def check_model_kept(model: ModelConfig, parent: ModelConfig, source: str) -> None:
+    """A config file (not a preset) that sets a model key to other than the parent's value is refused:
+    mhf cpt trains the parent's model as it is (the file may be the one that trained the parent)."""
+    theirs = dict(flatten(parent.model_dump(mode="json")))
+    for key, value in flatten(model.model_dump(mode="json")):
+        if value != theirs.get(key) and (found := file_setting(source, f"model.{key}")):
+            raise ConfigError(
+                f"{found[0]}: model.{key} {value!r} is not the parent's {theirs.get(key)!r}: mhf cpt trains "
+                "the parent's model as it is; drop the key or give the parent's value"
+            )
+
+
 def run_cpt(
     cfg: Config,
     parent_source: str,
@@ -178,21 +190,26 @@ def run_cpt(
     options: Any,  # TrainOptions
     log: Callable[[str], None] = print,
     init_new_rows: str = "subword",
+    config_source: str | None = None,
 ) -> CptResult:
     """Expand the parent's vocabulary, prepare `cfg.data` with the new tokenizer, and train the result.
-    `cfg` gives the training and data settings; the model's config is the parent's."""
+    `cfg` gives the training and data settings; the model's config is the parent's (the config file
+    `config_source` may set model keys only to the parent's values)."""
     from mhf_dist.data.prepare import prepare, recorded_data
     from mhf_dist.data.prepare.manifest import shared_signatures
-    from mhf_dist.train.ray_trainer import train
+    from mhf_dist.train.ray_trainer import check_run, train
 
     if recall.CORPUS in (cfg.data.corpus, cfg.data.replay.corpus):
         raise TrainingError(
             "recall rows have token ids of their own (k1.., v0..), not the parent's vocabulary grown; "
             "give --data and --replay text corpora"
         )
+    check_run(cfg, options)  # the batch over the workers, ...: before minutes of expanding and preparing
     check_writable_store(tracking_uri(cfg.topology.storage))  # before the prepare that starts Ray
     parent_dir = resolve_parent(parent_source)
     parent = load_exported(parent_dir)
+    if config_source is not None:
+        check_model_kept(cfg.model, parent.config, config_source)
     tokenizer = new_tokenizer(parent.tokenizer)
     new_tokens = tokenizer.vocabulary()[parent.tokenizer.vocab_size :]
     if not new_tokens:

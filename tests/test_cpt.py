@@ -341,9 +341,6 @@ def test_mhf_cpt_refuses_what_it_cannot_use_before_reading_the_parent(tmp_path, 
     (tmp_path / "nothing").mkdir()
     (tmp_path / "new.txt").write_text("new\n")
     grow = ["--add-tokens", str(tmp_path / "new.txt")]
-    base, own_model = tmp_path / "base.yaml", tmp_path / "own.yaml"  # a file's model, through its preset:
-    base.write_text("preset: tiny\nmodel:\n  hash:\n    spec: H2B64\n")
-    own_model.write_text(f"preset: {base}\ntrain:\n  steps: 5\n")
     recall = (
         "error: recall rows have token ids of their own (k1.., v0..), not the parent's vocabulary grown; "
     )
@@ -360,6 +357,8 @@ def test_mhf_cpt_refuses_what_it_cannot_use_before_reading_the_parent(tmp_path, 
             "error: --set model.hash.scheme: mhf cpt trains the parent's model as it is; drop it",
         ),
         ([*grow, "--set", "model={vocab_size: 9}"], "error: --set model: mhf cpt trains the parent's model"),
+        ([*grow, "--set", "train.micro_batch_size=3"], "error: train.micro_batch_size=3 does not divide the"),
+        ([*grow, "--workers", "3"], "error: train.batch_size=8 does not split over 3 workers"),
     ):
         data = [] if "--data" in argv else ["--data", "builtin"]
         code = main(
@@ -368,26 +367,38 @@ def test_mhf_cpt_refuses_what_it_cannot_use_before_reading_the_parent(tmp_path, 
         err = capsys.readouterr().err
         assert code == 2 and err.startswith(line) and err.count("\n") == 1, err
     assert not (tmp_path / "s").exists()
-    # A config file's model keys (its own or through its `preset:` files) are not used: said, not refused
-    # (a file made for `mhf train`, or one without `preset:`, which must have a model section).
-    unused = (
-        f"warning: {base} sets model.hash.spec, which is not used: mhf cpt trains the parent's model as it is"
-    )
-    for source, warnings in ((own_model, [unused]), (PRESET_DIR / "tiny.yaml", [])):  # a preset by its path
-        argv = [
-            "cpt",
-            "--from",
-            str(tmp_path / "nothing"),
-            "--data",
-            "builtin",
-            *grow,
-            "--config",
-            str(source),
-        ]
-        assert main([*argv, "--storage", str(tmp_path / "s")]) == 2  # the parent is no model
-        out, err = capsys.readouterr()
-        assert [line for line in out.splitlines() if line.startswith("warning")] == warnings
-        assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_mhf_cpt_refuses_a_config_files_model_key_only_where_it_is_not_the_parents(
+    tmp_path, capsys, english_tokenizer
+):
+    """The file that trained the parent may be given again; a model key it sets to another value (here
+    through a `preset:` chain of files) is refused, before any work. A preset, even by path, sets none."""
+    from mhf_dist.cli import main
+
+    parent, _ = exported_parent(tmp_path, english_tokenizer, "mhf")  # H2B64
+    (tmp_path / "known.txt").write_text("e\n")  # already in the vocabulary: the error after the check
+    base, own = tmp_path / "base.yaml", tmp_path / "own.yaml"
+    own.write_text(f"preset: {base}\ntrain:\n  steps: 5\n")
+    for spec, source, line in (
+        (
+            "H2B32",
+            own,
+            f"error: {base}: model.hash.spec 'H2B32' is not the parent's 'H2B64': mhf cpt trains the",
+        ),
+        ("H2B64", own, "error: "),
+        ("H2B32", PRESET_DIR / "tiny.yaml", "error: "),
+    ):
+        base.write_text(f"preset: tiny\nmodel:\n  hash:\n    spec: {spec}\n")
+        argv = ["cpt", "--from", str(parent.path), "--data", "builtin", "--config", str(source)]
+        assert (
+            main([*argv, "--add-tokens", str(tmp_path / "known.txt"), "--storage", str(tmp_path / "s")]) == 2
+        )
+        (err,) = capsys.readouterr().err.splitlines()
+        assert err.startswith(line) and ("'e' is already in the vocabulary" in err) == (line == "error: "), (
+            err
+        )
+    assert not (tmp_path / "s" / "mhf-cpt").exists()
 
 
 def test_mhf_cpt_reports_a_parent_that_is_no_model_in_one_line(tmp_path, capsys):
