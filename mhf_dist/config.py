@@ -25,7 +25,7 @@ from pydantic import (
 
 from mhf_dist.errors import ConfigError, MhfError, first_problem, problem_line, refused_value
 from mhf_dist.plugins import BACKBONES, FAMILIES, Registry
-from mhf_dist.readers import DuplicateKeyError, load_yaml, read_yaml
+from mhf_dist.readers import DuplicateKeyError, check_file, load_yaml, read_yaml
 from mhf_dist.storage import Location, check_trimmed, redact
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -641,7 +641,7 @@ def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, An
                 f"{redact(seen[-1])}: `preset: {source}` names no file ({str(where)!r}: a relative path is "
                 "from the working directory); check the path"
             )
-        raise ConfigError(f"config file {str(where)!r} does not exist; check the path")
+        check_file(where, ConfigError, "config file")
     raw = read_yaml(where, ConfigError, "fix the YAML syntax")
     if not isinstance(raw, dict | None):
         raise ConfigError(f"{where} must hold a mapping of config sections, not a {type(raw).__name__}")

@@ -133,7 +133,9 @@ def expanded_tokenizer(
     if add_tokens is not None:
         text = read_text(add_tokens, TrainingError, "give --add-tokens a UTF-8 file, one new token per line")
         try:
-            return parent.with_added_tokens([line for line in text.splitlines() if line.strip()])
+            if not (tokens := [line for line in text.splitlines() if line.strip()]):
+                raise DataError("no token in it; give one new token per line")
+            return parent.with_added_tokens(tokens)
         except DataError as err:
             raise DataError(f"{redact(add_tokens)}: {err}") from None
     return parent.with_trained_tokens(texts(), train_new_tokens)

@@ -194,11 +194,12 @@ def largest_layer_params(model: ModelConfig) -> int:
 
 def micro_batches(batch_size: int, gpus: int, micro_batch: int | None) -> list[int]:
     """The micro-batches to try, largest first: the config's, else those `mhf train` takes (divisors of
-    each GPU's share of train.batch_size) up to MAX_MICRO_BATCH, or powers of two where it does not split."""
+    each GPU's share of train.batch_size) up to MAX_MICRO_BATCH, or powers of two up to the larger share
+    where it does not split."""
     if micro_batch:
         return [micro_batch]
     if batch_size % gpus:
-        return [2**k for k in range(MAX_MICRO_BATCH.bit_length())][::-1]
+        return [2**k for k in range(min(MAX_MICRO_BATCH, -(-batch_size // gpus)).bit_length())][::-1]
     share = batch_size // gpus
     return [size for size in range(min(share, MAX_MICRO_BATCH), 0, -1) if share % size == 0]
 
@@ -327,7 +328,8 @@ def plan_legend(cfg: Config) -> str:
         else "bf16 mixed precision: fp32 master weights and Adam states"
     )
     fits = (
-        f"stage: the lowest that fits train.micro_batch_size={cfg.train.micro_batch_size} in 90% of a GPU "
+        f"stage: the lowest that fits train.micro_batch_size={readable(cfg.train.micro_batch_size, ',')} in "
+        "90% of a GPU "
         "(train with --zero-stage S)"
         if cfg.train.micro_batch_size
         else "stage and micro-batch: the largest micro-batch that fits in 90% of a GPU, at the lowest stage "

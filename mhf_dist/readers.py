@@ -25,13 +25,20 @@ def json_kind(value: Any) -> str:
     return JSON_KINDS[type(value)]
 
 
+def check_file(path: PathLike, error: type[MhfError], what: str = "") -> Location:
+    """`path`, which must be a file: else `error` that it does not exist or (a folder, a device) is not a
+    file, naming `what` it was to be first (e.g. "config file")."""
+    where = Location.of(path)
+    if not where.is_file():
+        missing = "is not a file" if where.exists() else "does not exist"
+        raise error(f"{what}{' ' if what else ''}{str(where)!r} {missing}; check the path")
+    return where
+
+
 def read_text(path: PathLike, error: type[MhfError], fix: str) -> str:
     """The file as strict UTF-8; an undecodable byte is `error` naming its offset and line."""
-    where = Location.of(path)
-    try:
-        data = where.read_bytes()
-    except FileNotFoundError:
-        raise error(f"{str(where)!r} does not exist; check the path") from None
+    where = check_file(path, error)
+    data = where.read_bytes()
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:

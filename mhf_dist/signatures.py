@@ -42,6 +42,7 @@ from safetensors.numpy import load_file, save
 
 from mhf_dist.config import HashConfig, format_hash_spec
 from mhf_dist.errors import MhfError, SignatureError
+from mhf_dist.readers import check_file
 from mhf_dist.storage import Location, local_copy, redact
 
 # torch is imported only where a tensor is asked for: `mhf prepare`'s Ray tasks load tables and look up
@@ -521,9 +522,7 @@ def check_same_table(
 
 def load_table(path: str | Path | Location) -> SignatureTable:
     """The table `save_table` wrote (local or in a bucket); a bad file is a one-line error."""
-    path = local_copy(path)
-    if not path.is_file():
-        raise SignatureError(f"signature table {str(path)!r} does not exist; check the path")
+    path = check_file(local_copy(path), SignatureError, "signature table").local
     try:
         with safe_open(str(path), framework="numpy") as handle:
             metadata = handle.metadata() or {}

@@ -156,6 +156,9 @@ def test_bad_expansions_are_one_line_errors(english_tokenizer, tmp_path):
         DataError, match=r"new.txt: token 'zebrafish' is listed twice; list each new token once$"
     ):
         expanded_tokenizer(english_tokenizer, add_tokens=str(tmp_path / "new.txt"))
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    with pytest.raises(DataError, match=r"blank.txt: no token in it; give one new token per line$"):
+        expanded_tokenizer(english_tokenizer, add_tokens=str(tmp_path / "blank.txt"))
     other = TextTokenizer.train_bpe(builtin_documents()[40:60], 320)
     other.save(tmp_path / "other.json")
     with pytest.raises(DataError, match=r"renumbers old token .* append new tokens after"):

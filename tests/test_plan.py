@@ -198,7 +198,8 @@ def test_checkpointed_activations_are_what_autograd_keeps_outside_the_recomputed
 
 def test_recommendation_prefers_big_micro_batches_below_zero3_that_train_takes():
     states = {0: 20 * GIB, 1: 8 * GIB, 2: 6 * GIB, 3: 3 * GIB}
-    powers = micro_batches(8, 3, None)  # 8 rows do not split over 3 GPUs: powers of two
+    assert micro_batches(8, 3, None) == [2, 1]  # 8 rows do not split over 3 GPUs: powers of two to 3
+    powers = micro_batches(1000, 3, None)
     assert powers == [64, 32, 16, 8, 4, 2, 1]
     assert recommend(states, GIB, usable=100 * GIB, sizes=powers) == (0, 64)
     assert recommend(states, GIB, usable=30 * GIB, sizes=powers) == (1, 16)

@@ -44,7 +44,7 @@ from mhf_dist.config import (
 from mhf_dist.errors import ConfigError, MhfError, first_problem, refused_value
 from mhf_dist.eval import WINDOW, WINDOWED
 from mhf_dist.plugins import FAMILIES
-from mhf_dist.readers import read_yaml
+from mhf_dist.readers import check_file, read_yaml
 from mhf_dist.storage import Location
 
 VARIANT_FORM = "a variant mapping {group: NAME, family: FAMILY, set: {key: value}} (NAME: [A-Za-z0-9._-])"
@@ -289,9 +289,7 @@ def load_sweep(
     """A sweep file, local or in a bucket, with the command line's `--storage` and `--set`s on top (which
     may be what makes it valid). A mistake the file makes alone names the file, any other the file with
     the flags."""
-    where = Location.of(path)
-    if not where.is_file():
-        raise ConfigError(f"sweep file {str(where)!r} does not exist; check the path")
+    where = check_file(path, ConfigError, "sweep file")
     raw = read_yaml(where, ConfigError, "fix the YAML syntax")
     flags = [flag for flag, given in (("--storage", storage), ("--set", overrides)) if given]
     if not flags or not isinstance(raw, dict) or not isinstance(raw.get("set", {}), dict):
