@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any
 from mhf_dist.config import Config, load_config
 from mhf_dist.console import ConsoleRelay, WorkerLines
 from mhf_dist.data.shards import check_compatible, no_validation_fix, read_manifest
+from mhf_dist.data.tokenizer import check_document_format
 from mhf_dist.errors import DataError, MhfError, Resumable, first_line
 from mhf_dist.files import write_json_atomic
 from mhf_dist.interrupts import importing, tune_stops_gracefully
 from mhf_dist.ray_utils import ensure_ray, logs_dir, workers_print_to_console
 from mhf_dist.readers import read_json
+from mhf_dist.signatures import check_same_table
 from mhf_dist.storage import Location
 from mhf_dist.sweep.spec import STORAGE_KEY, SweepConfig, Trial, expand_trials, trial_configs
 from mhf_dist.tracking import (
@@ -97,10 +99,23 @@ def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
     trial's config, its batch split over its workers included, was validated when the sweep was parsed)."""
     check_before_data(spec, configs)
     metrics = [spec.metric, *([spec.asha.metric] if spec.asha else [])]
+    shards = [task.data for task in spec.evaluate if task.data and Location.of(task.data).is_dir()]  # ppl's
+    scored = {data: read_manifest(data) for data in shards}
     for name, cfg in configs.items():
         manifest = read_manifest(cfg.data.path)
         try:
             check_compatible(manifest, cfg)
+            for data, other in scored.items():  # as `mhf eval` checks them against the trial's model
+                fix = "evaluate shards prepared with the trials' tokenizer and signature table"
+                table = manifest.signatures.fingerprint  # the trial's model's
+                check_same_table("the model", table, data, other.signatures.fingerprint, fix, DataError)
+                check_document_format(other.document_format, manifest.document_format, data, "the model")
+                if other.seq_len > cfg.model.backbone.max_position_embeddings:
+                    raise DataError(
+                        f"evaluate: {data!r} has rows of seq_len {other.seq_len}, above the model's "
+                        f"model.backbone.max_position_embeddings {cfg.model.backbone.max_position_embeddings}"
+                        "; prepare them with a smaller one"
+                    )
         except DataError as err:
             raise DataError(f"trial {name}: {err}") from None
         if not manifest.splits["validation"].shards and (
