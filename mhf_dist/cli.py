@@ -160,6 +160,12 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {**parse_overrides(args.overrides), **flags}
 
 
+def _refuse_overrides(args: argparse.Namespace, section: str, why: str) -> None:
+    """A `--set` (or flag) of a key in `section` that the command could only ignore is refused."""
+    if keys := [key for key in config_overrides(args) if key.split(".")[0] == section]:
+        raise ConfigError(f"--set {keys[0]}: {why}; drop it")
+
+
 def _config(args: argparse.Namespace) -> Config:
     return load_config(args.config, config_overrides(args))
 
@@ -406,8 +412,7 @@ def cmd_cpt(args: argparse.Namespace) -> None:
         from mhf_dist.data.corpus import corpus_texts
 
     check_expansion(args.tokenizer, args.add_tokens, args.train_new_tokens or 0, args.corpus is not None)
-    if model_keys := [key for key in config_overrides(args) if key.split(".")[0] == "model"]:
-        raise ConfigError(f"--set {model_keys[0]}: mhf cpt trains the parent's model as it is; drop it")
+    _refuse_overrides(args, "model", "mhf cpt trains the parent's model as it is")
     cfg = _config(args)
 
     def new_tokenizer(parent: TextTokenizer) -> TextTokenizer:
@@ -660,6 +665,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     )
     from mhf_dist.tables import markdown_table
 
+    _refuse_overrides(args, "topology", "mhf plan plans --gpus x --nodes at every ZeRO stage")
     cfg = _config(args)  # --seq-len is its train.seq_len: checked against the model's positions
     seq_len = cfg.train.seq_len
     tokens = args.tokens or cfg.train.steps * cfg.train.batch_size * seq_len

@@ -281,6 +281,14 @@ def test_mhf_plan_prints_mhf_and_qwen3_at_both_vocabularies(capsys):
         assert main(["plan", "--config", "1b", "--gpu-mem-gb", "80", "--gpus", "8", *micro]) == 0
         out = capsys.readouterr().out
         assert {row[-4] for row in _table_rows(out)[1:]} == chosen and legend in out.splitlines()[-1]
+    # a topology key could only be ignored: the cluster is --gpus x --nodes, every stage is planned
+    assert (
+        main(["plan", "--config", "1b", "--gpu-mem-gb", "80", "--gpus", "8", "--set", "topology.workers=3"])
+        == 2
+    )
+    assert capsys.readouterr().err == (
+        "error: --set topology.workers: mhf plan plans --gpus x --nodes at every ZeRO stage; drop it\n"
+    )
     # a plan for more positions than the model has is refused
     positions = load_config("tiny").model.backbone.max_position_embeddings
     assert main(["plan", "--config", "tiny", "--gpus", "2", "--gpu-mem-gb", "1", "--seq-len", "100000"]) == 2
