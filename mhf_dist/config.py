@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from mhf_dist.errors import ConfigError, MhfError, first_problem, problem_line, refused_value
+from mhf_dist.errors import ConfigError, first_problem, problem_line, refused_value
 from mhf_dist.plugins import BACKBONES, FAMILIES, Registry
 from mhf_dist.readers import DuplicateKeyError, check_file, load_yaml, read_yaml
 from mhf_dist.storage import Location, check_trimmed, redact
@@ -63,10 +63,7 @@ def check_place(location: str) -> str:
     surrounded by white space (` s3://b/x` would be a local folder)."""
     if not location:
         raise ValueError("empty; give a value ('.' is the current directory)")
-    try:
-        check_trimmed(location)
-    except MhfError as err:
-        raise ValueError(str(err)) from None
+    check_trimmed(location, ValueError)  # pydantic reports a ValueError in its words
     return location
 
 
@@ -591,8 +588,10 @@ def load_config(source: str | Path | None = None, overrides: Overrides = ()) -> 
         # A problem at a key no override touches (the key, inside it or around it) is a file's: the line
         # names the file that sets it. A rule across sections names its keys, whoever gave them.
         key, _ = first_problem(err)
-        touched = any(_nested(key, setting) for setting in given)
-        named = f"{_file_setting(source, key)}: " if _is_file(source or "") and key and not touched else ""
+        named = ""
+        if _is_file(source or "") and key and not any(_nested(key, setting) for setting in given):
+            found = file_setting(source, key)  # None: no file of the chain sets it (a missing key)
+            named = f"{found[0] if found else redact(str(source))}: "
         raise ConfigError(named + _describe(err)) from None
 
 
@@ -601,18 +600,12 @@ def _nested(key: str, other: str) -> bool:
     return f"{key}.".startswith(f"{other}.") or f"{other}.".startswith(f"{key}.")
 
 
-def _file_setting(source: str | Path, key: str) -> str:
-    """The file of `source`'s `preset:` chain that sets `key`, or `source` where none does (a missing key)."""
-    found = file_setting(source, key)
-    return found[0] if found else redact(str(source))
-
-
 def file_setting(source: str | Path, key: str) -> tuple[str, str] | None:
     """(file, key set) for the file of `source`'s `preset:` chain nearest to `source` (whose values win the
     merge) that sets `key` or a key inside it; None where none does (a preset, even by path, is no file)."""
     where: Any = source
     while _is_file(where) and Path(Location.of(where).path).parent != PRESET_DIR:
-        raw = read_yaml(Location.of(where), ConfigError, "fix the YAML syntax")
+        raw = read_yaml(where, ConfigError, "fix the YAML syntax")
         raw = raw if isinstance(raw, dict) else {}
         if given := next((given for given, _ in flatten(raw) if _nested(key, given)), None):
             return redact(str(where)), given

@@ -32,7 +32,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
-from mhf_dist.errors import MhfError
+from mhf_dist.errors import MhfError, first_line
 
 REQUEST_TIMEOUT_S = 20  # a store that stops answering fails a request after this (MHF_STORAGE_TIMEOUT_S)
 TIMEOUT_VARIABLE = "MHF_STORAGE_TIMEOUT_S"
@@ -233,11 +233,11 @@ def local_path(text: str) -> Path:
         raise StorageError(f"{text!r}: {home!r} has no home directory here; write the path out") from None
 
 
-def check_trimmed(text: str) -> None:
+def check_trimmed(text: str, error: type[Exception] = StorageError) -> None:
     """A location a user wrote has no white space around it (` s3://b/x` would be a local folder named so);
     for what users write (arguments, config keys, job specs), not for names read from a listing."""
     if text != text.strip():
-        raise StorageError(f"{text!r} begins or ends with white space; remove it")
+        raise error(f"{text!r} begins or ends with white space; remove it")
 
 
 def path_text(path: Path) -> str:
@@ -298,7 +298,7 @@ class Location:
                     f"{redact(text)!r}: pyarrow knows no filesystem for {scheme}://; "
                     "use a local path, s3:// or gs://"
                 ) from None
-            raise StorageError(f"{redact(text)!r}: {redact_text(str(err)).splitlines()[0]}") from None
+            raise StorageError(f"{redact(text)!r}: {redact_text(first_line(err))}") from None
 
     def __str__(self) -> str:
         return redact(self.uri)
@@ -592,10 +592,10 @@ def local_copy(location: str | Path | Location, marker: str | None = None) -> Pa
     where = Location.of(location)
     if not where.remote:
         return where.local
-    listing = where.files() if where.is_dir() else [("", where.size())] if where.exists() else []
+    listing = where.files() if (folder := where.is_dir()) else [("", where.size())] if where.exists() else []
     if not listing:
         raise StorageError(f"{where} does not exist; check the URI")
-    if marker is not None and where.is_dir() and marker not in dict(listing):
+    if marker is not None and folder and marker not in dict(listing):
         raise StorageError(f"{where} has no {marker}: it is incomplete or not what was asked for")
     versions = [(name, size, _version(where / name if name else where)) for name, size in listing]
     key = hashlib.sha256(repr((redact(where.uri), versions)).encode()).hexdigest()[:16]

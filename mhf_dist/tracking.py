@@ -29,7 +29,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from mhf_dist.errors import MhfError, chain
+from mhf_dist.errors import MhfError, chain, first_line
 from mhf_dist.storage import Location, is_uri, redact, redact_text, redact_values
 
 if TYPE_CHECKING:
@@ -79,8 +79,7 @@ def sqlite_file(uri: str) -> Path | None:
 def check_writable_store(uri: str) -> None:
     """Before a run starts: a SQLite store it can create, or an MLflow store, not another program's
     database (MLflow would add its tables to it)."""
-    store = sqlite_file(uri)
-    if store is None:
+    if (store := sqlite_file(uri)) is None:
         return
     given = _from_environment(uri)
     fix = f"fix {URI_VARIABLE}" if given else f"choose another --storage or set {URI_VARIABLE}"
@@ -98,8 +97,7 @@ def require_store(uri: str, fix: str | None = None) -> None:
     """Refuse to read an embedded SQLite store that does not exist or has no MLflow tables (an empty file,
     another program's database): MLflow would create them. It is opened read-only to look. `fix`: a
     writer's advice, where a reader's is to find the store a run wrote."""
-    store = sqlite_file(uri)
-    if store is None:
+    if (store := sqlite_file(uri)) is None:
         return
     given = _from_environment(uri)
     where = f"{str(store)!r} ({URI_VARIABLE})" if given else repr(str(store))
@@ -233,8 +231,7 @@ def _unreachable(err: BaseException) -> str | None:
 
 def describe_failure(uri: str, err: BaseException) -> str:
     """One line for a failed request: where, what went wrong, what to do."""
-    text = redact_text(str(err)).strip()
-    reason = _unreachable(err) or (text.splitlines()[0][:160] if text else type(err).__name__)
+    reason = _unreachable(err) or redact_text(first_line(err))[:160]
     if os.environ.get(URI_VARIABLE) == uri:
         where = f"{redact(uri)!r} ({URI_VARIABLE})"
         fix = f"start the server (cluster/README.md), fix {URI_VARIABLE}, or unset it for the embedded store"
