@@ -35,8 +35,9 @@ from mhf_dist.eval import WINDOW as EVAL_WINDOW
 from mhf_dist.eval import WINDOWED as EVAL_WINDOWED
 from mhf_dist.ray_utils import logs_hint
 from mhf_dist.readers import dump_yaml
-from mhf_dist.storage import redact
+from mhf_dist.storage import Location, redact
 from mhf_dist.submit import DEFAULT_ADDRESS
+from mhf_dist.tables import markdown_table
 
 if TYPE_CHECKING:
     from mhf_dist.data.tokenizer import TextTokenizer
@@ -46,6 +47,7 @@ Argument = tuple[str, dict[str, Any]]
 # name -> (its function's name, add_parser's options, the arguments), in this file's order (`mhf --help`'s)
 COMMANDS: dict[str, tuple[str, dict[str, Any], tuple[Argument, ...]]] = {}
 EXPORTED_MODEL = "an exported model directory (a checkpoint's model/): path or URI"
+MLFLOW_STORAGE = "where the embedded MLflow lives, unless MLFLOW_TRACKING_URI is set"
 QWEN3_VOCAB = 151_936  # Qwen3's own tokenizer: `mhf plan`'s second vocabulary by default
 
 
@@ -149,11 +151,6 @@ def run_options(name: str) -> tuple[Argument, ...]:
     )
 
 
-def mlflow_storage(default: str) -> Argument:
-    help = "where the embedded MLflow lives, unless MLFLOW_TRACKING_URI is set"
-    return arg("--storage", kinds.PLACE, help, default=default)
-
-
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """A command line's config overrides: its `--set`s, then the flags given that set config keys."""
     flags = {dest: value for dest, value in vars(args).items() if "." in dest and value is not None}
@@ -213,15 +210,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
 )
 def cmd_sweep(args: argparse.Namespace) -> None:
     """matched-baseline, seed or grid sweeps on Ray Tune"""
-    from mhf_dist.sweep.runner import compare_sweep, run_sweep
-    from mhf_dist.sweep.spec import load_sweep
+    from mhf_dist.sweep.runner import check_before_data, compare_sweep, run_sweep
+    from mhf_dist.sweep.spec import load_sweep, trial_configs
     from mhf_dist.tracking import browse_hint
 
     spec = load_sweep(args.config, args.storage, config_overrides(args))
     if args.prepare:
         from mhf_dist.data.prepare import prepare_if_missing
-        from mhf_dist.sweep.runner import check_before_data
-        from mhf_dist.sweep.spec import trial_configs
 
         configs = trial_configs(spec)
         check_before_data(spec, configs)  # run_sweep checks it too; here before minutes of preparing
@@ -246,7 +241,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         action=kinds.Distinct,
         metavar="KEY",
     ),
-    mlflow_storage("runs/sweeps"),
+    arg("--storage", kinds.PLACE, MLFLOW_STORAGE, default="runs/sweeps"),
     arg(
         "--out",
         kinds.OUTPUT_DIRECTORY,
@@ -257,7 +252,6 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 def cmd_compare(args: argparse.Namespace) -> None:
     """compare runs across seeds from MLflow: table, CSV, plots"""
     from mhf_dist.compare import COMPARE_DIR, compare_runs
-    from mhf_dist.storage import Location
     from mhf_dist.tracking import browse_hint, reading_uri
 
     uri = reading_uri(args.storage)  # an absent embedded store is an error, not created
@@ -321,7 +315,6 @@ def cmd_verify_data(args: argparse.Namespace) -> None:
 
 def _train_options(args: argparse.Namespace, cfg: Config) -> TrainOptions:
     """The run's options, checked before any preparing: --continue needs a checkpoint to go on from."""
-    from mhf_dist.storage import Location
     from mhf_dist.train.checkpoints import newest_checkpoint
     from mhf_dist.train.ray_trainer import TrainOptions
 
@@ -336,8 +329,6 @@ def _train_options(args: argparse.Namespace, cfg: Config) -> TrainOptions:
 
 
 def _print_result(result: TrainResult, experiment: str) -> None:
-    from mhf_dist.storage import redact
-    from mhf_dist.tables import markdown_table
     from mhf_dist.tracking import browse_hint
     from mhf_dist.train.checkpoints import MODEL_DIR, read_history
 
@@ -441,15 +432,13 @@ def cmd_cpt(args: argparse.Namespace) -> None:
         "--batch-size", kinds.COUNT, "sequences per forward pass; the results do not depend on it", 16
     ),
     arg("--run-id", kinds.TEXT, "log the results to this MLflow run"),
-    mlflow_storage("runs/train"),
+    arg("--storage", kinds.PLACE, MLFLOW_STORAGE, default="runs/train"),
 )
 def cmd_eval(args: argparse.Namespace) -> None:
     """evaluate an exported model: ppl, bpb, lambada, hellaswag, card660"""
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.eval.tasks import check_task_data, run_task
         from mhf_dist.export import load_exported
-        from mhf_dist.storage import Location
-        from mhf_dist.tables import markdown_table
         from mhf_dist.tracking import check_run, log_metrics, reading_uri
 
     uri = reading_uri(args.storage) if args.run_id else None
@@ -493,7 +482,6 @@ def cmd_import_hf(args: argparse.Namespace) -> None:
     with interrupts.importing():  # torch, loaded by these
         from mhf_dist.hf_layout import import_hf
         from mhf_dist.models import param_count
-        from mhf_dist.storage import redact
 
     exported = import_hf(args.source, args.out)
     cfg = exported.config
@@ -589,7 +577,6 @@ def cmd_count(args: argparse.Namespace) -> None:
     """analytic parameters and FLOPs of every family for a config"""
     with interrupts.importing():
         from mhf_dist.plan import family_counts
-        from mhf_dist.tables import markdown_table
 
     cfg = _config(args)
     crowded = _shared_signatures(cfg, [cfg.model.vocab_size])
@@ -663,7 +650,6 @@ def cmd_plan(args: argparse.Namespace) -> None:
         readable,
         token_count,
     )
-    from mhf_dist.tables import markdown_table
 
     _refuse_overrides(args, "topology", "mhf plan plans --gpus x --nodes at every ZeRO stage")
     cfg = _config(args)  # --seq-len is its train.seq_len: checked against the model's positions
