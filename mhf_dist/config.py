@@ -590,7 +590,7 @@ def load_config(source: str | Path | None = None, overrides: Overrides = ()) -> 
         key, _ = first_problem(err)
         named = ""
         if _is_file(source or "") and key and not any(_nested(key, setting) for setting in given):
-            found = file_setting(source, key)  # None: no file of the chain sets it (a missing key)
+            found = setting_file(file_settings(source), key)  # None: no file of the chain sets it
             named = f"{found[0] if found else redact(str(source))}: "
         raise ConfigError(named + _describe(err)) from None
 
@@ -600,17 +600,21 @@ def _nested(key: str, other: str) -> bool:
     return f"{key}.".startswith(f"{other}.") or f"{other}.".startswith(f"{key}.")
 
 
-def file_setting(source: str | Path, key: str) -> tuple[str, str] | None:
-    """(file, key set) for the file of `source`'s `preset:` chain nearest to `source` (whose values win the
-    merge) that sets `key` or a key inside it; None where none does (a preset, even by path, is no file)."""
-    where: Any = source
-    while _is_file(where) and Path(Location.of(where).path).parent != PRESET_DIR:
+def file_settings(source: str | Path) -> list[tuple[str, str]]:
+    """(file, key as written) for every key the files of `source`'s `preset:` chain set, the nearest file
+    (whose values win the merge) first; a preset, even by path, is no file."""
+    settings, where = [], source
+    while _is_file(where) and Path(Location.of(where).path).resolve().parent != PRESET_DIR.resolve():
         raw = read_yaml(where, ConfigError, "fix the YAML syntax")
         raw = raw if isinstance(raw, dict) else {}
-        if given := next((given for given, _ in flatten(raw) if _nested(key, given)), None):
-            return redact(str(where)), given
+        settings += [(redact(str(where)), given) for given, _ in flatten(raw) if given != "preset"]
         where = raw.get("preset") or ""
-    return None
+    return settings
+
+
+def setting_file(settings: list[tuple[str, str]], key: str) -> tuple[str, str] | None:
+    """The first of `file_settings` that sets `key`, a key inside it or around it (`model.hash`)."""
+    return next(((file, given) for file, given in settings if _nested(key, given)), None)
 
 
 def _is_file(source: str | Path) -> bool:

@@ -17,12 +17,20 @@ from typing import Any
 
 import torch
 
-from mhf_dist.config import INIT_NEW_ROWS, Config, ModelConfig, file_setting, flatten
+from mhf_dist.config import INIT_NEW_ROWS, Config, ModelConfig, file_settings, flatten, setting_file
 from mhf_dist.data import recall
 from mhf_dist.data.shards import MANIFEST, file_sha256, read_manifest
 from mhf_dist.data.tokenizer import TextTokenizer
 from mhf_dist.errors import ConfigError, DataError, TrainingError
-from mhf_dist.export import CONFIG_FILE, WEIGHTS_FILE, ExportedModel, export_model, load_exported
+from mhf_dist.export import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ExportedModel,
+    ExportRecord,
+    export_model,
+    load_exported,
+    read_export_config,
+)
 from mhf_dist.files import write_json_atomic
 from mhf_dist.models import build_model, param_count
 from mhf_dist.models.base import CausalLM
@@ -173,15 +181,26 @@ def cpt_trainable(cfg: Config, model: ModelConfig) -> tuple[list[str] | None, st
     return recipe, AUTHORS_VE if recipe is not None else "all"
 
 
-def check_model_kept(model: ModelConfig, parent: ModelConfig, source: str) -> None:
+def check_model_kept(model: ModelConfig, parent: ExportRecord, source: str) -> None:
     """A config file (not a preset) that sets a model key to other than the parent's value is refused:
-    mhf cpt trains the parent's model as it is (the file may be the one that trained the parent)."""
-    theirs = dict(flatten(parent.model_dump(mode="json")))
-    for key, value in flatten(model.model_dump(mode="json")):
-        if value != theirs.get(key) and (found := file_setting(source, f"model.{key}")):
+    mhf cpt trains the parent's model as it is. The file that trained the parent, or its ancestor, passes:
+    both are compared as `expand_model` leaves a model (resolved at the first vocabulary, matching pinned),
+    and a vocabulary size of the lineage is the parent's."""
+    vocabs = [entry["vocab_size"] for entry in parent.lineage] + [parent.model["vocab_size"]]
+
+    def expanded(config: ModelConfig) -> dict[str, Any]:
+        resolved = resolved_config(config.model_copy(update={"vocab_size": vocabs[0]}))
+        pinned = resolved.triple.model_copy(update={"match_params": False})
+        return dict(flatten(resolved.model_copy(update={"triple": pinned}).model_dump(mode="json")))
+
+    theirs = expanded(ModelConfig.model_validate(parent.model)) | {"vocab_size": vocabs[-1]}
+    ours, settings = expanded(model) | {"vocab_size": model.vocab_size}, file_settings(source)
+    for key, value in ours.items():
+        kept = value in vocabs if key == "vocab_size" else value == theirs[key]
+        if not kept and (found := setting_file(settings, f"model.{key}")):
             raise ConfigError(
-                f"{found[0]}: model.{key} {value!r} is not the parent's {theirs.get(key)!r}: mhf cpt trains "
-                "the parent's model as it is; drop the key or give the parent's value"
+                f"{found[0]}: {found[1]} gives model.{key} {value!r}, not the parent's {theirs[key]!r}: mhf "
+                "cpt trains the parent's model as it is; drop the key or give the parent's value"
             )
 
 
@@ -209,9 +228,9 @@ def run_cpt(
     check_run(cfg, options)  # the batch over the workers, ...: before minutes of expanding and preparing
     check_writable_store(tracking_uri(cfg.topology.storage))  # before the prepare that starts Ray
     parent_dir = resolve_parent(parent_source)
+    if config_source is not None:  # before the weights are copied and loaded
+        check_model_kept(cfg.model, read_export_config(parent_dir), config_source)
     parent = load_exported(parent_dir)
-    if config_source is not None:
-        check_model_kept(cfg.model, parent.config, config_source)
     tokenizer = new_tokenizer(parent.tokenizer)
     new_tokens = tokenizer.vocabulary()[parent.tokenizer.vocab_size :]
     if not new_tokens:

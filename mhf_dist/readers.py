@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from mhf_dist.errors import MhfError, problem_line
-from mhf_dist.storage import Location
+from mhf_dist.storage import Location, StorageError
 
 PathLike = str | Path | Location
 JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "true or false",
@@ -37,8 +37,12 @@ def check_file(path: PathLike, error: type[MhfError], what: str = "") -> Locatio
 
 def read_text(path: PathLike, error: type[MhfError], fix: str) -> str:
     """The file as strict UTF-8; an undecodable byte is `error` naming its offset and line."""
-    where = check_file(path, error)
-    data = where.read_bytes()
+    where = Location.of(path)
+    try:
+        data = where.read_bytes()
+    except (FileNotFoundError, StorageError):
+        check_file(where, error)  # says what is there instead, if anything (one more request, on failure)
+        raise
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:

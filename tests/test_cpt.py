@@ -379,21 +379,31 @@ def test_mhf_cpt_refuses_a_config_files_model_key_only_where_it_is_not_the_paren
     through a `preset:` chain of files) is refused, before any work. A preset, even by path, sets none."""
     from mhf_dist.cli import main
 
-    parent, _ = exported_parent(tmp_path, english_tokenizer, "mhf")  # H2B64
+    parent, _ = exported_parent(tmp_path, english_tokenizer, "mhf")  # H2B64, V=300
+    # its child by `mhf cpt` (one more token): the file that trained its parent passes for it too
+    grown = english_tokenizer.with_added_tokens(["zebrafish"])
+    grown.save(tmp_path / "grown.json")
+    expansion = expand_model(parent, ["zebrafish"])
+    lineage = [{"fingerprint": parent.table.fingerprint, "vocab_size": 300}]
+    export_model(
+        expansion.model, expansion.config, expansion.table, tmp_path / "grown.json", tmp_path / "c", lineage
+    )
     (tmp_path / "known.txt").write_text("e\n")  # already in the vocabulary: the error after the check
     base, own = tmp_path / "base.yaml", tmp_path / "own.yaml"
     own.write_text(f"preset: {base}\ntrain:\n  steps: 5\n")
-    for spec, source, line in (
+    for spec, source, model, line in (
         (
             "H2B32",
             own,
-            f"error: {base}: model.hash.spec 'H2B32' is not the parent's 'H2B64': mhf cpt trains the",
+            parent.path,
+            f"error: {base}: model.hash.spec gives model.hash.spec 'H2B32', not the parent's 'H2B64'",
         ),
-        ("H2B64", own, "error: "),
-        ("H2B32", PRESET_DIR / "tiny.yaml", "error: "),
+        ("H2B64", own, parent.path, "error: "),
+        ("H2B64", own, tmp_path / "c", "error: "),
+        ("H2B32", PRESET_DIR / "tiny.yaml", parent.path, "error: "),
     ):
-        base.write_text(f"preset: tiny\nmodel:\n  hash:\n    spec: {spec}\n")
-        argv = ["cpt", "--from", str(parent.path), "--data", "builtin", "--config", str(source)]
+        base.write_text(f"preset: tiny\nmodel:\n  vocab_size: 300\n  hash:\n    spec: {spec}\n")
+        argv = ["cpt", "--from", str(model), "--data", "builtin", "--config", str(source)]
         assert (
             main([*argv, "--add-tokens", str(tmp_path / "known.txt"), "--storage", str(tmp_path / "s")]) == 2
         )

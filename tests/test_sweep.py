@@ -125,25 +125,27 @@ def test_a_sweep_whose_shards_do_not_fit_a_trials_model_fails_before_ray_starts(
     with pytest.raises(DataError, match=r"^trial model.vocab_size=41-seed0: shards have vocab_size 40 but"):
         run_sweep(parse_sweep({**raw, "storage": str(tmp_path / "sweeps")}))
     # shards an `evaluate: ppl` scores are checked as `mhf eval` checks them against the trial's model
+    # (eval.tasks.check_scored_shards, whose document-format check tests/test_documents.py covers)
     prepare(load_config("tiny", [*recall, "model.vocab_size=41"]), tmp_path / "other", log=lambda _: None)
     prepare(load_config("tiny", [*recall, "train.seq_len=64"]), tmp_path / "long", log=lambda _: None)
+    prepare(load_config("tiny", [*recall, "data.val_percent=0"]), tmp_path / "no-val", log=lambda _: None)
     short = {**fits, "model.backbone.max_position_embeddings": 32}
     for data, line in (
         (
             "other",
-            r"^trial mhf-seed0: the model has signature fingerprint \w+ but the shards in '.*other' have",
+            r"^trial mhf-seed0: its model has signature fingerprint \w+ but the shards in '.*other' have",
         ),
         (
             "long",
-            r"^trial mhf-seed0: evaluate: '.*long' has rows of seq_len 64, above the model's model\.back",
+            r"^trial mhf-seed0: shards '.*long' have rows of seq_len 64, above the model's max_position",
         ),
+        ("no-val", r"^trial mhf-seed0: prepared data '.*no-val' has no validation rows; prepare them with"),
     ):
         evaluate = [{"task": "ppl", "data": str(tmp_path / data)}]
         raw = {"name": "early", "kind": "seeds", "set": short, "evaluate": evaluate}
         with pytest.raises(DataError, match=line):
             run_sweep(parse_sweep({**raw, "storage": str(tmp_path / "sweeps")}))
     # data.val_percent=0 leaves no validation rows: a sweep compared by val_nll would end with no metric
-    prepare(load_config("tiny", [*recall, "data.val_percent=0"]), tmp_path / "no-val", log=lambda _: None)
     raw = {"name": "early", "kind": "seeds", "set": {**fits, "data.path": str(tmp_path / "no-val")}}
     with pytest.raises(
         SweepError, match=r"^trial mhf-seed0: its shards have no validation rows, so no val_nll;"

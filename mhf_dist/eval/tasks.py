@@ -18,7 +18,7 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from mhf_dist.config import RecallDataConfig
 from mhf_dist.data.corpus import file_kind, split_documents
 from mhf_dist.data.recall import EVAL_SEED, make_recall
 from mhf_dist.data.tokenizer import check_document_format
-from mhf_dist.errors import MhfError
+from mhf_dist.errors import DataError, MhfError
 from mhf_dist.eval import LAYER, TASKS, WINDOW, WINDOWED
 from mhf_dist.eval.perplexity import evaluate_rows, perplexity, text_scores
 from mhf_dist.eval.scoring import mean_layer_states, score_continuations, score_rows
@@ -35,6 +35,9 @@ from mhf_dist.export import ExportedModel
 from mhf_dist.readers import read_jsonl, read_jsonl_located, read_text
 from mhf_dist.signatures import check_same_table
 from mhf_dist.storage import Location
+
+if TYPE_CHECKING:
+    from mhf_dist.data.shards import Manifest
 
 JSONL_FIX = "write UTF-8 JSON, one object per line"
 TEXT_FORM = 'text (documents separated by blank lines), or .jsonl {"text": ...} lines'
@@ -140,22 +143,45 @@ def eval_prepared(exported: ExportedModel, path: Location, limit: int, batch_siz
     from mhf_dist.data.reader import RowReader
     from mhf_dist.data.shards import read_manifest
 
-    shards = f"shards {str(path)!r}"
     manifest = read_manifest(path)
-    model = f"model {str(exported.path)!r}"
     fix = f"prepare the data with the model's tokenizer.json and --set data.signatures={exported.path}"
-    check_same_table(
-        model, exported.table.fingerprint, path, manifest.signatures.fingerprint, fix, EvalDataError
+    model, positions = f"model {str(exported.path)!r}", exported.config.backbone.max_position_embeddings
+    check_scored_shards(
+        model, exported.table.fingerprint, exported.document_format, positions, path, manifest, fix
     )
-    check_document_format(manifest.document_format, exported.document_format, shards, model, EvalDataError)
     reader = RowReader(path, "validation", signatures=False)
     rows = reader.read_range(0, min(reader.num_rows, limit) if limit else None)["tokens"]
-    check_positions(
-        exported, rows.shape[1] - 1, f"{shards} have rows of seq_len", "prepare them with a smaller one"
-    )
     scores = evaluate_rows(exported.model, rows, batch_size)
     return {"nll": scores["val_nll"], "ppl": scores["val_ppl"], "tokens": scores["val_tokens"],
             "rows": len(rows)}  # fmt: skip
+
+
+def check_scored_shards(
+    model: str,
+    fingerprint: str,
+    document_format: str,
+    positions: int,
+    path: Location,
+    manifest: Manifest,
+    fix: str,
+    error: type[MhfError] = EvalDataError,
+) -> None:
+    """What `ppl` on prepared shards needs of the model (`model`, in words) that scores them: its signature
+    table, document format and positions, and validation rows (`mhf eval`; a sweep before trials train)."""
+    from mhf_dist.data.shards import split_shards
+
+    shards = f"shards {str(path)!r}"
+    check_same_table(model, fingerprint, path, manifest.signatures.fingerprint, fix, error)
+    check_document_format(manifest.document_format, document_format, shards, model, error)
+    if manifest.seq_len > positions:
+        raise error(
+            f"{shards} have rows of seq_len {manifest.seq_len}, above the model's max_position_embeddings "
+            f"{positions}; prepare them with a smaller one"
+        )
+    try:
+        split_shards(path, manifest, "validation")
+    except DataError as err:
+        raise error(str(err)) from None
 
 
 def _framed_pair(

@@ -22,14 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from mhf_dist.config import Config, load_config
 from mhf_dist.console import ConsoleRelay, WorkerLines
-from mhf_dist.data.shards import check_compatible, no_validation_fix, read_manifest
-from mhf_dist.data.tokenizer import check_document_format
+from mhf_dist.data.shards import Manifest, check_compatible, no_validation_fix, read_manifest
 from mhf_dist.errors import DataError, MhfError, Resumable, first_line
 from mhf_dist.files import write_json_atomic
 from mhf_dist.interrupts import importing, tune_stops_gracefully
 from mhf_dist.ray_utils import ensure_ray, logs_dir, workers_print_to_console
 from mhf_dist.readers import read_json
-from mhf_dist.signatures import check_same_table
 from mhf_dist.storage import Location
 from mhf_dist.sweep.spec import STORAGE_KEY, SweepConfig, Trial, expand_trials, trial_configs
 from mhf_dist.tracking import (
@@ -97,25 +95,22 @@ def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
     """What would otherwise fail inside Tune's trials, checked before anything starts: `check_before_data`,
     and every trial's shards exist, fit its model and hold the validation rows a val_ metric needs (each
     trial's config, its batch split over its workers included, was validated when the sweep was parsed)."""
-    check_before_data(spec, configs)
+    with importing():  # torch
+        from mhf_dist.eval.tasks import check_scored_shards
+
+    scored = check_before_data(spec, configs)
     metrics = [spec.metric, *([spec.asha.metric] if spec.asha else [])]
-    shards = [task.data for task in spec.evaluate if task.data and Location.of(task.data).is_dir()]  # ppl's
-    scored = {data: read_manifest(data) for data in shards}
     for name, cfg in configs.items():
         manifest = read_manifest(cfg.data.path)
         try:
             check_compatible(manifest, cfg)
-            for data, other in scored.items():  # as `mhf eval` checks them against the trial's model
-                fix = "evaluate shards prepared with the trials' tokenizer and signature table"
-                table = manifest.signatures.fingerprint  # the trial's model's
-                check_same_table("the model", table, data, other.signatures.fingerprint, fix, DataError)
-                check_document_format(other.document_format, manifest.document_format, data, "the model")
-                if other.seq_len > cfg.model.backbone.max_position_embeddings:
-                    raise DataError(
-                        f"evaluate: {data!r} has rows of seq_len {other.seq_len}, above the model's "
-                        f"model.backbone.max_position_embeddings {cfg.model.backbone.max_position_embeddings}"
-                        "; prepare them with a smaller one"
-                    )
+            for data, shards in scored.items():  # `evaluate: ppl`'s, as `mhf eval` checks the trained model
+                fix = "prepare them with the trial's tokenizer and signature table"
+                table, positions = manifest.signatures.fingerprint, cfg.model.backbone.max_position_embeddings
+                format_ = manifest.document_format
+                check_scored_shards(
+                    "its model", table, format_, positions, Location.of(data), shards, fix, DataError
+                )
         except DataError as err:
             raise DataError(f"trial {name}: {err}") from None
         if not manifest.splits["validation"].shards and (
@@ -127,13 +122,15 @@ def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
             )
 
 
-def check_before_data(spec: SweepConfig, configs: dict[str, Config]) -> None:
+def check_before_data(spec: SweepConfig, configs: dict[str, Config]) -> dict[str, Manifest]:
     """What needs no shards (`mhf sweep --prepare` checks it before preparing): the MLflow store can be
-    written, and every `evaluate` entry can be run on the trials' models."""
+    written, and every `evaluate` entry can be run on the trials' models. Returns the manifests of the
+    prepared shards an entry scores (`check_before_start` checks them against each trial)."""
     with importing():  # torch
         from mhf_dist.eval.tasks import check_file_or_shards, read_examples
 
     check_writable_store(tracking_uri(Location.of(spec.storage).uri))
+    scored: dict[str, Manifest] = {}
     for task in spec.evaluate:
         if task.data is not None:  # what the task would refuse after training (recall reads no file)
             data = Location.of(task.data)
@@ -143,7 +140,7 @@ def check_before_data(spec: SweepConfig, configs: dict[str, Config]) -> None:
                 )
             check_file_or_shards(task.task, data, "evaluate: data")
             if data.is_dir():  # prepared shards, scored in their own rows' length
-                read_manifest(data)
+                scored[task.data] = read_manifest(data)
                 continue
             read_examples(task.task, data, task.limit)
         for name, cfg in configs.items():
@@ -153,6 +150,7 @@ def check_before_data(spec: SweepConfig, configs: dict[str, Config]) -> None:
                     f"evaluate: {task.task}'s seq_len {task.seq_len} is above trial {name}'s "
                     f"model.backbone.max_position_embeddings {positions}; give a smaller seq_len"
                 )
+    return scored
 
 
 def run_sweep(
