@@ -111,9 +111,9 @@ def _path(text: str, want: str, local: bool = False) -> str:
     if not exists and want not in ("place", "output"):
         _fail(f"{text!r} does not exist; give an existing {want}")
     if want == "file" and not path.is_file():
-        _fail(f"{text!r} is a directory; give a file")
+        _fail(f"{text!r} is {'a directory' if path.is_dir() else 'not a file'}; give a file")
     if exists and want not in ("file", "file or directory") and not path.is_dir():
-        _fail(f"{text!r} is a file; give a directory")
+        _fail(f"{text!r} is {'a file' if path.is_file() else 'not a directory'}; give a directory")
     if not exists and not nearest.is_dir():
         _fail(f"{text!r} cannot be created: {str(nearest)!r} is a file; choose a path under a directory")
     if want == "output" and (closed := unwritable(path.absolute())) is not None:

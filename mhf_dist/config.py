@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from contextlib import suppress
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_origin
 
@@ -657,7 +658,7 @@ def _load_source(source: str | Path, seen: tuple[str, ...] = ()) -> dict[str, An
         names = " -> ".join([*chain, named])
         raise ConfigError(f"config files name each other as `preset:` ({names}); end the chain at a preset")
     merged = _load_source(str(base), chain)
-    _deep_merge(merged, raw)
+    _deep_merge(merged, raw, Config)
     return merged
 
 
@@ -752,10 +753,19 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
     return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
 
 
-def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:
+def _deep_merge(
+    base: dict[str, Any], update: Mapping[str, Any], section: type[BaseModel] | None = None
+) -> None:
+    """`update` (a file) over `base` (its `preset:`), key by key; a shorthand given to a section (of
+    `section`'s) merges as `--set` merges it: `hash: H2B64` changes the spec and keeps the widths."""
     for key, value in update.items():
+        field = section.model_fields.get(key) if section else None
+        child = _submodel(field.annotation) if field and get_origin(field.annotation) is not list else None
+        if child and not isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            with suppress(ConfigError):  # a bad shorthand: the validation names the file and the key
+                value = _section_keys(child, value, key)
         if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _deep_merge(base[key], value)
+            _deep_merge(base[key], value, child)
         else:
             base[key] = value
 

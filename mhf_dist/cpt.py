@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from mhf_dist.config import INIT_NEW_ROWS, Config, ModelConfig, file_settings, flatten, setting_file
 from mhf_dist.data import recall
@@ -186,14 +187,18 @@ def check_model_kept(model: ModelConfig, parent: ExportRecord, source: str) -> N
     mhf cpt trains the parent's model as it is. The file that trained the parent, or its ancestor, passes:
     both are compared as `expand_model` leaves a model (resolved at the first vocabulary, matching pinned),
     and a vocabulary size of the lineage is the parent's."""
-    vocabs = [entry["vocab_size"] for entry in parent.lineage] + [parent.model["vocab_size"]]
+    try:
+        own = ModelConfig.model_validate(parent.model)
+    except ValidationError:  # a damaged config.json: loading the parent names it, in one line
+        return
+    vocabs = [entry.get("vocab_size") for entry in parent.lineage] + [own.vocab_size]
 
     def expanded(config: ModelConfig) -> dict[str, Any]:
         resolved = resolved_config(config.model_copy(update={"vocab_size": vocabs[0]}))
         pinned = resolved.triple.model_copy(update={"match_params": False})
         return dict(flatten(resolved.model_copy(update={"triple": pinned}).model_dump(mode="json")))
 
-    theirs = expanded(ModelConfig.model_validate(parent.model)) | {"vocab_size": vocabs[-1]}
+    theirs = expanded(own) | {"vocab_size": own.vocab_size}
     ours, settings = expanded(model) | {"vocab_size": model.vocab_size}, file_settings(source)
     for key, value in ours.items():
         kept = value in vocabs if key == "vocab_size" else value == theirs[key]

@@ -2,6 +2,7 @@
 the fix."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,15 @@ def test_setting_the_hash_spec_directly_keeps_the_preset_widths():
     cfg = load_config("tiny", ["model.hash=H2B64"])
     assert cfg.model.hash.spec == "H2B64" and cfg.model.hash.d_hash == 32
     assert load_config("tiny", {"model.hash": "H2B64"}) == cfg  # a sweep's `set:` means the same
+
+
+def test_a_hash_shorthand_in_a_file_over_a_preset_keeps_the_widths_as_set_does(tmp_path):
+    path = tmp_path / "short.yaml"
+    path.write_text("preset: tiny\nmodel:\n  hash: H2B64\n")
+    assert load_config(path).model.hash == load_config("tiny", ["model.hash=H2B64"]).model.hash
+    path.write_text("preset: tiny\nmodel:\n  hash: X9\n")  # a bad one: named by the file, as before
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: model.hash"):
+        load_config(path)
 
 
 @pytest.mark.parametrize(

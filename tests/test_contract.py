@@ -102,11 +102,11 @@ EXAMPLES = {
         ],
     ),
     kinds.FILE: (
-        ["{missing}", "{dir}", "", TOO_LONG, NO_HOME, *MISTYPED_URIS],
+        ["{missing}", "{dir}", "/dev/null", "", TOO_LONG, NO_HOME, *MISTYPED_URIS],
         ["{text}", "file://{text}", *URIS],
     ),
     kinds.DIRECTORY: (
-        ["{missing}", "{text}", "", TOO_LONG, NO_HOME, *MISTYPED_URIS],
+        ["{missing}", "{text}", "/dev/null", "", TOO_LONG, NO_HOME, *MISTYPED_URIS],
         ["{dir}", "file://{dir}", *URIS],
     ),
     kinds.FILE_OR_DIRECTORY: (
@@ -273,6 +273,14 @@ def test_a_corpus_flag_refuses_an_hf_name_in_the_configs_words(capsys):
         assert f"argument --corpus: {name!r} names no dataset; write hf:NAME or hf:OWNER/NAME" in (
             one_error_line(capsys)
         )
+
+
+def test_a_device_is_neither_a_file_nor_a_directory_to_a_path_argument(tmp_path):
+    for kind, wrong in ((kinds.FILE, tmp_path), (kinds.DIRECTORY, __file__)):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"is (a directory|a file); give a"):
+            kind(str(wrong))
+        with pytest.raises(argparse.ArgumentTypeError, match=r"'/dev/null' is not a (file|directory); "):
+            kind("/dev/null")
 
 
 def with_argument(argv: list[str], argument: str, text: str) -> list[str]:
