@@ -327,7 +327,7 @@ def test_the_cli_reports_a_dataset_source_it_cannot_use_in_one_line_with_exit_2(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: dataset source 'corpus': field 'text' holds int64, not text")
     assert main(["prepare", "--corpus", "dataset:not a callable", "--out", str(tmp_path / "o")]) == 2
-    assert "'dataset:not a callable': give builtin, recall, hf:NAME, dataset:package.module:function" in (
+    assert "--corpus: 'dataset:not a callable': write dataset:package.module:function;" in (  # its own words
         capsys.readouterr().err
     )
     table = '[{"name": "db", "dataset": "dataset_callables:numbered", "weight": 1}]'
