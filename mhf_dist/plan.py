@@ -237,10 +237,10 @@ def plan(
 ) -> Plan:
     """`family` at `vocab_size` on `cluster` at the config's train.seq_len and train.micro_batch_size, else
     the largest micro-batch that fits."""
-    seq_len = cfg.train.seq_len
     from mhf_dist.models import param_count
     from mhf_dist.models.registry import resolved_config, train_flops_per_token
 
+    seq_len = cfg.train.seq_len
     if family not in PLAN_FAMILIES:
         raise ConfigError(f"mhf plan covers {', '.join(PLAN_FAMILIES)}; got --family {family}")
     if cfg.model.backbone.kind != "qwen3":
@@ -329,8 +329,7 @@ def plan_legend(cfg: Config) -> str:
     )
     fits = (
         f"stage: the lowest that fits train.micro_batch_size={readable(cfg.train.micro_batch_size, ',')} in "
-        "90% of a GPU "
-        "(train with --zero-stage S)"
+        "90% of a GPU (train with --zero-stage S)"
         if cfg.train.micro_batch_size
         else "stage and micro-batch: the largest micro-batch that fits in 90% of a GPU, at the lowest stage "
         "(no train.micro_batch_size is set, so mhf train would run each GPU's whole share of the batch at "

@@ -51,6 +51,7 @@ TRIALS_DIR = "trials"
 TRIAL_DRIVER_CPUS = 0.25  # a trial's own process only waits on its TorchTrainer
 TUNE_DRIVER_LOGGER = "ray.tune"
 TUNE_DRIVER_LOG = "mhf-sweep-tune.log"  # in Ray's session logs
+SCORED_FIX = "prepare them with the trial's tokenizer and signature table"  # an evaluate: entry's shards
 
 
 class SweepError(MhfError):
@@ -104,12 +105,19 @@ def check_before_start(spec: SweepConfig, configs: dict[str, Config]) -> None:
         manifest = read_manifest(cfg.data.path)
         try:
             check_compatible(manifest, cfg)
-            for data, shards in scored.items():  # `evaluate: ppl`'s, as `mhf eval` checks the trained model
-                fix = "prepare them with the trial's tokenizer and signature table"
-                table, positions = manifest.signatures.fingerprint, cfg.model.backbone.max_position_embeddings
-                format_ = manifest.document_format
+            # `evaluate: ppl`'s shards, as `mhf eval` checks them against the model the trial trains
+            fingerprint, own_format = manifest.signatures.fingerprint, manifest.document_format
+            positions = cfg.model.backbone.max_position_embeddings
+            for data, shards in scored.items():
                 check_scored_shards(
-                    "its model", table, format_, positions, Location.of(data), shards, fix, DataError
+                    "its model",
+                    fingerprint,
+                    own_format,
+                    positions,
+                    Location.of(data),
+                    shards,
+                    SCORED_FIX,
+                    DataError,
                 )
         except DataError as err:
             raise DataError(f"trial {name}: {err}") from None

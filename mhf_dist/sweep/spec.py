@@ -194,9 +194,8 @@ class SweepConfig(StrictModel):
     @field_validator("evaluate")
     @classmethod
     def _each_task_once(cls, evaluate: list[TrialEval]) -> list[TrialEval]:
-        if (
-            twice := _twice([entry.task for entry in evaluate])
-        ) is not None:  # its metrics, eval.<task>.*, would be one entry's
+        # both entries' metrics would be logged as eval.<task>.*
+        if (twice := _twice([entry.task for entry in evaluate])) is not None:
             raise ValueError(
                 f"task {twice!r} comes twice (both would log eval.{twice}.*); give each task once"
             )
